@@ -1,0 +1,55 @@
+"""Engine configuration: one frozen object, built once from the cluster file."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from shared.scheduling.scheduler import SchedulerConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Model, numerics and limits of one engine instance."""
+
+    model: str = "random-tiny"  # a name from shared.model_store or a checkpoint path
+    dtype: str = "bfloat16"  # float32 | bfloat16 (| float16 on CUDA)
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    max_num_seqs: int = 16  # running requests at most
+    max_num_batched_tokens: int = 512  # tokens per iteration
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int = 512  # KV capacity: num_kv_blocks * block_size tokens
+    max_model_len: int = 2048  # prompt + output tokens of one request
+    threads: int = 1  # torch intra-op threads (pin: 2 threads next to a busy neighbour is 30x slower)
+    seed: int = 0  # seed of random-weight models
+    num_batch_samples: int = 4096  # batch-time samples kept until popped
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.threads < 1:
+            raise ValueError("threads must be >= 1")
+        self.scheduler_config()  # validates the limits
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            max_model_len=self.max_model_len,
+        )
+
+    def with_env(self, environ: Mapping[str, str]) -> EngineConfig:
+        """Apply deployment-wide overrides: BATON_DTYPE sets every worker's dtype."""
+        dtype = environ.get("BATON_DTYPE")
+        return dataclasses.replace(self, dtype=dtype) if dtype else self

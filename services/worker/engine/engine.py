@@ -1,0 +1,273 @@
+"""LLMEngine: continuous batching over one model.
+
+    engine = LLMEngine.create(EngineConfig(model="smollm2-135m"))
+    engine.add_request("r1", prompt_ids, SamplingParams(max_tokens=64))
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+
+`add_request` and `abort_request` may be called from another thread than `step`:
+they only validate and queue; each `step` begins by taking that inbox, so the
+scheduler is touched by one thread alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.loader import build_model, load_gguf, load_hf_dir, random_config, random_state_dict
+from services.worker.engine.model import CausalLM
+from services.worker.engine.outputs import FinishReason, RequestOutput, StepHook, StepOutputs
+from services.worker.engine.runner import ModelRunner
+from services.worker.engine.sampler import SamplingState, sample
+from shared.sampling import SamplingParams
+from shared.scheduling.request import SchedRequest
+from shared.scheduling.scheduler import Scheduler
+from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot, describe_batch, take_snapshot
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message is meant for the client."""
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """Engine-side state of one request: the scheduler's counters plus tokens."""
+
+    sched: SchedRequest
+    token_ids: list[int]
+    sampling: SamplingState
+    stop_ids: frozenset[int]
+    emitted: int = 0  # output tokens already handed out in a RequestOutput
+    new_logprobs: list[float] = field(default_factory=list)
+    new_top: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.sampling.params
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.sched.num_prompt_tokens :]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: CausalLM) -> None:
+        self.config = config
+        self.model = model
+        self.scheduler = Scheduler(config.scheduler_config())
+        self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size)
+        self.eos_ids = frozenset(model.config.eos_token_ids)
+        self.vocab_size = model.config.vocab_size
+        self.hook: StepHook | None = None
+        self._seqs: dict[str, Sequence] = {}
+        self._inbox: list[Sequence] = []
+        self._aborts: list[str] = []
+        self._lock = threading.Lock()
+        self._snapshot_version = 0
+        self._snapshot = take_snapshot(self.scheduler, 0, time.time())
+        self._samples: deque[BatchSample] = deque(maxlen=config.num_batch_samples)
+        self._detokenize: object = None
+
+    @classmethod
+    def create(cls, config: EngineConfig) -> LLMEngine:
+        """Load the model named in config (see shared.model_store) and build the engine."""
+        from shared.model_store import resolve
+
+        torch.set_num_threads(config.threads)
+        source = resolve(config.model)
+        if source.kind == "random":
+            cfg = random_config(max_position_embeddings=max(config.max_model_len, 4096))
+            state = random_state_dict(cfg, seed=config.seed)
+        elif source.kind == "gguf":
+            assert source.path is not None
+            cfg, state = load_gguf(source.path)
+        else:
+            assert source.path is not None
+            cfg, state = load_hf_dir(source.path)
+        if source.delta is not None:
+            from services.worker.engine.delta import apply_delta, read_delta
+
+            delta = read_delta(source.delta)
+            state = apply_delta(state, delta)
+            cfg = _with_layers(cfg, len(delta.layers))
+        if config.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's "
+                f"{cfg.max_position_embeddings} positions"
+            )
+        model = build_model(cfg, state, config.torch_dtype, torch.device(config.device))
+        return cls(config, model)
+
+    # ---- requests (any thread) -------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Validate and queue a request; RequestError says what is wrong."""
+        try:
+            params.validate()
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        n, limit = len(prompt_token_ids), self.config.max_model_len
+        if n == 0:
+            raise RequestError("the prompt is empty")
+        if n + params.max_tokens > limit:
+            raise RequestError(
+                f"this model's maximum context length is {limit} tokens; the request asks for "
+                f"{n + params.max_tokens} ({n} in the prompt, {params.max_tokens} for the answer)"
+            )
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise RequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        sched = SchedRequest(request_id, n, params.max_tokens, arrival_seq=-1)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        seq = Sequence(sched, list(prompt_token_ids), SamplingState.create(params), stop_ids)
+        with self._lock:
+            if request_id in self._seqs or any(s.sched.request_id == request_id for s in self._inbox):
+                raise RequestError(f"duplicate request id {request_id!r}")
+            self._inbox.append(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request; its KV is freed at the start of the next step."""
+        with self._lock:
+            self._aborts.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._seqs or self._inbox or self._aborts)
+
+    # ---- the loop (one thread) ---------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: take inbox, schedule, forward, sample, update, publish."""
+        t0, wall0 = time.perf_counter(), time.time()
+        # 1. Take the inbox: new requests join the queue, aborts free their KV now.
+        outputs = self._take_inbox()
+        # 2. Schedule under the token budget, running cap and KV capacity.
+        batch = self.scheduler.schedule()
+        if len(batch) > 0:
+            # 3. Forward and sample the chunks that reach the end of their sequence.
+            seqs = {c.request.request_id: self._seqs[c.request.request_id] for c in batch}
+            result = self.runner.execute(batch, {rid: s.token_ids for rid, s in seqs.items()})
+            states = [seqs[rid].sampling for rid in result.request_ids]
+            sampled = sample(result.logits, states)
+            if self.hook is not None:
+                self.hook(StepOutputs(result.request_ids, sampled.token_ids, result.logits, result.hidden))
+            # 4. Append tokens, advance counters, stop what is done.
+            for i, rid in enumerate(result.request_ids):
+                seq = seqs[rid]
+                seq.token_ids.append(sampled.token_ids[i])
+                if sampled.logprobs is not None:
+                    seq.new_logprobs.append(sampled.logprobs[i])
+                    assert sampled.top_logprobs is not None
+                    seq.new_top.append(sampled.top_logprobs[i])
+            self.scheduler.commit(batch)
+            for rid in result.request_ids:
+                outputs.append(self._emit(seqs[rid], self._stop_reason(seqs[rid])))
+            self._samples.append(
+                describe_batch(batch, self.scheduler, wall0, time.perf_counter() - t0)
+            )
+        # 5. Publish the state this iteration left behind.
+        self._snapshot_version += 1
+        self._snapshot = take_snapshot(self.scheduler, self._snapshot_version, time.time())
+        return outputs
+
+    def _take_inbox(self) -> list[RequestOutput]:
+        with self._lock:
+            new, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for seq in new:
+            rid = seq.sched.request_id
+            seq.sched = self.scheduler.add(rid, seq.sched.num_prompt_tokens, seq.sched.max_tokens)
+            self._seqs[rid] = seq
+        outputs = []
+        for rid in aborts:
+            seq = self._seqs.get(rid)
+            if seq is not None:
+                outputs.append(self._emit(seq, FinishReason.ABORT))
+        return outputs
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        last = seq.token_ids[-1]
+        if last in seq.stop_ids:
+            return FinishReason.STOP
+        if seq.params.stop and self._hits_stop_string(seq):
+            return FinishReason.STOP
+        if seq.sched.num_output_tokens >= seq.params.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _hits_stop_string(self, seq: Sequence) -> bool:
+        """Does the text ending in the newest token contain a stop string?
+
+        A match must involve the newest token (older ones were checked before), so a
+        window of a few tokens per stop-string character suffices.
+        """
+        if self._detokenize is None:
+            from shared.model_store import load_tokenizer
+
+            self._detokenize = load_tokenizer(self.config.model).decode
+        window = max(len(s) for s in seq.params.stop) + 4
+        text = self._detokenize(seq.output_ids[-window:])  # type: ignore[operator]
+        return any(s in text for s in seq.params.stop)
+
+    def _emit(self, seq: Sequence, finish_reason: str | None) -> RequestOutput:
+        """Hand out the tokens not yet emitted; finish the request if a reason is given."""
+        out_ids = seq.output_ids
+        want_logprobs = seq.params.logprobs is not None
+        output = RequestOutput(
+            request_id=seq.sched.request_id,
+            new_token_ids=out_ids[seq.emitted :],
+            new_logprobs=seq.new_logprobs if want_logprobs else None,
+            finished=finish_reason is not None,
+            finish_reason=finish_reason,
+            num_prompt_tokens=seq.sched.num_prompt_tokens,
+            num_output_tokens=len(out_ids),
+            new_top_logprobs=seq.new_top if want_logprobs else None,
+        )
+        seq.emitted = len(out_ids)
+        seq.new_logprobs, seq.new_top = [], []
+        if finish_reason is not None:
+            self.scheduler.finish(seq.sched)
+            del self._seqs[seq.sched.request_id]
+        return output
+
+    # ---- observation -----------------------------------------------------------
+
+    def snapshot(self) -> WorkloadSnapshot:
+        """The scheduler state after the latest step (safe from any thread)."""
+        return self._snapshot
+
+    def pop_batch_samples(self) -> list[BatchSample]:
+        samples = list(self._samples)
+        self._samples.clear()
+        return samples
+
+    # ---- offline use -------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
+        """Run prompts to completion; returns each prompt's output token ids."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].extend(out.new_token_ids)
+                    if out.finished:
+                        pending.discard(out.request_id)
+        return [results[rid] for rid in ids]
+
+
+def _with_layers(cfg: object, num_layers: int) -> object:
+    import dataclasses
+
+    return dataclasses.replace(cfg, num_hidden_layers=num_layers)  # type: ignore[type-var]

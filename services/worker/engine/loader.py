@@ -1,0 +1,183 @@
+"""Weights from disk into a CausalLM: GGUF files, HF-format directories, random models.
+
+Every path ends in a HF-named state dict (`model.layers.{i}.self_attn.q_proj.weight`,
+...) and a ModelConfig, so derived models (deltas over a base, see `delta.py`)
+compose with any source.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from services.worker.engine.model import CausalLM, ModelConfig
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's conversion-time permutation of q/k rows (interleaved RoPE).
+
+    llama.cpp stores each head's rotary pairs interleaved; HF keeps the two halves
+    apart (rotate_half). Only the `llama` architecture is permuted.
+    """
+    rows = w.shape[0]
+    half = rows // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Dequantize a GGUF checkpoint (llama or qwen3 architecture) to fp32, HF names."""
+    import gguf  # local import: only workers that read GGUF pay for it
+
+    reader = gguf.GGUFReader(str(path))
+
+    def field(key: str, default: object = None) -> object:
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = str(field("general.architecture"))
+    if arch not in ("llama", "qwen3", "qwen2"):
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}")
+    heads = int(field(f"{arch}.attention.head_count"))  # type: ignore[arg-type]
+    kv_heads = int(field(f"{arch}.attention.head_count_kv", heads))  # type: ignore[arg-type]
+    hidden = int(field(f"{arch}.embedding_length"))  # type: ignore[arg-type]
+    eos = field("tokenizer.ggml.eos_token_id")
+    bos = field("tokenizer.ggml.bos_token_id")
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        # GGUF lists dims fastest-first; numpy wants them slowest-first.
+        shape = [int(d) for d in reversed(t.shape)]
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+        name = t.name.removesuffix(".weight").removesuffix(".bias")
+        kind = "bias" if t.name.endswith(".bias") else "weight"
+        if name == "token_embd":
+            key = "model.embed_tokens"
+        elif name == "output_norm":
+            key = "model.norm"
+        elif name == "output":
+            key = "lm_head"
+        elif name.startswith("blk."):
+            _, idx, sub = name.split(".", 2)
+            key = f"model.layers.{idx}.{_GGUF_LAYER_NAMES[sub]}"
+            if arch == "llama" and sub == "attn_q":
+                w = _unpermute_rope(w, heads)
+            elif arch == "llama" and sub == "attn_k":
+                w = _unpermute_rope(w, kv_heads)
+        else:
+            continue
+        state[f"{key}.{kind}"] = torch.from_numpy(np.ascontiguousarray(w))
+    layers = int(field(f"{arch}.block_count"))  # type: ignore[arg-type]
+    head_dim = int(field(f"{arch}.attention.key_length", hidden // heads))  # type: ignore[arg-type]
+    cfg = ModelConfig(
+        vocab_size=state["model.embed_tokens.weight"].shape[0],
+        hidden_size=hidden,
+        intermediate_size=int(field(f"{arch}.feed_forward_length")),  # type: ignore[arg-type]
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),  # type: ignore[arg-type]
+        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),  # type: ignore[arg-type]
+        max_position_embeddings=int(field(f"{arch}.context_length", 2048)),  # type: ignore[arg-type]
+        tie_word_embeddings="lm_head.weight" not in state,
+        qk_norm=arch == "qwen3",
+        attention_bias=arch == "qwen2",
+        bos_token_id=None if bos is None else int(bos),  # type: ignore[call-overload]
+        eos_token_ids=() if eos is None else (int(eos),),  # type: ignore[call-overload]
+        architecture="qwen3" if arch == "qwen3" else "llama",
+    )
+    return cfg, state
+
+
+def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read config.json and every *.safetensors shard of a HF-format checkpoint."""
+    from safetensors.torch import load_file
+
+    root = Path(path)
+    cfg_file = root / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{root}: no config.json (expected a HF-format model directory)")
+    cfg = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+    shards = sorted(root.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{root}: no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state.update(load_file(str(shard)))
+    return cfg, state
+
+
+def random_config(vocab_size: int = 49152, **overrides: object) -> ModelConfig:
+    """A tiny Llama-shaped config: builds in well under a second."""
+    base: dict[str, object] = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
+    base.update(overrides)
+    return ModelConfig(**base)  # type: ignore[arg-type]
+
+
+def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random HF-named weights for cfg.
+
+    Scaled so that every layer matters and greedy argmaxes are well separated
+    (std-0.02 weights give a model that echoes its input token, which makes
+    exactness tests vacuous).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, t in CausalLM(cfg).hf_state_dict().items():
+        if name.endswith("norm.weight"):
+            state[name] = 1.0 + 0.1 * torch.randn(t.shape, generator=gen)
+        elif name == "model.embed_tokens.weight":
+            state[name] = torch.randn(t.shape, generator=gen)
+        elif name == "lm_head.weight":
+            state[name] = 4.0 * torch.randn(t.shape, generator=gen) / t.shape[1] ** 0.5
+        else:  # linears [out, in] and biases
+            fan_in = t.shape[-1] if t.dim() > 1 else t.shape[0]
+            state[name] = 1.5 * torch.randn(t.shape, generator=gen) / fan_in**0.5
+    return state
+
+
+def build_model(
+    cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> CausalLM:
+    """Instantiate a CausalLM and load state into it, cast to dtype on device."""
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to_empty(device=device)
+    # to_empty leaves non-persistent buffers garbage: rebuild the RoPE tables.
+    model.rotary = type(model.rotary)(cfg).to(device)
+    model.load_hf_state_dict({k: v.to(device=device, dtype=torch.float32) for k, v in state.items()})
+    model = model.to(dtype=dtype)
+    # RoPE tables stay fp32 like HF's; they are cast per lookup.
+    model.rotary.cos = model.rotary.cos.float()
+    model.rotary.sin = model.rotary.sin.float()
+    return model.eval()

