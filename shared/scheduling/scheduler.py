@@ -50,24 +50,32 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class ScheduledChunk:
-    """num_new_tokens of one request, starting at position start."""
+    """num_new_tokens of one request, starting at position start.
+
+    samples and is_decode are fixed when scheduled: the request's counters move on
+    at commit, the description of what this iteration computed must not.
+    """
 
     request: SchedRequest
     start: int
     num_new_tokens: int
+    samples: bool = False  # reaches the end of the sequence: a token is sampled
+    is_decode: bool = False  # one new token after the request already sampled
+
+    @classmethod
+    def plan(cls, req: SchedRequest, num_new_tokens: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        return cls(
+            req,
+            start,
+            num_new_tokens,
+            samples=start + num_new_tokens == req.num_tokens,
+            is_decode=num_new_tokens == 1 and req.num_output_tokens > 0,
+        )
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the sequence: a token is sampled."""
-        return self.end == self.request.num_tokens
-
-    @property
-    def is_decode(self) -> bool:
-        return self.num_new_tokens == 1 and self.request.num_output_tokens > 0
 
 
 @dataclass(slots=True)
@@ -189,7 +197,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 break  # req preempted itself: nothing newer is left to run
             self.blocks.grow(req, target)
-            batch.chunks.append(ScheduledChunk(req, req.num_computed_tokens, num_new))
+            batch.chunks.append(ScheduledChunk.plan(req, num_new))
             budget -= num_new
             idx += 1
 
@@ -205,7 +213,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             num_new = min(req.num_uncomputed_tokens, budget)
-            batch.chunks.append(ScheduledChunk(req, req.num_computed_tokens, num_new))
+            batch.chunks.append(ScheduledChunk.plan(req, num_new))
             budget -= num_new
         return batch
 
