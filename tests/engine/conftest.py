@@ -13,19 +13,9 @@ torch.set_num_threads(1)
 
 def hf_twin(model: torch.nn.Module) -> torch.nn.Module:
     """The HF transformers model with exactly our weights (fp32), for exactness checks."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from services.worker.engine.hf_twin import build_hf_twin
 
-    cfg = model.config  # type: ignore[attr-defined]
-    hf_cfg = AutoConfig.for_model(**cfg.to_hf())
-    hf_cfg._attn_implementation = "sdpa"
-    hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
-    state = {k: v.float() for k, v in model.hf_state_dict().items()}  # type: ignore[attr-defined]
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    assert not unexpected, unexpected
-    assert all(m == "lm_head.weight" for m in missing), missing
-    return hf.eval()
+    return build_hf_twin(model)  # type: ignore[arg-type]
 
 
 def hf_greedy(hf: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:

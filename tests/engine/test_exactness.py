@@ -17,7 +17,7 @@ NEW_TOKENS = 64
 
 
 def make_engine(cfg, state, **limits) -> LLMEngine:  # type: ignore[no-untyped-def]
-    model = build_model(cfg, state, torch.float32, torch.device("cpu"))
+    model = build_model(cfg, dict(state), torch.float32, torch.device("cpu"))
     econf = EngineConfig(model="in-memory", dtype="float32", **limits)
     return LLMEngine(econf, model)
 
@@ -47,7 +47,7 @@ def test_random_tiny_matches_hf_alone_and_batched(tied: bool, qk_norm: bool) -> 
     state = random_state_dict(cfg, seed=7)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, cfg.vocab_size) for _ in range(n)] for n in (5, 37, 90, 1, 200)]
-    hf = hf_twin(build_model(cfg, state, torch.float32, torch.device("cpu")))
+    hf = hf_twin(build_model(cfg, dict(state), torch.float32, torch.device("cpu")))
     expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
 
     alone = [run_staggered(make_engine(cfg, state), [p], [0], NEW_TOKENS)[0] for p in prompts]
@@ -69,7 +69,7 @@ def test_smollm2_matches_hf_alone_and_batched(smollm2_state) -> None:  # type: i
         "Explain in two sentences why the sky is blue, and then list three colours.",
     ]
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
-    model = build_model(cfg, state, torch.float32, torch.device("cpu"))
+    model = build_model(cfg, dict(state), torch.float32, torch.device("cpu"))
     hf = hf_twin(model)
     expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     del hf

@@ -12,6 +12,7 @@ scheduler is touched by one thread alone.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -20,8 +21,14 @@ from dataclasses import dataclass, field
 import torch
 
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.loader import build_model, load_gguf, load_hf_dir, random_config, random_state_dict
-from services.worker.engine.model import CausalLM
+from services.worker.engine.loader import (
+    build_model,
+    load_gguf,
+    load_hf_dir,
+    random_config,
+    random_state_dict,
+)
+from services.worker.engine.model import CausalLM, ModelConfig
 from services.worker.engine.outputs import FinishReason, RequestOutput, StepHook, StepOutputs
 from services.worker.engine.runner import ModelRunner
 from services.worker.engine.sampler import SamplingState, sample
@@ -86,7 +93,10 @@ class LLMEngine:
             state = random_state_dict(cfg, seed=config.seed)
         elif source.kind == "gguf":
             assert source.path is not None
-            cfg, state = load_gguf(source.path)
+            # Deltas merge in fp32; a plain checkpoint is cast straight to the target dtype.
+            cfg, state = load_gguf(
+                source.path, torch.float32 if source.delta else config.torch_dtype
+            )
         else:
             assert source.path is not None
             cfg, state = load_hf_dir(source.path)
@@ -102,6 +112,7 @@ class LLMEngine:
                 f"{cfg.max_position_embeddings} positions"
             )
         model = build_model(cfg, state, config.torch_dtype, torch.device(config.device))
+        del state
         return cls(config, model)
 
     # ---- requests (any thread) -------------------------------------------------
@@ -185,9 +196,9 @@ class LLMEngine:
             self._seqs[rid] = seq
         outputs = []
         for rid in aborts:
-            seq = self._seqs.get(rid)
-            if seq is not None:
-                outputs.append(self._emit(seq, FinishReason.ABORT))
+            aborted = self._seqs.get(rid)
+            if aborted is not None:
+                outputs.append(self._emit(aborted, FinishReason.ABORT))
         return outputs
 
     def _stop_reason(self, seq: Sequence) -> str | None:
@@ -267,7 +278,5 @@ class LLMEngine:
         return [results[rid] for rid in ids]
 
 
-def _with_layers(cfg: object, num_layers: int) -> object:
-    import dataclasses
-
-    return dataclasses.replace(cfg, num_hidden_layers=num_layers)  # type: ignore[type-var]
+def _with_layers(cfg: ModelConfig, num_layers: int) -> ModelConfig:
+    return dataclasses.replace(cfg, num_hidden_layers=num_layers)

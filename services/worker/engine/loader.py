@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,29 +42,38 @@ def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Dequantize a GGUF checkpoint (llama or qwen3 architecture) to fp32, HF names."""
+def load_gguf(
+    path: str | Path, dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Dequantize a GGUF checkpoint (llama or qwen3 architecture) to dtype, HF names.
+
+    Tensors are cast one at a time, so a bf16 load never holds the fp32 model.
+    """
     import gguf  # local import: only workers that read GGUF pay for it
 
     reader = gguf.GGUFReader(str(path))
 
-    def field(key: str, default: object = None) -> object:
+    def field(key: str, default: Any = None) -> Any:
         f = reader.fields.get(key)
         return default if f is None else f.contents()
 
     arch = str(field("general.architecture"))
     if arch not in ("llama", "qwen3", "qwen2"):
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}")
-    heads = int(field(f"{arch}.attention.head_count"))  # type: ignore[arg-type]
-    kv_heads = int(field(f"{arch}.attention.head_count_kv", heads))  # type: ignore[arg-type]
-    hidden = int(field(f"{arch}.embedding_length"))  # type: ignore[arg-type]
+    heads = int(field(f"{arch}.attention.head_count"))
+    kv_heads = int(field(f"{arch}.attention.head_count_kv", heads))
+    hidden = int(field(f"{arch}.embedding_length"))
     eos = field("tokenizer.ggml.eos_token_id")
     bos = field("tokenizer.ggml.bos_token_id")
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         # GGUF lists dims fastest-first; numpy wants them slowest-first.
         shape = [int(d) for d in reversed(t.shape)]
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+        w = (
+            gguf.quants.dequantize(t.data, t.tensor_type)
+            .reshape(shape)
+            .astype(np.float32, copy=False)
+        )
         name = t.name.removesuffix(".weight").removesuffix(".bias")
         kind = "bias" if t.name.endswith(".bias") else "weight"
         if name == "token_embd":
@@ -81,25 +91,25 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
                 w = _unpermute_rope(w, kv_heads)
         else:
             continue
-        state[f"{key}.{kind}"] = torch.from_numpy(np.ascontiguousarray(w))
-    layers = int(field(f"{arch}.block_count"))  # type: ignore[arg-type]
-    head_dim = int(field(f"{arch}.attention.key_length", hidden // heads))  # type: ignore[arg-type]
+        state[f"{key}.{kind}"] = torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)
+    layers = int(field(f"{arch}.block_count"))
+    head_dim = int(field(f"{arch}.attention.key_length", hidden // heads))
     cfg = ModelConfig(
         vocab_size=state["model.embed_tokens.weight"].shape[0],
         hidden_size=hidden,
-        intermediate_size=int(field(f"{arch}.feed_forward_length")),  # type: ignore[arg-type]
+        intermediate_size=int(field(f"{arch}.feed_forward_length")),
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),  # type: ignore[arg-type]
-        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),  # type: ignore[arg-type]
-        max_position_embeddings=int(field(f"{arch}.context_length", 2048)),  # type: ignore[arg-type]
+        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(field(f"{arch}.context_length", 2048)),
         tie_word_embeddings="lm_head.weight" not in state,
         qk_norm=arch == "qwen3",
         attention_bias=arch == "qwen2",
-        bos_token_id=None if bos is None else int(bos),  # type: ignore[call-overload]
-        eos_token_ids=() if eos is None else (int(eos),),  # type: ignore[call-overload]
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=() if eos is None else (int(eos),),
         architecture="qwen3" if arch == "qwen3" else "llama",
     )
     return cfg, state
@@ -123,9 +133,9 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     return cfg, state
 
 
-def random_config(vocab_size: int = 49152, **overrides: object) -> ModelConfig:
+def random_config(vocab_size: int = 49152, **overrides: Any) -> ModelConfig:
     """A tiny Llama-shaped config: builds in well under a second."""
-    base: dict[str, object] = dict(
+    base: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -141,7 +151,7 @@ def random_config(vocab_size: int = 49152, **overrides: object) -> ModelConfig:
         eos_token_ids=(2,),
     )
     base.update(overrides)
-    return ModelConfig(**base)  # type: ignore[arg-type]
+    return ModelConfig(**base)
 
 
 def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -169,15 +179,19 @@ def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
 def build_model(
     cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
 ) -> CausalLM:
-    """Instantiate a CausalLM and load state into it, cast to dtype on device."""
+    """Instantiate a CausalLM in dtype on device and load state (HF names) into it.
+
+    Consumes state: tensors are cast one by one and dropped, so peak memory stays
+    near one copy of the weights in the source dtype.
+    """
     with torch.device("meta"):
         model = CausalLM(cfg)
-    model = model.to_empty(device=device)
-    # to_empty leaves non-persistent buffers garbage: rebuild the RoPE tables.
+    model = model.to(dtype=dtype).to_empty(device=device)
+    # to_empty leaves non-persistent buffers uninitialised: rebuild the RoPE tables
+    # (kept in fp32 like HF's; cast per lookup).
     model.rotary = type(model.rotary)(cfg).to(device)
-    model.load_hf_state_dict({k: v.to(device=device, dtype=torch.float32) for k, v in state.items()})
-    model = model.to(dtype=dtype)
-    # RoPE tables stay fp32 like HF's; they are cast per lookup.
-    model.rotary.cos = model.rotary.cos.float()
-    model.rotary.sin = model.rotary.sin.float()
+    cast = {}
+    for name in list(state):
+        cast[name] = state.pop(name).to(device=device, dtype=dtype)
+    model.load_hf_state_dict(cast)
     return model.eval()

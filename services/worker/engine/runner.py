@@ -31,7 +31,7 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
-        shape = (num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -39,54 +39,63 @@ class ModelRunner:
             )
             for _ in range(cfg.num_hidden_layers)
         ]
-        self._offsets = torch.arange(block_size, device=self.device)
 
     @property
     def kv_cache_bytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
 
-    def _slots(self, block_ids: list[int], length: int) -> torch.Tensor:
-        blocks = torch.tensor(block_ids, device=self.device)
-        return (blocks.unsqueeze(1) * self.block_size + self._offsets).flatten()[:length]
-
     def execute(self, batch: ScheduledBatch, token_ids: dict[str, list[int]]) -> ForwardResult:
         """Run one forward over every chunk of batch. token_ids: full sequence per request."""
+        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_parts: list[torch.Tensor] = []
-        plan = AttentionPlan(
-            slot_mapping=torch.empty(0), query_lens=[], context_lens=[], context_slots=[]
-        )
+        slots: list[int] = []
+        plan = AttentionPlan(slot_mapping=torch.empty(0))
         sample_rows: list[int] = []
         sample_ids: list[str] = []
-        # 1. Flatten the chunks: tokens, positions, cache slots.
+        # 1. Flatten the chunks: tokens, positions, cache slots, block tables.
         for r, chunk in enumerate(batch.chunks):
             req = chunk.request
             ids = token_ids[req.request_id]
             plan.query_starts.append(len(input_ids))
             input_ids.extend(ids[chunk.start : chunk.end])
             positions.extend(range(chunk.start, chunk.end))
-            ctx_slots = self._slots(req.block_ids, chunk.end)
-            slot_parts.append(ctx_slots[chunk.start : chunk.end])
+            blocks = req.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(chunk.start, chunk.end))
             plan.query_lens.append(chunk.num_new_tokens)
             plan.context_lens.append(chunk.end)
-            plan.context_slots.append(ctx_slots)
             if chunk.num_new_tokens == 1:
                 plan.decode_rows.append(r)
+            else:
+                num_blocks = -(-chunk.end // bs)
+                plan.block_tables.append(torch.tensor(blocks[:num_blocks], device=self.device))
             if chunk.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sample_ids.append(req.request_id)
-        plan.slot_mapping = torch.cat(slot_parts)
-        # 2. Single-token chunks attend together over padded contexts.
+        if len(plan.block_tables) < len(batch.chunks):
+            # Keep block_tables indexable by request row; decodes read decode_blocks.
+            tables = iter(plan.block_tables)
+            empty = torch.empty(0, dtype=torch.long)
+            decode_set = set(plan.decode_rows)
+            plan.block_tables = [
+                empty if r in decode_set else next(tables) for r in range(len(batch.chunks))
+            ]
+        plan.slot_mapping = torch.tensor(slots, device=self.device)
+        # 2. Single-token chunks attend together over block-padded contexts.
         if plan.decode_rows:
-            max_ctx = max(plan.context_lens[r] for r in plan.decode_rows)
-            slots = torch.zeros((len(plan.decode_rows), max_ctx), dtype=torch.long, device=self.device)
-            mask = torch.zeros((len(plan.decode_rows), 1, 1, max_ctx), dtype=torch.bool, device=self.device)
-            for i, r in enumerate(plan.decode_rows):
-                n = plan.context_lens[r]
-                slots[i, :n] = plan.context_slots[r]
-                mask[i, 0, 0, :n] = True
-            plan.decode_slots, plan.decode_mask = slots, mask
+            lens = [plan.context_lens[r] for r in plan.decode_rows]
+            max_blocks = -(-max(lens) // bs)
+            table = []
+            for r in plan.decode_rows:
+                blocks = batch.chunks[r].request.block_ids[:max_blocks]
+                table.extend(blocks + [0] * (max_blocks - len(blocks)))
+            plan.decode_blocks = torch.tensor(table, device=self.device)
+            ctx = torch.tensor(lens, device=self.device).unsqueeze(1)
+            span = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0)
+            plan.decode_mask = (span < ctx).view(len(lens), 1, 1, -1)
+            plan.decode_tokens = torch.tensor(
+                [plan.query_starts[r] for r in plan.decode_rows], device=self.device
+            )
         # 3. Forward, then logits only where a token is sampled.
         hidden = self.model(
             torch.tensor(input_ids, device=self.device),
@@ -94,6 +103,8 @@ class ModelRunner:
             self.kv_caches,
             plan,
         )
-        last = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
+        last = hidden.index_select(
+            0, torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        )
         logits = self.model.compute_logits(last)
         return ForwardResult(sample_ids, last, logits)

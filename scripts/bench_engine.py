@@ -1,0 +1,200 @@
+"""Benchmark: our continuous-batching engine vs HF transformers generate() on SmolLM2.
+
+A closed loop of N concurrent requests (alpaca prompts, chat template, exactly
+--new-tokens output tokens each) through the engine, against HF `generate()` with
+static batches of the same N prompts, side by side in one run. Prints output
+tokens/s for both and their ratio; also bf16 vs fp32 and torch threads 1 vs 2 for
+the engine, and the peak RSS of a worker-sized engine. JSON to --out.
+
+    python scripts/bench_engine.py --out results/bench_engine.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from services.worker.engine.config import EngineConfig  # noqa: E402
+from services.worker.engine.engine import LLMEngine  # noqa: E402
+from services.worker.engine.loader import build_model, load_gguf  # noqa: E402
+from shared.model_store import load_tokenizer, smollm2_gguf_path  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
+
+ALPACA = REPO.parent / "shared" / "data" / "prompts" / "alpaca_5000_random.json"
+
+
+def alpaca_prompts(count: int, seed: int, path: Path) -> list[list[int]]:
+    tok = load_tokenizer("smollm2-135m")
+    rows = json.loads(path.read_text())
+    rng = random.Random(seed)
+    picked = rng.sample(rows, count)
+    out = []
+    for r in picked:
+        text = r["instruction"] + (("\n\n" + r["input"]) if r.get("input") else "")
+        out.append(tok.apply_chat_template([{"role": "user", "content": text}]))
+    return out
+
+
+def engine_closed_loop(
+    engine: LLMEngine, prompts: list[list[int]], concurrency: int, new_tokens: int, desc: str
+) -> float:
+    """Keep `concurrency` requests in flight until every prompt is served; output tok/s."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    queue = list(enumerate(prompts))
+    in_flight, produced = 0, 0
+    bar = tqdm(total=len(prompts) * new_tokens, desc=desc, unit="tok", leave=False)
+    t0 = time.perf_counter()
+    while queue or in_flight:
+        while queue and in_flight < concurrency:
+            i, p = queue.pop(0)
+            engine.add_request(f"{desc}-{i}", p, params)
+            in_flight += 1
+        for out in engine.step():
+            produced += len(out.new_token_ids)
+            bar.update(len(out.new_token_ids))
+            if out.finished:
+                in_flight -= 1
+    elapsed = time.perf_counter() - t0
+    bar.close()
+    assert produced == len(prompts) * new_tokens
+    return produced / elapsed
+
+
+def hf_static_batches(
+    hf: torch.nn.Module, prompts: list[list[int]], batch: int, new_tokens: int, desc: str
+) -> float:
+    """HF generate() on consecutive static batches (left-padded); output tok/s."""
+    produced = 0
+    t0 = time.perf_counter()
+    for s in tqdm(range(0, len(prompts), batch), desc=desc, leave=False):
+        group = prompts[s : s + batch]
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        with torch.inference_mode():
+            out = hf.generate(  # type: ignore[operator]
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        produced += (out.shape[1] - width) * len(group)
+    return produced / (time.perf_counter() - t0)
+
+
+def rss_probe(num_kv_blocks: int, dtype: str) -> dict[str, float]:
+    """Run in a child process: peak RSS of one SmolLM2 engine with its KV capacity."""
+    code = (
+        "import resource,torch;from services.worker.engine.engine import LLMEngine;"
+        "from services.worker.engine.config import EngineConfig;"
+        "from shared.sampling import SamplingParams;"
+        f"e=LLMEngine.create(EngineConfig(model='smollm2-135m',dtype='{dtype}',num_kv_blocks={num_kv_blocks},max_model_len=2048));"
+        "e.generate([[1,2,3]*50]*8,SamplingParams(max_tokens=16,ignore_eos=True));"
+        "print(e.runner.kv_cache_bytes, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    return {"kv_cache_mib": int(out[0]) / 2**20, "peak_rss_mib": int(out[1]) / 1024}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16])
+    ap.add_argument("--requests-per-slot", type=int, default=2, help="requests = this x N (default 2)")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="alternate engine and HF runs this many times per N; report medians "
+                         "(shared machines drift: alternating keeps the comparison fair)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--variants-at", type=int, default=8, help="N for the dtype/threads variants (0 = skip)")
+    ap.add_argument("--prompts", type=Path, default=ALPACA)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=REPO / "results" / "bench_engine.json")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    cfg, state = load_gguf(smollm2_gguf_path())
+    max_n = max(args.concurrency)
+    prompts = alpaca_prompts(max_n * args.requests_per_slot, args.seed, args.prompts)
+    max_len = max(len(p) for p in prompts) + args.new_tokens + 16
+    econf = EngineConfig(
+        model="smollm2-135m", dtype=args.dtype, threads=args.threads,
+        max_num_seqs=max_n, num_kv_blocks=max(256, (max_len * max_n) // 16 + 16), max_model_len=2048,
+    )
+
+    def make_engine(dt: torch.dtype, conf: EngineConfig) -> LLMEngine:
+        return LLMEngine(conf, build_model(cfg, dict(state), dt, torch.device("cpu")))
+
+    from services.worker.engine.hf_twin import build_hf_twin
+
+    engine = make_engine(dtype, econf)
+    hf = build_hf_twin(engine.model, dtype)
+    engine.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    hf_static_batches(hf, prompts[:1], 1, 4, "warm-up")
+
+    result: dict[str, object] = {"model": "smollm2-135m", "dtype": args.dtype, "threads": args.threads,
+                                 "new_tokens": args.new_tokens, "engine_tok_s": {}, "hf_tok_s": {}, "ratio": {}}
+    print(f"SmolLM2-135M, {args.dtype}, {args.threads} thread(s), {args.new_tokens} new tokens per request")
+    print(f"{'N':>4} {'requests':>9} {'engine tok/s':>13} {'HF tok/s':>10} {'ratio':>7}")
+    for n in args.concurrency:
+        group = prompts[: n * args.requests_per_slot]
+        es, hs = [], []
+        for _ in range(args.repeats):
+            es.append(engine_closed_loop(engine, group, n, args.new_tokens, f"engine N={n}"))
+            hs.append(hf_static_batches(hf, group, n, args.new_tokens, f"hf N={n}"))
+        e, h = statistics.median(es), statistics.median(hs)
+        result["engine_tok_s"][str(n)] = round(e, 2)  # type: ignore[index]
+        result["hf_tok_s"][str(n)] = round(h, 2)  # type: ignore[index]
+        result["ratio"][str(n)] = round(e / h, 3)  # type: ignore[index]
+        print(f"{n:>4} {len(group):>9} {e:>13.1f} {h:>10.1f} {e / h:>7.2f}")
+    del hf
+
+    if args.variants_at:
+        n = args.variants_at
+        group = prompts[: n * args.requests_per_slot]
+        variants: dict[str, float] = {}
+        other = "float32" if args.dtype == "bfloat16" else "bfloat16"
+        variants[f"{args.dtype}, {args.threads} thread(s)"] = result["engine_tok_s"].get(str(n)) or engine_closed_loop(engine, group, n, args.new_tokens, "base")  # type: ignore[union-attr,attr-defined]
+        del engine
+        alt = make_engine(getattr(torch, other), econf)
+        variants[f"{other}, {args.threads} thread(s)"] = engine_closed_loop(alt, group, n, args.new_tokens, other)
+        del alt
+        other_threads = 2 if args.threads == 1 else 1
+        torch.set_num_threads(other_threads)
+        alt = make_engine(dtype, econf)
+        variants[f"{args.dtype}, {other_threads} thread(s)"] = engine_closed_loop(alt, group, n, args.new_tokens, "threads")
+        torch.set_num_threads(args.threads)
+        del alt
+        result["engine_variants_tok_s"] = {k: round(v, 2) for k, v in variants.items()}
+        print(f"\nengine variants at N={n}:")
+        for k, v in variants.items():
+            print(f"  {k:<28} {v:8.1f} tok/s")
+
+    rss = rss_probe(512, args.dtype)
+    result["worker_memory"] = {"num_kv_blocks": 512, "block_size": 16, **{k: round(v, 1) for k, v in rss.items()}}
+    print(f"\nworker peak RSS (SmolLM2, {args.dtype}, 512 KV blocks = 8192 tokens): "
+          f"{rss['peak_rss_mib']:.0f} MiB, of which KV cache {rss['kv_cache_mib']:.0f} MiB")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
