@@ -96,6 +96,32 @@ def hf_static_batches(
     return produced / (time.perf_counter() - t0)
 
 
+def bf16_agreement(
+    cfg: object, state: dict[str, torch.Tensor], prompts: list[list[int]], new_tokens: int
+) -> dict[str, float]:
+    """How often bf16 greedy decoding reproduces fp32 greedy decoding."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for dt in (torch.float32, torch.bfloat16):
+        conf = EngineConfig(model="smollm2-135m", dtype=str(dt).removeprefix("torch."),
+                            max_num_seqs=len(prompts), num_kv_blocks=1024, max_model_len=2048)
+        engine = LLMEngine(conf, build_model(cfg, dict(state), dt, torch.device("cpu")))  # type: ignore[arg-type]
+        outs[dt] = engine.generate(prompts, params)
+        del engine
+    same_tokens = same_prefix = identical = 0
+    for a, b in zip(outs[torch.float32], outs[torch.bfloat16], strict=True):
+        same_tokens += sum(x == y for x, y in zip(a, b, strict=True))
+        prefix = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        same_prefix += prefix
+        identical += prefix == len(a)
+    total = len(prompts) * new_tokens
+    return {
+        "position_match": same_tokens / total,
+        "prefix_match": same_prefix / total,
+        "identical_answers": identical / len(prompts),
+    }
+
+
 def rss_probe(num_kv_blocks: int, dtype: str) -> dict[str, float]:
     """Run in a child process: peak RSS of one SmolLM2 engine with its KV capacity."""
     code = (
@@ -123,6 +149,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--variants-at", type=int, default=8, help="N for the dtype/threads variants (0 = skip)")
+    ap.add_argument("--agreement-prompts", type=int, default=16,
+                    help="prompts for the bf16-vs-fp32 greedy agreement check (0 = skip)")
     ap.add_argument("--prompts", type=Path, default=ALPACA)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO / "results" / "bench_engine.json")
@@ -186,6 +214,14 @@ def main() -> None:
         print(f"\nengine variants at N={n}:")
         for k, v in variants.items():
             print(f"  {k:<28} {v:8.1f} tok/s")
+
+    if args.agreement_prompts:
+        agree = bf16_agreement(cfg, state, prompts[: args.agreement_prompts], 64)
+        result["bf16_vs_fp32_greedy"] = {"prompts": args.agreement_prompts, "new_tokens": 64,
+                                         **{k: round(v, 3) for k, v in agree.items()}}
+        print(f"\nbf16 vs fp32 greedy, {args.agreement_prompts} prompts x 64 tokens: "
+              f"{agree['position_match']:.1%} of positions equal, {agree['prefix_match']:.1%} before "
+              f"the first divergence, {agree['identical_answers']:.0%} of answers identical")
 
     rss = rss_probe(512, args.dtype)
     result["worker_memory"] = {"num_kv_blocks": 512, "block_size": 16, **{k: round(v, 1) for k, v in rss.items()}}

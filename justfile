@@ -1,0 +1,40 @@
+# Baton's recipes. `./baton just --list` works on a fresh clone (it installs first).
+
+set positional-arguments
+
+# list the recipes
+default:
+    @just --list
+
+# start NATS, Redis and every service of a cluster file; serve the OpenAI API
+up *args:
+    ./baton up "$@"
+
+# run the default test suite (pytest args pass through)
+test *args:
+    ./baton test "$@"
+
+# run every suite, the slow ones too
+test-all *args:
+    ./baton test --slow "$@"
+
+# ruff and mypy over the project
+lint:
+    ./baton ruff check services shared loadgen scripts tests
+    ./baton mypy services shared loadgen scripts
+
+# build the smaller SmolLM2 family members (models/*.safetensors) by distillation
+models *args:
+    ./baton python scripts/build_models.py "$@"
+
+# measure the family: decode latency, agreement with the full model, perplexity
+eval-models *args:
+    ./baton python scripts/eval_models.py "$@"
+
+# engine vs HF transformers generate() on SmolLM2 (tok/s, ratio; JSON to --out)
+bench-engine *args:
+    ./baton python scripts/bench_engine.py "$@"
+
+# drive an OpenAI-compatible endpoint with arrivals, traces and workloads
+loadgen *args:
+    ./baton python -m loadgen "$@"
