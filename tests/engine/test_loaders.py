@@ -25,7 +25,7 @@ def test_hf_directory_round_trip(tmp_path: Path, qk_norm: bool) -> None:
     build_hf_twin(model).save_pretrained(tmp_path)  # config.json + model.safetensors, as a hub checkpoint
 
     assert resolve(str(tmp_path)).kind == "hf"
-    cfg2, state2 = load_hf_dir(tmp_path)
+    cfg2, _ = load_hf_dir(tmp_path)
     assert cfg2.qk_norm == qk_norm and cfg2.head_dim == 32
     assert cfg2.tie_word_embeddings == cfg.tie_word_embeddings
     engine = LLMEngine.create(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=32, max_model_len=256))
@@ -35,7 +35,7 @@ def test_hf_directory_round_trip(tmp_path: Path, qk_norm: bool) -> None:
 
 
 def test_missing_directory_files_are_clear_errors(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
         load_hf_dir(tmp_path)
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="unknown model"):
