@@ -1,0 +1,256 @@
+"""loadgen against a real HTTP server it starts on a free port (a minimal OpenAI stream).
+
+The run against the real Baton stack lives with the services' tests.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+
+from loadgen.__main__ import main
+from loadgen.config import DEFAULT_DATA_DIR
+from tests.loadgen.fake_openai import MAX_CHUNKS, free_port, serve_fake_openai
+
+AZURE = DEFAULT_DATA_DIR / "traces" / "azure_llm_2023_conv.csv"
+pytestmark = pytest.mark.skipif(not AZURE.is_file(), reason="shared data not present")
+
+# The fields issue 4 names, all of which must be numbers after a good run.
+REQUIRED_NUMBERS = (
+    "completed",
+    "failed",
+    "duration",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "total_input_tokens",
+    "total_output_tokens",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "std_ttft_ms",
+    "p90_ttft_ms",
+    "p95_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "mean_e2el_ms",
+    "median_e2el_ms",
+    "p99_e2el_ms",
+    "requested_rate",
+    "achieved_rate",
+    "scheduled_rate",
+    "mean_schedule_lag_ms",
+    "p99_schedule_lag_ms",
+    "slo_attainment",
+    "ontime_utility",
+    "request_goodput",
+    "max_output_tokens_per_s",
+    "max_concurrent_requests",
+    "mean_router_overhead_ms",
+    "total_cost",
+)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, FastAPI]]:
+    with serve_fake_openai() as running:
+        yield running
+
+
+def _run(tmp_path: Path, name: str, *args: str) -> dict[str, Any]:
+    out = tmp_path / f"{name}.json"
+    assert main([*args, "--save-result", str(out), "--disable-tqdm"]) == 0
+    return json.loads(out.read_text())
+
+
+def test_azure_replay_time_compressed(server: tuple[str, FastAPI], tmp_path: Path) -> None:
+    url, app = server
+    app.state.seen.clear()
+    result = _run(
+        tmp_path,
+        "azure",
+        "--base-url",
+        url,
+        "--trace",
+        str(AZURE),
+        "--num-prompts",
+        "200",
+        "--request-rate",
+        "80",
+        "--max-input-tokens",
+        "300",
+        "--max-output-tokens",
+        "5",
+        "--goodput",
+        "ttft:1000",
+        "tpot:100",
+        "--save-detailed",
+        str(tmp_path / "azure.jsonl"),
+        "--plot",
+        str(tmp_path / "plots"),
+        "--label",
+        "fake-azure",
+    )
+    for name in REQUIRED_NUMBERS:
+        assert isinstance(result[name], int | float), name
+    assert result["completed"] == 200 and result["failed"] == 0
+    assert result["arrival"]["process"] == "trace"
+    assert result["arrival"]["time_scale"] < 1.0  # 80 req/s is faster than the trace's 5.5
+    assert result["requested_rate"] == pytest.approx(80.0, rel=1e-6)
+    assert result["achieved_rate"] == pytest.approx(80.0, rel=0.1)
+    assert result["total_output_tokens"] == 200 * 5
+    assert 0 < result["mean_ttft_ms"] < result["mean_e2el_ms"] < 1000
+    assert 0 < result["mean_tpot_ms"] < 100 and 0 < result["mean_itl_ms"] < 100
+    # targets follow the paper's rule (~159 ms here); a busy CI box may miss a few
+    assert result["mean_slo_ttft_ms"] == pytest.approx(158.0 + 3.5e-3 * 300, abs=0.5)
+    assert result["slo_attainment"] > 0.5 and result["request_goodput"] > 0
+    assert result["served_model_counts"] == {"fake-small": 200}
+    assert result["token_share_per_model"]["fake-large"] == pytest.approx(0.2)
+    assert result["model_id"] == "fake-small"  # from GET /v1/models
+
+    headers, body = app.state.seen[0]
+    assert float(headers["x-slo-ttft-ms"]) >= 150.0
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] is True and body["max_tokens"] <= 5
+    assert body["messages"][0]["role"] == "user"
+
+    lines = [json.loads(x) for x in (tmp_path / "azure.jsonl").read_text().splitlines()]
+    assert len(lines) == 200
+    assert all(x["status"] == "ok" and x["first_token_ns"] > x["start_ns"] > 10**18 for x in lines)
+    assert all(x["instance"] == "fake-small/0" for x in lines)
+    for png in ("ttft_cdf.png", "latency_over_time.png", "throughput.png"):
+        assert (tmp_path / "plots" / png).stat().st_size > 10_000
+
+
+def test_server_errors_are_failures_not_crashes(
+    server: tuple[str, FastAPI], tmp_path: Path
+) -> None:
+    url, _ = server
+    result = _run(
+        tmp_path,
+        "fail",
+        "--base-url",
+        f"{url}/fail",
+        "--model",
+        "m",
+        "--request-rate",
+        "100",
+        "--num-prompts",
+        "8",
+    )
+    assert result["completed"] == 0 and result["failed"] == 8
+    assert result["failed_by_http_status"] == {"500": 8}
+    assert result["error_samples"] == ["HTTP 500: engine exploded"]
+    assert result["mean_ttft_ms"] is None and result["slo_attainment"] == 0.0
+
+
+def test_broken_stream_and_refused_connection(server: tuple[str, FastAPI], tmp_path: Path) -> None:
+    url, _ = server
+    broken = _run(
+        tmp_path,
+        "broken",
+        "--base-url",
+        f"{url}/broken",
+        "--model",
+        "m",
+        "--num-prompts",
+        "4",
+        "--max-tokens",
+        str(MAX_CHUNKS),
+    )
+    assert broken["failed"] == 4 and broken["failed_by_status"] == {"stream_error": 4}
+    refused = _run(
+        tmp_path,
+        "refused",
+        "--base-url",
+        f"http://127.0.0.1:{free_port()}",
+        "--model",
+        "m",
+        "--num-prompts",
+        "3",
+        "--timeout",
+        "5",
+    )
+    assert refused["failed"] == 3 and refused["failed_by_status"] == {"connect_error": 3}
+
+
+def test_closed_loop_for_a_duration_on_completions(
+    server: tuple[str, FastAPI], tmp_path: Path
+) -> None:
+    url, app = server
+    app.state.seen.clear()
+    result = _run(
+        tmp_path,
+        "closed",
+        "--base-url",
+        url,
+        "--endpoint",
+        "completions",
+        "--max-concurrency",
+        "2",
+        "--duration",
+        "0.6",
+        "--dataset",
+        "random",
+        "--random-input-len",
+        "40",
+        "--random-output-len",
+        "4",
+        "--slo-ttft-ms",
+        "none",
+    )
+    assert result["arrival"]["process"] == "closed-loop"
+    assert result["failed"] == 0 and result["completed"] >= 10
+    assert result["request_rate"] == "inf" and result["slo_attainment"] is None
+    assert result["duration"] < 1.5
+    headers, body = app.state.seen[0]
+    assert "prompt" in body and "x-slo-ttft-ms" not in headers
+
+
+def test_mmpp_mixed_workload_with_utility_table(
+    server: tuple[str, FastAPI], tmp_path: Path
+) -> None:
+    url, _ = server
+    table = tmp_path / "utility.json"
+    table.write_text(json.dumps({"alpaca": {"fake-small": 0.5}, "*": {"fake-small": 1.0}}))
+    result = _run(
+        tmp_path,
+        "mmpp",
+        "--base-url",
+        url,
+        "--arrival",
+        "mmpp",
+        "--request-rate",
+        "60",
+        "--num-prompts",
+        "60",
+        "--dataset",
+        "mixed",
+        "--mix",
+        "alpaca:1,aime:1",
+        "--max-tokens",
+        "3",
+        "--utility-table",
+        str(table),
+        "--slo-ttft-ms",
+        "5000",
+    )
+    assert result["completed"] == 60
+    assert set(result["per_task"]) == {"alpaca", "aime"}
+    assert result["per_task"]["alpaca"]["ontime_utility"] == pytest.approx(0.5)
+    assert result["per_task"]["aime"]["ontime_utility"] == pytest.approx(1.0)
+    assert 0.5 < result["ontime_utility"] < 1.0
+
+
+def test_bad_options_exit_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--arrival", "mmpp", "--model", "m"]) == 2  # mmpp needs a finite mean rate
+    assert "finite --request-rate" in capsys.readouterr().err
