@@ -1,0 +1,173 @@
+"""Batch-time models: the modeled duration of one engine iteration from its composition.
+
+Every feature set is linear in a handful of *raw sums* over the chunks of one batch,
+so the replay kernel accumulates those sums once and any feature set prices them:
+
+    P   = sum of prefill tokens             (chunks that are not one-token decodes)
+    PP  = sum of squared prefill chunk sizes
+    D   = decode tokens (one per decoding request)
+    S   = sum of context lengths after the step, over every scheduled request (tokens)
+    S2  = sum of squared context lengths after the step
+    DC  = sum over decode chunks of the context *before* the step (tokens)
+    PC  = sum over prefill chunks of (chunk * context_before + chunk * (chunk + 1) / 2)
+
+Feature sets (coefficients in seconds per feature unit):
+
+* ``"six-term"`` (DESIGN.md, SFS public code "legacy"):
+  T = b0 + b_p*P + b_p2*PP + b_d*D + b_s*S + b_s2*S2
+* ``"four-term"`` (the SFS paper, eq. 11):
+  T = b0 + b1*(P + D) + b2*DC + b3*PC
+
+Context "after the step" is what `BatchSample.context_lens` records (chunk end).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shared.scheduling.scheduler import ScheduledBatch
+from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot
+
+SIX_TERM = "six-term"
+FOUR_TERM = "four-term"
+
+# Raw sums, in this order, are what the replay kernel accumulates per step.
+RAW_SUMS = ("one", "P", "PP", "D", "S", "S2", "DC", "PC")
+NUM_RAW = len(RAW_SUMS)
+
+FEATURE_SETS: dict[str, tuple[str, ...]] = {
+    SIX_TERM: ("b0", "b_p", "b_p2", "b_d", "b_s", "b_s2"),
+    FOUR_TERM: ("b0", "b1", "b2", "b3"),
+}
+
+
+def num_features(feature_set: str) -> int:
+    """Number of coefficients of a named feature set (ValueError if unknown)."""
+    try:
+        return len(FEATURE_SETS[feature_set])
+    except KeyError:
+        raise ValueError(f"unknown batch-time feature set {feature_set!r}") from None
+
+
+def features_from_raw(feature_set: str, raw: Sequence[float]) -> list[float]:
+    """Feature vector of one batch from its raw sums (order of RAW_SUMS)."""
+    one, p, pp, d, s, s2, dc, pc = raw
+    if feature_set == SIX_TERM:
+        return [one, p, pp, d, s, s2]
+    if feature_set == FOUR_TERM:
+        return [one, p + d, dc, pc]
+    raise ValueError(f"unknown batch-time feature set {feature_set!r}")
+
+
+def raw_coefs(feature_set: str, coefs: Sequence[float]) -> tuple[float, ...]:
+    """The same model expressed over the raw sums: T = dot(raw_coefs, raw)."""
+    if len(coefs) != num_features(feature_set):
+        raise ValueError(f"{feature_set} takes {num_features(feature_set)} coefficients")
+    if feature_set == SIX_TERM:
+        b0, bp, bpp, bd, bs, bs2 = coefs
+        return (b0, bp, bpp, bd, bs, bs2, 0.0, 0.0)
+    b0, b1, b2, b3 = coefs
+    return (b0, b1, 0.0, b1, 0.0, 0.0, b2, b3)
+
+
+def raw_from_chunks(chunks: Sequence[tuple[int, int, bool]]) -> list[float]:
+    """Raw sums of one batch from (context_before, num_new_tokens, is_decode) per chunk."""
+    p = pp = d = s = s2 = dc = pc = 0
+    for start, n, is_decode in chunks:
+        end = start + n
+        s += end
+        s2 += end * end
+        if is_decode:
+            d += 1
+            dc += start
+        else:
+            p += n
+            pp += n * n
+            pc += n * start + n * (n + 1) // 2
+    return [1.0, p, pp, d, s, s2, dc, pc]
+
+
+def raw_from_batch(batch: ScheduledBatch) -> list[float]:
+    """Raw sums of a batch the scheduler just planned."""
+    return raw_from_chunks([(c.start, c.num_new_tokens, c.is_decode) for c in batch.chunks])
+
+
+def raw_from_sample(sample: BatchSample) -> list[float]:
+    """Raw sums of a recorded iteration.
+
+    A sample lists context lengths of all scheduled requests but prefill chunk sizes
+    only for prefill chunks, without saying which context belongs to which chunk. The
+    scheduler schedules decodes before prefills (running requests are oldest first and
+    at most the newest is still prefilling; admissions come last), so the prefill
+    chunks are paired with the *last* len(chunk_sizes) contexts. DC and PC rely on that
+    pairing; P, PP, D, S, S2 do not.
+    """
+    ctx = sample.context_lens
+    n_pre = len(sample.chunk_sizes)
+    s = sum(ctx)
+    s2 = sum(c * c for c in ctx)
+    decode_ends = ctx[: len(ctx) - n_pre]
+    prefill_ends = ctx[len(ctx) - n_pre :]
+    dc = sum(decode_ends) - len(decode_ends)
+    pc = 0
+    for n, end in zip(sample.chunk_sizes, prefill_ends, strict=True):
+        pc += n * (end - n) + n * (n + 1) // 2
+    pp = sum(n * n for n in sample.chunk_sizes)
+    return [1.0, sample.num_prefill_tokens, pp, sample.num_decode_tokens, s, s2, dc, pc]
+
+
+def features(feature_set: str, batch: BatchSample | ScheduledBatch) -> list[float]:
+    """Feature vector of a recorded sample or a planned batch under `feature_set`."""
+    raw = raw_from_sample(batch) if isinstance(batch, BatchSample) else raw_from_batch(batch)
+    return features_from_raw(feature_set, raw)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTimeModel:
+    """T(batch) in seconds = dot(coefs, features(feature_set, batch))."""
+
+    feature_set: str
+    coefs: tuple[float, ...]  # seconds per feature unit, names in FEATURE_SETS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "coefs", tuple(float(c) for c in self.coefs))
+        num_features(self.feature_set)  # validates the name
+        if len(self.coefs) != num_features(self.feature_set):
+            raise ValueError(f"{self.feature_set} takes {num_features(self.feature_set)} coefs")
+
+    @property
+    def raw(self) -> tuple[float, ...]:
+        """Coefficients over RAW_SUMS (what the replay kernel multiplies)."""
+        return raw_coefs(self.feature_set, self.coefs)
+
+    def predict(self, batch: BatchSample | ScheduledBatch) -> float:
+        """Modeled seconds of one iteration."""
+        return self.predict_features(features(self.feature_set, batch))
+
+    def predict_features(self, x: Sequence[float]) -> float:
+        return float(sum(c * v for c, v in zip(self.coefs, x, strict=True)))
+
+    def predict_raw(self, raw: Sequence[float]) -> float:
+        return float(sum(c * v for c, v in zip(self.raw, raw, strict=True)))
+
+    @classmethod
+    def from_snapshot(cls, snapshot: WorkloadSnapshot) -> BatchTimeModel | None:
+        """The publisher's calibration, if the snapshot carries one."""
+        if not snapshot.batch_time_features or not snapshot.batch_time_coefs:
+            return None
+        return cls(snapshot.batch_time_features, tuple(snapshot.batch_time_coefs))
+
+
+# SFS public code, H100, Qwen3, vLLM (anchors.md 3.6), six-term, seconds.
+SFS_H100_QWEN3: dict[str, BatchTimeModel] = {
+    "qwen3-0.6b": BatchTimeModel(
+        SIX_TERM, (2.582e-3, 2.034e-6, 1.893e-10, 1.689e-5, 3.543e-8, 1.575e-13)
+    ),
+    "qwen3-8b": BatchTimeModel(
+        SIX_TERM, (7.296e-3, 2.079e-5, 5.120e-10, 2.563e-5, 4.649e-8, 2.685e-13)
+    ),
+    "qwen3-32b": BatchTimeModel(
+        SIX_TERM, (1.435e-2, 5.294e-5, 8.774e-10, 6.305e-5, 3.686e-8, 4.520e-13)
+    ),
+}

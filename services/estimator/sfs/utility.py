@@ -1,0 +1,98 @@
+"""Query-level routing policies as pure functions over per-instance candidates.
+
+For query i and instance j (SFS paper, "Incorporating latency into the routing
+objective"):
+
+    U_ij = acc_ij - lambda * cost_ij
+    latency-agnostic:  argmax_j U_ij
+    SFS-constraint:    argmax_{j : TTFT_ij <= tau_i} U_ij, or argmin_j TTFT_ij if none
+    SFS-Lagrangian:    argmax_j U_ij - delta * TTFT_ij
+
+TTFTs are the predicted ones, in seconds; delta is utility per second. Ties go to the
+earliest candidate (callers shuffle candidates for random tie-breaking, as the SFS
+code does). Default TTFT target (paper): tau = 158 ms + 3.5e-3 ms per prompt token,
+clipped to [150, 1120] ms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+TTFT_TARGET_BASE_MS = 158.0
+TTFT_TARGET_PER_TOKEN_MS = 3.5e-3
+TTFT_TARGET_MIN_MS = 150.0
+TTFT_TARGET_MAX_MS = 1120.0
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One instance's predictions for the query being routed."""
+
+    instance_id: str
+    accuracy: float  # predicted quality, the scale of the accuracy predictor
+    cost: float  # predicted price of the query here (currency units)
+    ttft_s: float  # predicted TTFT, seconds (inf: cannot serve)
+
+
+def utility(c: Candidate, lam: float) -> float:
+    """U = acc - lambda * cost."""
+    return c.accuracy - lam * c.cost
+
+
+def request_cost(
+    num_prompt_tokens: int,
+    predicted_output_tokens: float,
+    prompt_price_per_token: float,
+    output_price_per_token: float,
+) -> float:
+    """Predicted price: prompt tokens * prompt price + predicted output * output price."""
+    return (
+        num_prompt_tokens * prompt_price_per_token
+        + predicted_output_tokens * output_price_per_token
+    )
+
+
+def default_ttft_target_s(num_prompt_tokens: int) -> float:
+    """The paper's TTFT target: clip(158 + 3.5e-3 * prompt_tokens, 150, 1120) ms, in s."""
+    ms = TTFT_TARGET_BASE_MS + TTFT_TARGET_PER_TOKEN_MS * num_prompt_tokens
+    return min(TTFT_TARGET_MAX_MS, max(TTFT_TARGET_MIN_MS, ms)) / 1000.0
+
+
+def _argmax(cands: Sequence[Candidate], score: list[float]) -> Candidate:
+    if not cands:
+        raise ValueError("no candidates")
+    best = 0
+    for j in range(1, len(cands)):
+        if score[j] > score[best]:
+            best = j
+    return cands[best]
+
+
+def pick_latency_agnostic(cands: Sequence[Candidate], lam: float) -> Candidate:
+    """argmax_j acc - lambda * cost (ignores load)."""
+    return _argmax(cands, [utility(c, lam) for c in cands])
+
+
+def pick_sfs_constraint(cands: Sequence[Candidate], lam: float, ttft_target_s: float) -> Candidate:
+    """Best utility among candidates predicted to meet the target; else the fastest."""
+    feasible = [c for c in cands if c.ttft_s <= ttft_target_s]
+    if feasible:
+        return pick_latency_agnostic(feasible, lam)
+    return _argmax(cands, [-c.ttft_s for c in cands])
+
+
+def pick_sfs_lagrangian(cands: Sequence[Candidate], lam: float, delta: float) -> Candidate:
+    """argmax_j acc - lambda * cost - delta * TTFT (delta: utility per second)."""
+    if delta == 0:  # exactly latency-agnostic (and no 0 * inf)
+        return pick_latency_agnostic(cands, lam)
+    return _argmax(cands, [utility(c, lam) - delta * c.ttft_s for c in cands])
+
+
+def on_time_utility(utilities: Sequence[float], met_target: Sequence[bool]) -> float:
+    """OnTimeUtility = (1/N) sum_i U_i * 1{TTFT_i <= tau_i} (misses count zero)."""
+    if len(utilities) != len(met_target):
+        raise ValueError("one flag per utility")
+    if not utilities:
+        return 0.0
+    return sum(u for u, ok in zip(utilities, met_target, strict=True) if ok) / len(utilities)

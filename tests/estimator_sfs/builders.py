@@ -1,0 +1,69 @@
+"""Workload builders for the SFS tests: a live scheduler, stepped as the engine steps it."""
+
+from __future__ import annotations
+
+import random
+
+from services.estimator.sfs.batch_time import SIX_TERM, BatchTimeModel
+from shared.scheduling.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+
+# Coefficients large enough that every term moves the sum (seconds per unit).
+MODEL = BatchTimeModel(SIX_TERM, (1e-2, 2e-4, 3e-6, 5e-4, 2e-5, 1e-7))
+
+
+def make_scheduler(
+    *,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 32,
+    block_size: int = 4,
+    num_kv_blocks: int = 64,
+    max_model_len: int = 128,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_model_len=max_model_len,
+        )
+    )
+
+
+def step(s: Scheduler) -> ScheduledBatch:
+    """One engine iteration: schedule, commit, finish at predicted length (else max_tokens)."""
+    batch = s.schedule()
+    s.commit(batch)
+    for chunk in batch:
+        req = chunk.request
+        limit = min(req.predicted_output_tokens or req.max_tokens, req.max_tokens)
+        if not req.is_finished and req.num_output_tokens >= limit:
+            s.finish(req)
+    return batch
+
+
+def as_pairs(batch: ScheduledBatch) -> list[tuple[str, int]]:
+    return [(c.request.request_id, c.num_new_tokens) for c in batch]
+
+
+def random_live(rng: random.Random, *, predicted: bool, peer: bool = False) -> Scheduler:
+    """A scheduler with a random workload, stepped a random number of iterations.
+
+    Small KV (often less than the requests want) so preemption happens. `peer` parks a
+    running request as PENDING (a peer writes its tokens; it keeps its KV).
+    """
+    s = make_scheduler(
+        max_num_seqs=rng.randint(1, 10),
+        max_num_batched_tokens=rng.randint(4, 48),
+        num_kv_blocks=rng.randint(32, 90),
+    )
+    for i in range(rng.randint(1, 24)):
+        prompt = rng.randint(1, 60)
+        req = s.add(f"r{i}", prompt, rng.randint(1, 128 - prompt))
+        if predicted and rng.random() < 0.8:
+            req.predicted_output_tokens = rng.randint(1, 40)
+        for _ in range(rng.randint(0, 2)):
+            step(s)
+    if peer and s.running:
+        s.set_pending(rng.choice(s.running).request_id)
+    return s

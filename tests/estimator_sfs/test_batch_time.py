@@ -1,0 +1,143 @@
+"""Batch-time features agree between planned batches and recorded samples; the robust
+fit recovers known coefficients despite stall outliers; the online fitter refits."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from services.estimator.sfs.batch_time import (
+    FOUR_TERM,
+    SFS_H100_QWEN3,
+    SIX_TERM,
+    BatchTimeModel,
+    features,
+)
+from services.estimator.sfs.fit import OnlineBatchTimeFitter, fit_batch_time, huber_irls
+from shared.scheduling.snapshot import BatchSample, describe_batch
+from tests.estimator_sfs.builders import make_scheduler, step
+
+
+@pytest.mark.parametrize("feature_set", [SIX_TERM, FOUR_TERM])
+def test_sample_and_batch_give_the_same_features(feature_set: str) -> None:
+    s = make_scheduler(max_num_batched_tokens=16)
+    s.add("a", 5, 20)
+    s.add("b", 3, 20)
+    step(s)
+    s.add("c", 40, 4)  # chunked behind the two decodes
+    for _ in range(3):
+        batch = s.schedule()
+        planned = features(feature_set, batch)
+        sample = describe_batch(batch, s, 0.0, 0.01)
+        assert features(feature_set, sample) == planned
+        s.commit(batch)
+
+
+def test_six_term_features_by_hand() -> None:
+    s = make_scheduler(max_num_batched_tokens=16)
+    s.add("a", 5, 20)
+    step(s)  # a: 5 prompt tokens computed, 1 sampled
+    s.add("c", 40, 4)
+    batch = s.schedule()  # a decodes (ends at 6), c prefills 15 (ends at 15)
+    assert features(SIX_TERM, batch) == [1, 15, 225, 1, 21, 36 + 225]
+    # four-term: P + D, decode context before (5), prefill 15 * 0 + 15 * 16 / 2
+    assert features(FOUR_TERM, batch) == [1, 16, 5, 120]
+
+
+def synthetic_samples(
+    model: BatchTimeModel, n: int, stall_fraction: float, seed: int, noise: float = 0.01
+) -> tuple[list[BatchSample], int]:
+    """Random batch compositions, durations from `model` with relative Gaussian noise;
+    a fraction of them get +50..300% (stalls)."""
+    rng = random.Random(seed)
+    samples = []
+    stalls = 0
+    for _ in range(n):
+        num_dec = rng.randint(0, 64)
+        chunks = [rng.randint(1, 2048) for _ in range(rng.choice((0, 0, 1, 2)))]
+        if num_dec == 0 and not chunks:
+            num_dec = 1
+        ctx = [rng.randint(16, 4096) for _ in range(num_dec)] + [
+            n + rng.choice((0, rng.randint(0, 2048))) for n in chunks
+        ]
+        s = BatchSample(0.0, 0.0, sum(chunks), num_dec, chunks, ctx, num_dec + len(chunks), 0)
+        t = model.predict(s) * (1 + rng.gauss(0, noise))
+        if rng.random() < stall_fraction:
+            t *= 1.5 + 2.5 * rng.random()
+            stalls += 1
+        samples.append(BatchSample(0.0, t, s.num_prefill_tokens, num_dec, chunks, ctx, 0, 0))
+    return samples, stalls
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-8b"])
+def test_fit_recovers_coefficients_despite_stalls(name: str) -> None:
+    true = SFS_H100_QWEN3[name]
+    samples, stalls = synthetic_samples(true, 3000, 0.03, seed=1)
+    fit = fit_batch_time(samples, SIX_TERM)
+    assert fit.num_stalls >= stalls  # every injected stall is among the dropped rows
+    assert fit.stall_fraction < 0.1
+    # Times, not raw coefficients, are what matter (b_p2 and b_s2 are weakly identified):
+    clean, _ = synthetic_samples(true, 500, 0.0, seed=2)
+    pred = np.array([fit.model.predict(s) for s in clean])
+    want = np.array([true.predict(s) for s in clean])
+    assert float(np.mean(np.abs(pred - want) / want)) < 0.01
+    for got, exp in zip(fit.model.coefs[:2], true.coefs[:2], strict=True):  # b0, b_p
+        assert got == pytest.approx(exp, rel=0.05)
+    assert fit.mape_inliers < 0.02
+    assert all(c >= 0 for c in fit.model.coefs)
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-8b", "qwen3-32b"])
+def test_fit_recovers_every_coefficient_with_low_noise(name: str) -> None:
+    """With 0.02% timing noise all six terms are identifiable: each within 3%."""
+    true = SFS_H100_QWEN3[name]
+    samples, stalls = synthetic_samples(true, 3000, 0.03, seed=6, noise=2e-4)
+    fit = fit_batch_time(samples, SIX_TERM)
+    assert fit.num_stalls >= stalls
+    for got, exp in zip(fit.model.coefs, true.coefs, strict=True):
+        assert got == pytest.approx(exp, rel=0.03)
+
+
+def test_fit_without_stall_trimming_is_pulled_by_stalls() -> None:
+    true = SFS_H100_QWEN3["qwen3-8b"]
+    samples, _ = synthetic_samples(true, 2000, 0.05, seed=3)
+    robust = fit_batch_time(samples, SIX_TERM)
+    naive = fit_batch_time(samples, SIX_TERM, stall_percentile=100.0, stall_z=None)
+    assert abs(naive.model.coefs[0] - true.coefs[0]) > abs(robust.model.coefs[0] - true.coefs[0])
+
+
+def test_four_term_fit_recovers_coefficients() -> None:
+    true = BatchTimeModel(FOUR_TERM, (5e-3, 2e-5, 3e-9, 4e-9))
+    samples, _ = synthetic_samples(true, 2000, 0.02, seed=4, noise=2e-3)
+    fit = fit_batch_time(samples, FOUR_TERM)
+    for got, exp in zip(fit.model.coefs, true.coefs, strict=True):
+        assert got == pytest.approx(exp, rel=0.05)
+
+
+def test_huber_resists_outliers() -> None:
+    rng = np.random.default_rng(0)
+    x = np.column_stack([np.ones(200), rng.uniform(0, 10, 200)])
+    y = x @ np.array([1.0, 2.0]) + rng.normal(0, 0.01, 200)
+    y[:10] += 50.0
+    assert huber_irls(x, y) == pytest.approx([1.0, 2.0], abs=0.05)
+
+
+def test_online_fitter_refits_every_k_samples() -> None:
+    true = SFS_H100_QWEN3["qwen3-0.6b"]
+    samples, _ = synthetic_samples(true, 300, 0.0, seed=5)
+    fitter = OnlineBatchTimeFitter(SIX_TERM, refit_every=100, min_samples=50)
+    assert fitter.add(samples[:40]) is None and fitter.model is None
+    assert fitter.add(samples[40:60]) is not None  # first fit once min_samples arrived
+    assert fitter.add(samples[60:150]) is None  # 90 new < 100
+    refit = fitter.add(samples[150:160])
+    assert refit is not None and refit.num_samples == 160
+    assert fitter.model == refit.model
+
+
+def test_model_rejects_wrong_shapes() -> None:
+    with pytest.raises(ValueError):
+        BatchTimeModel(SIX_TERM, (1.0, 2.0))
+    with pytest.raises(ValueError):
+        BatchTimeModel("seven-term", (1.0,))
