@@ -118,12 +118,23 @@ class Scheduler:
 
     # ---- lifecycle -------------------------------------------------------------
 
-    def add(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> SchedRequest:
-        """Queue a new request; caller validated lengths against max_model_len."""
+    def add(
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        predicted_output_tokens: int | None = None,
+    ) -> SchedRequest:
+        """Queue a new request; caller validated lengths against max_model_len.
+
+        predicted_output_tokens is the router's guess, carried into snapshots for
+        the estimator's replay; the policy itself never reads it.
+        """
         assert request_id not in self.requests, f"duplicate request id {request_id}"
         assert num_prompt_tokens >= 1 and max_tokens >= 1
         assert num_prompt_tokens + max_tokens <= self.config.max_model_len
         req = SchedRequest(request_id, num_prompt_tokens, max_tokens, self._next_arrival)
+        req.predicted_output_tokens = predicted_output_tokens
         self._next_arrival += 1
         self.requests[request_id] = req
         self.waiting.append(req)

@@ -68,6 +68,7 @@ class BatchSample(msgspec.Struct, array_like=True, frozen=True):
     context_lens: list[int]  # per scheduled request, tokens of context after the step
     num_running: int  # running requests after scheduling
     num_waiting: int  # waiting requests after scheduling
+    prefill_context_lens: list[int] = []  # per prefill chunk (as chunk_sizes), context after the step
 
 
 def _counters(req: SchedRequest) -> RequestCounters:
@@ -111,6 +112,7 @@ def describe_batch(
         context_lens=[c.end for c in batch.chunks],
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
+        prefill_context_lens=[c.end for c in batch.chunks if not c.is_decode],
     )
 
 

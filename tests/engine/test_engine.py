@@ -204,3 +204,12 @@ def test_bf16_runs_and_mostly_agrees_with_fp32() -> None:
     assert next(bf.model.parameters()).dtype == torch.bfloat16
     out = bf.generate([[5, 6, 7]], GREEDY)
     assert len(out[0]) == 12
+
+
+def test_predicted_output_tokens_reach_the_snapshot(engine: LLMEngine) -> None:
+    engine.add_request("p", [3, 4, 5], SamplingParams(max_tokens=50, ignore_eos=True), predicted_output_tokens=42)
+    engine.step()
+    (counters,) = engine.snapshot().running
+    assert counters.request_id == "p" and counters.predicted_output_tokens == 42
+    engine.abort_request("p")
+    drain(engine)

@@ -117,8 +117,17 @@ class LLMEngine:
 
     # ---- requests (any thread) -------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Validate and queue a request; RequestError says what is wrong."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        predicted_output_tokens: int | None = None,
+    ) -> None:
+        """Validate and queue a request; RequestError says what is wrong.
+
+        predicted_output_tokens (the router's guess) only travels into snapshots.
+        """
         try:
             params.validate()
         except ValueError as e:
@@ -134,6 +143,7 @@ class LLMEngine:
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise RequestError(f"prompt token ids must be in [0, {self.vocab_size})")
         sched = SchedRequest(request_id, n, params.max_tokens, arrival_seq=-1)
+        sched.predicted_output_tokens = predicted_output_tokens
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         seq = Sequence(sched, list(prompt_token_ids), SamplingState.create(params), stop_ids)
         with self._lock:
@@ -192,7 +202,10 @@ class LLMEngine:
             aborts, self._aborts = self._aborts, []
         for seq in new:
             rid = seq.sched.request_id
-            seq.sched = self.scheduler.add(rid, seq.sched.num_prompt_tokens, seq.sched.max_tokens)
+            old = seq.sched
+            seq.sched = self.scheduler.add(
+                rid, old.num_prompt_tokens, old.max_tokens, old.predicted_output_tokens
+            )
             self._seqs[rid] = seq
         outputs = []
         for rid in aborts:
