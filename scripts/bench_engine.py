@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -133,7 +134,8 @@ def rss_probe(num_kv_blocks: int, dtype: str) -> dict[str, float]:
         "print(e.runner.kv_cache_bytes, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     ).stdout.split()
     return {"kv_cache_mib": int(out[0]) / 2**20, "peak_rss_mib": int(out[1]) / 1024}
 
