@@ -29,17 +29,19 @@ from services.worker.engine.loader import (
     random_state_dict,
 )
 from services.worker.engine.model import CausalLM, ModelConfig
-from services.worker.engine.outputs import FinishReason, RequestOutput, StepHook, StepOutputs
+from services.worker.engine.outputs import (
+    FinishReason,
+    RequestError,
+    RequestOutput,
+    StepHook,
+    StepOutputs,
+)
 from services.worker.engine.runner import ModelRunner
 from services.worker.engine.sampler import SamplingState, sample
 from shared.sampling import SamplingParams
 from shared.scheduling.request import SchedRequest
 from shared.scheduling.scheduler import Scheduler
 from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot, describe_batch, take_snapshot
-
-
-class RequestError(ValueError):
-    """A request the engine refuses; the message is meant for the client."""
 
 
 @dataclass(slots=True, eq=False)

@@ -1,11 +1,17 @@
-"""What the engine hands out after each iteration."""
+"""What the engine hands out after each iteration. Torch-free at import time, so the
+simulated engine and the services can use these types without loading torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message is meant for the client."""
 
 
 class FinishReason:

@@ -56,8 +56,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import msgspec
 
 from services.estimator.sfs.batch_time import BatchTimeModel
-from services.worker.engine.engine import RequestError
-from services.worker.engine.outputs import FinishReason, RequestOutput
+from services.worker.engine.outputs import FinishReason, RequestError, RequestOutput
 from shared.sampling import SamplingParams
 from shared.scheduling.request import SchedRequest
 from shared.scheduling.scheduler import Scheduler, SchedulerConfig
