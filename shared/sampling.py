@@ -10,6 +10,8 @@ from __future__ import annotations
 import msgspec
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+SEED_RANGE = (-(2**63), 2**63 - 1)  # what a torch.Generator accepts
 MAX_TOP_LOGPROBS = 20
 
 
@@ -54,5 +56,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")

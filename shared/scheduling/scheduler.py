@@ -180,6 +180,11 @@ class Scheduler:
         self.running.insert(idx, req)
 
     @property
+    def num_admitted(self) -> int:
+        """Requests holding KV: running plus pending."""
+        return len(self.running) + len(self.pending)
+
+    @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -215,7 +220,8 @@ class Scheduler:
         # 2. Admit waiting requests, FIFO, unless this step is already under KV pressure.
         if batch.preempted:
             return batch
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # Pending requests hold KV and come back to running: they count against the cap.
+        while self.waiting and budget > 0 and self.num_admitted < self.config.max_num_seqs:
             req = self.waiting[0]
             if not self.blocks.can_grow(req, req.num_tokens):
                 break  # head-of-line waits for KV: later arrivals never overtake it
@@ -236,7 +242,7 @@ class Scheduler:
         for chunk in batch.chunks:
             req = chunk.request
             if req.status is not RequestStatus.RUNNING:
-                continue  # aborted while the forward ran
+                continue  # parked or finished by the caller between schedule and commit
             req.num_computed_tokens = chunk.end
             if chunk.samples:
                 req.num_output_tokens += 1

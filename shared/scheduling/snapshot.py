@@ -24,6 +24,7 @@ class RequestCounters(msgspec.Struct, array_like=True, frozen=True):
     num_computed_tokens: int  # tokens with KV in the cache
     max_tokens: int  # new tokens allowed
     predicted_output_tokens: int | None = None  # estimator hint, tokens
+    num_blocks: int | None = None  # KV blocks held (None in snapshots from older writers)
 
 
 class WorkloadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,6 +81,7 @@ def _counters(req: SchedRequest) -> RequestCounters:
         req.num_computed_tokens,
         req.max_tokens,
         req.predicted_output_tokens,
+        len(req.block_ids),
     )
 
 
@@ -101,8 +103,14 @@ def take_snapshot(scheduler: Scheduler, version: int, wall_time_s: float) -> Wor
 
 
 def describe_batch(
-    batch: ScheduledBatch, scheduler: Scheduler, wall_time_s: float, duration_s: float
+    batch: ScheduledBatch,
+    scheduler: Scheduler,
+    wall_time_s: float,
+    duration_s: float,
+    queue_lens: tuple[int, int] | None = None,
 ) -> BatchSample:
+    """queue_lens: (running, waiting) right after scheduling; defaults to the current ones."""
+    num_running, num_waiting = queue_lens or (len(scheduler.running), len(scheduler.waiting))
     return BatchSample(
         wall_time_s=wall_time_s,
         duration_s=duration_s,
@@ -110,8 +118,8 @@ def describe_batch(
         num_decode_tokens=batch.num_decode_tokens,
         chunk_sizes=[c.num_new_tokens for c in batch.chunks if not c.is_decode],
         context_lens=[c.end for c in batch.chunks],
-        num_running=len(scheduler.running),
-        num_waiting=len(scheduler.waiting),
+        num_running=num_running,
+        num_waiting=num_waiting,
         prefill_context_lens=[c.end for c in batch.chunks if not c.is_decode],
     )
 
@@ -143,10 +151,13 @@ def restore_scheduler(snapshot: WorkloadSnapshot) -> Scheduler:
             if status is RequestStatus.WAITING:
                 scheduler.waiting.append(req)
                 continue
-            # Admission allocated every token of the sequence; decodes grow to the
-            # computed length. Either way the count is what the live scheduler held.
-            held = req.num_tokens if req.is_prefilling else req.num_computed_tokens
-            scheduler.blocks.grow(req, held)
+            if c.num_blocks is not None:
+                scheduler.blocks.grow(req, c.num_blocks * snapshot.block_size)
+            else:
+                # Older writers: admission allocated every token of the sequence and
+                # decodes grow to the computed length.
+                held = req.num_tokens if req.is_prefilling else req.num_computed_tokens
+                scheduler.blocks.grow(req, held)
             if status is RequestStatus.RUNNING:
                 scheduler.running.append(req)
             else:

@@ -117,7 +117,10 @@ def kernel_state(
     request stepped one by one (the tests' plain mirror of `Scheduler`).
     """
     bs = snapshot.block_size
-    st = KernelState(snapshot.max_num_seqs, snapshot.max_num_batched_tokens, bs, 0)
+    # Pending requests hold KV and count against the running cap; the replay never
+    # resumes them, so the cap left to running requests is fixed.
+    cap = max(0, snapshot.max_num_seqs - len(snapshot.pending))
+    st = KernelState(cap, snapshot.max_num_batched_tokens, bs, 0)
     dflt, extra = policy.default_output_tokens, policy.min_remaining_tokens
     order = (*snapshot.running, *snapshot.pending, *snapshot.waiting)
     num_held = len(snapshot.running) + len(snapshot.pending)
@@ -129,8 +132,12 @@ def kernel_state(
     caps = [c.max_tokens for c in order]
     # As restore_scheduler: blocks for every token while prefilling, else for computed.
     helds = [
-        -(-(p + o if p + o - k > 1 or o == 0 else k) // bs)
-        for p, o, k in zip(prompts[:num_held], outs[:num_held], comps[:num_held], strict=True)
+        c.num_blocks
+        if c.num_blocks is not None
+        else -(-(p + o if p + o - k > 1 or o == 0 else k) // bs)
+        for c, p, o, k in zip(
+            order[:num_held], prompts[:num_held], outs[:num_held], comps[:num_held], strict=True
+        )
     ]
     used = sum(helds)
     helds += [0] * (len(order) - num_held)

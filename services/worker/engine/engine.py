@@ -16,6 +16,7 @@ import dataclasses
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -75,13 +76,15 @@ class LLMEngine:
         self.vocab_size = model.config.vocab_size
         self.hook: StepHook | None = None
         self._seqs: dict[str, Sequence] = {}
+        self._live_ids: set[str] = set()  # inbox + scheduled, guarded by _lock
         self._inbox: list[Sequence] = []
         self._aborts: list[str] = []
         self._lock = threading.Lock()
         self._snapshot_version = 0
         self._snapshot = take_snapshot(self.scheduler, 0, time.time())
         self._samples: deque[BatchSample] = deque(maxlen=config.num_batch_samples)
-        self._detokenize: object = None
+        self._detokenize: Callable[[list[int]], str] | None = None
+        self.device = next(model.parameters()).device
 
     @classmethod
     def create(cls, config: EngineConfig) -> LLMEngine:
@@ -113,6 +116,8 @@ class LLMEngine:
                 f"max_model_len={config.max_model_len} exceeds the model's "
                 f"{cfg.max_position_embeddings} positions"
             )
+        # RoPE tables cover the positions this engine can reach, not the checkpoint's maximum.
+        cfg = dataclasses.replace(cfg, max_position_embeddings=config.max_model_len)
         model = build_model(cfg, state, config.torch_dtype, torch.device(config.device))
         del state
         return cls(config, model)
@@ -147,10 +152,13 @@ class LLMEngine:
         sched = SchedRequest(request_id, n, params.max_tokens, arrival_seq=-1)
         sched.predicted_output_tokens = predicted_output_tokens
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        seq = Sequence(sched, list(prompt_token_ids), SamplingState.create(params), stop_ids)
+        seq = Sequence(sched, list(prompt_token_ids), SamplingState.create(params, self.device), stop_ids)
+        if params.stop:
+            self._load_detokenizer()  # here, not inside a step: keeps steps free of spikes
         with self._lock:
-            if request_id in self._seqs or any(s.sched.request_id == request_id for s in self._inbox):
+            if request_id in self._live_ids:
                 raise RequestError(f"duplicate request id {request_id!r}")
+            self._live_ids.add(request_id)
             self._inbox.append(seq)
 
     def abort_request(self, request_id: str) -> None:
@@ -171,13 +179,14 @@ class LLMEngine:
         outputs = self._take_inbox()
         # 2. Schedule under the token budget, running cap and KV capacity.
         batch = self.scheduler.schedule()
+        queue_lens = (len(self.scheduler.running), len(self.scheduler.waiting))
         if len(batch) > 0:
             # 3. Forward and sample the chunks that reach the end of their sequence.
             seqs = {c.request.request_id: self._seqs[c.request.request_id] for c in batch}
             result = self.runner.execute(batch, {rid: s.token_ids for rid, s in seqs.items()})
             states = [seqs[rid].sampling for rid in result.request_ids]
             sampled = sample(result.logits, states)
-            if self.hook is not None:
+            if self.hook is not None and result.request_ids:
                 self.hook(StepOutputs(result.request_ids, sampled.token_ids, result.logits, result.hidden))
             # 4. Append tokens, advance counters, stop what is done.
             for i, rid in enumerate(result.request_ids):
@@ -191,7 +200,7 @@ class LLMEngine:
             for rid in result.request_ids:
                 outputs.append(self._emit(seqs[rid], self._stop_reason(seqs[rid])))
             self._samples.append(
-                describe_batch(batch, self.scheduler, wall0, time.perf_counter() - t0)
+                describe_batch(batch, self.scheduler, wall0, time.perf_counter() - t0, queue_lens)
             )
         # 5. Publish the state this iteration left behind.
         self._snapshot_version += 1
@@ -232,13 +241,18 @@ class LLMEngine:
         A match must involve the newest token (older ones were checked before), so a
         window of a few tokens per stop-string character suffices.
         """
+        detokenize = self._load_detokenizer()
+        # Byte-level BPE may spend a token per byte, plus a few for merges at the edge.
+        window = max(len(s.encode()) for s in seq.params.stop) + 4
+        text = detokenize(seq.output_ids[-window:])
+        return any(s in text for s in seq.params.stop)
+
+    def _load_detokenizer(self) -> Callable[[list[int]], str]:
         if self._detokenize is None:
             from shared.model_store import load_tokenizer
 
             self._detokenize = load_tokenizer(self.config.model).decode
-        window = max(len(s) for s in seq.params.stop) + 4
-        text = self._detokenize(seq.output_ids[-window:])  # type: ignore[operator]
-        return any(s in text for s in seq.params.stop)
+        return self._detokenize
 
     def _emit(self, seq: Sequence, finish_reason: str | None) -> RequestOutput:
         """Hand out the tokens not yet emitted; finish the request if a reason is given."""
@@ -259,6 +273,8 @@ class LLMEngine:
         if finish_reason is not None:
             self.scheduler.finish(seq.sched)
             del self._seqs[seq.sched.request_id]
+            with self._lock:
+                self._live_ids.discard(seq.sched.request_id)
         return output
 
     # ---- observation -----------------------------------------------------------

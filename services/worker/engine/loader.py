@@ -63,8 +63,16 @@ def load_gguf(
     heads = int(field(f"{arch}.attention.head_count"))
     kv_heads = int(field(f"{arch}.attention.head_count_kv", heads))
     hidden = int(field(f"{arch}.embedding_length"))
-    eos = field("tokenizer.ggml.eos_token_id")
+    # Chat models end a turn with EOT/EOM (Llama 3's <|eot_id|>) as well as EOS.
+    eos_ids = tuple(
+        dict.fromkeys(
+            int(v)
+            for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+            if (v := field(f"tokenizer.ggml.{k}")) is not None
+        )
+    )
     bos = field("tokenizer.ggml.bos_token_id")
+    freq_factors: tuple[float, ...] | None = None
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         # GGUF lists dims fastest-first; numpy wants them slowest-first.
@@ -82,6 +90,10 @@ def load_gguf(
             key = "model.norm"
         elif name == "output":
             key = "lm_head"
+        elif name == "rope_freqs":
+            # Llama 3.1+ RoPE scaling, stored by llama.cpp as per-frequency divisors.
+            freq_factors = tuple(float(x) for x in w.reshape(-1))
+            continue
         elif name.startswith("blk."):
             _, idx, sub = name.split(".", 2)
             key = f"model.layers.{idx}.{_GGUF_LAYER_NAMES[sub]}"
@@ -109,7 +121,8 @@ def load_gguf(
         qk_norm=arch == "qwen3",
         attention_bias=arch == "qwen2",
         bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=() if eos is None else (int(eos),),
+        eos_token_ids=eos_ids,
+        rope_freq_factors=freq_factors,
         architecture="qwen3" if arch == "qwen3" else "llama",
     )
     return cfg, state
@@ -123,7 +136,16 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     cfg_file = root / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{root}: no config.json (expected a HF-format model directory)")
-    cfg = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+    raw = json.loads(cfg_file.read_text())
+    gen_file = root / "generation_config.json"
+    if gen_file.is_file():
+        # Chat checkpoints list their end-of-turn ids here (Qwen3, Llama 3).
+        gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        if gen_eos is not None:
+            ids = [raw.get("eos_token_id")] if not isinstance(raw.get("eos_token_id"), list) else raw["eos_token_id"]
+            extra = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+            raw["eos_token_id"] = [i for i in dict.fromkeys([*ids, *extra]) if i is not None]
+    cfg = ModelConfig.from_hf(raw)
     shards = sorted(root.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"{root}: no *.safetensors weights")

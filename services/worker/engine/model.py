@@ -34,6 +34,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
+    rope_freq_factors: tuple[float, ...] | None = None  # GGUF `rope_freqs`: inv_freq /= factor
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = True
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
@@ -48,6 +49,8 @@ class ModelConfig:
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
+        # transformers 5 writes RoPE settings (theta and scaling) as `rope_parameters`.
+        rope_params = cfg.get("rope_parameters") or {}
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
             vocab_size=cfg["vocab_size"],
@@ -58,8 +61,8 @@ class ModelConfig:
             num_key_value_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
+            rope_scaling=_rope_scaling(cfg.get("rope_scaling") or rope_params),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", True),
             qk_norm=arch.startswith("Qwen3"),
@@ -129,9 +132,21 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+def _rope_scaling(raw: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Normalise a rope_scaling / rope_parameters dict: None when it scales nothing."""
+    if not raw:
+        return None
+    kind = raw.get("rope_type", raw.get("type", "default"))
+    return None if kind in ("default", None) else dict(raw)
+
+
 def _rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if cfg.rope_freq_factors is not None:
+        if len(cfg.rope_freq_factors) != dim // 2:
+            raise ValueError(f"rope_freqs has {len(cfg.rope_freq_factors)} factors, expected {dim // 2}")
+        inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in ("default", None):
@@ -259,8 +274,8 @@ class Attention(nn.Module):
             )
         else:
             # New tokens sit at the end of the context: token i sees keys <= ctx - qlen + i.
-            rows = torch.arange(ctx - qlen, ctx).unsqueeze(1)
-            mask = torch.arange(ctx).unsqueeze(0) <= rows
+            rows = torch.arange(ctx - qlen, ctx, device=q.device).unsqueeze(1)
+            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
             o = F.scaled_dot_product_attention(
                 qh, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
             )

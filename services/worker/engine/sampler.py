@@ -24,10 +24,11 @@ class SamplingState:
     output_counts: dict[int, int]  # token id -> times generated (for penalties)
 
     @classmethod
-    def create(cls, params: SamplingParams) -> SamplingState:
+    def create(cls, params: SamplingParams, device: torch.device | str = "cpu") -> SamplingState:
+        """device: where the logits live; the generator must be on the same device."""
         gen = None
         if not params.is_greedy:
-            gen = torch.Generator()
+            gen = torch.Generator(device=device)
             if params.seed is not None:
                 gen.manual_seed(params.seed)
             else:
@@ -49,8 +50,8 @@ class SampleResult:
 def _apply_penalties(row: torch.Tensor, state: SamplingState) -> torch.Tensor:
     if not state.output_counts:
         return row
-    ids = torch.tensor(list(state.output_counts.keys()))
-    counts = torch.tensor(list(state.output_counts.values()), dtype=row.dtype)
+    ids = torch.tensor(list(state.output_counts.keys()), device=row.device)
+    counts = torch.tensor(list(state.output_counts.values()), dtype=row.dtype, device=row.device)
     row = row.clone()
     row[ids] -= counts * state.params.frequency_penalty + state.params.presence_penalty
     return row
@@ -92,7 +93,8 @@ def sample(logits: torch.Tensor, states: list[SamplingState]) -> SampleResult:
     if all(w is None for w in want):
         return SampleResult(token_ids, None, None)
     logp = torch.log_softmax(logits, dim=-1)
-    chosen = logp.gather(1, torch.tensor(token_ids).unsqueeze(1)).squeeze(1).tolist()
+    index = torch.tensor(token_ids, device=logits.device).unsqueeze(1)
+    chosen = logp.gather(1, index).squeeze(1).tolist()
     k_max = max((w or 0) for w in want)
     top: list[list[tuple[int, float]]] = [[] for _ in states]
     if k_max > 0:

@@ -220,6 +220,7 @@ class SimEngine:
         self._model = model
         self._seqs: dict[str, SimSequence] = {}
         self._inbox: list[SimSequence] = []
+        self._live_ids: set[str] = set()  # inbox + scheduled, guarded by _lock
         self._aborts: list[str] = []
         self._lock = threading.Lock()
         self._snapshot_version = 0
@@ -261,10 +262,9 @@ class SimEngine:
             raise RequestError(f"prompt token ids must be in [0, {self.vocab_size})")
         seq = self._new_sequence(request_id, n, params, predicted_output_tokens)
         with self._lock:
-            if request_id in self._seqs or any(
-                s.sched.request_id == request_id for s in self._inbox
-            ):
+            if request_id in self._live_ids:
                 raise RequestError(f"duplicate request id {request_id!r}")
+            self._live_ids.add(request_id)
             self._inbox.append(seq)
 
     def _new_sequence(
@@ -373,6 +373,8 @@ class SimEngine:
         if finish_reason is not None:
             self.scheduler.finish(seq.sched)
             del self._seqs[seq.sched.request_id]
+            with self._lock:
+                self._live_ids.discard(seq.sched.request_id)
         return output
 
     def _count(self, modeled_s: float, measured_s: float) -> None:
