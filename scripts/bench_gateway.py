@@ -1,0 +1,376 @@
+"""Benchmark: what the service path costs over calling the engine directly.
+
+Same model, same prompts, side by side in one run:
+
+  engine   an LLMEngine in this process: add_request, step() until done
+  gateway  HTTP -> gateway -> estimator -> NATS -> worker process -> NATS -> SSE,
+           with NATS, Redis, the estimator, one worker and the gateway each a
+           separate process on free ports (started and stopped here)
+
+Measures TTFT at concurrency 1 (--ttft-requests sequential requests, a short
+answer each) and output tokens/s with --streams concurrent streams of exactly
+--new-tokens tokens. The two paths alternate request by request (TTFT) and
+round by round (throughput), so a change in background load hits both alike.
+Prints the added TTFT p50/p99 and the tokens/s ratio, and as an anchor the bare
+NATS request/reply time between two processes and the load average; JSON to
+--out:
+
+  {"added_ttft_ms_p50": ..., "added_ttft_ms_p99": ..., "stream_tok_s_ratio": ..., ...}
+
+Targets (issue 3): added TTFT p50 <= 2 ms; the gateway keeps >= 90% of the
+engine's token rate at 16 streams.
+
+    python scripts/bench_gateway.py --model random-tiny --out results/bench_gateway.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from services.launcher.servers import free_port, start_nats, start_redis, stop_process_group  # noqa: E402
+from shared.model_store import load_tokenizer  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
+
+PROMPTS = [
+    "Explain why the sky is blue in two sentences.",
+    "Write a haiku about autumn leaves.",
+    "What is the capital of France, and why is it famous?",
+    "Give three tips for learning a new language.",
+    "Describe a cat to someone who has never seen one.",
+    "Summarize the plot of Romeo and Juliet.",
+    "List four prime numbers and explain what makes them prime.",
+    "How does a bicycle stay upright?",
+]
+
+CLUSTER = """
+namespace = "bench"
+nats_url = "{nats}"
+redis_url = "{redis}"
+[gateway]
+port = {port}
+max_in_flight = 1024
+[estimator]
+policy = "shortest-queue"
+[models.{model}]
+dtype = "{dtype}"
+[[instances]]
+model = "{model}"
+replicas = 1
+max_num_seqs = {max_num_seqs}
+max_num_batched_tokens = 512
+num_kv_blocks = {num_kv_blocks}
+max_model_len = 1024
+"""
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def chat_ids(tok: object, i: int) -> list[int]:
+    return tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])  # type: ignore[attr-defined]
+
+
+# -- engine, in process ---------------------------------------------------------
+
+
+class EngineSide:
+    """The baseline: an LLMEngine driven directly in this process."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from services.worker.engine.config import EngineConfig
+        from services.worker.engine.engine import LLMEngine
+
+        self.tok = load_tokenizer(args.model)
+        cfg = EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            max_num_seqs=max(16, args.streams),
+            num_kv_blocks=args.num_kv_blocks,
+            max_model_len=1024,
+            threads=1,
+        )
+        self.engine = LLMEngine.create(cfg)
+        self.num_requests = 0
+
+    def _add(self, i: int, max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.engine.add_request(f"r{self.num_requests}", chat_ids(self.tok, i), params)
+        self.num_requests += 1
+
+    def ttft_s(self, i: int, max_tokens: int) -> float:
+        t0 = time.perf_counter()
+        self._add(i, max_tokens)
+        first = 0.0
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if not first and out.new_token_ids:
+                    first = time.perf_counter() - t0
+        return first
+
+    def streams(self, num: int, max_tokens: int) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        for i in range(num):
+            self._add(i, max_tokens)
+        num_tokens = 0
+        while self.engine.has_unfinished():
+            num_tokens += sum(len(o.new_token_ids) for o in self.engine.step())
+        return num_tokens, time.perf_counter() - t0
+
+
+# -- through the gateway --------------------------------------------------------
+
+
+async def stream_one(client: httpx.AsyncClient, i: int, max_tokens: int) -> tuple[float, int]:
+    body = {
+        "model": "bench-model",
+        "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    ttft, num_tokens = 0.0, 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if not ttft and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                ttft = time.perf_counter() - t0
+            if chunk.get("usage"):
+                num_tokens = chunk["usage"]["completion_tokens"]
+    return ttft or (time.perf_counter() - t0), num_tokens
+
+
+async def gateway_streams(
+    client: httpx.AsyncClient, num: int, max_tokens: int
+) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(stream_one(client, i, max_tokens) for i in range(num)))
+    return sum(n for _, n in results), time.perf_counter() - t0
+
+
+async def measure(
+    args: argparse.Namespace, engine: EngineSide, base_url: str
+) -> dict[str, dict[str, float]]:
+    """Alternate the two paths round by round, so background load drifts hit both alike."""
+    limits = httpx.Limits(
+        max_connections=args.streams + 4, max_keepalive_connections=args.streams + 4
+    )
+    ttft: dict[str, list[float]] = {"engine": [], "gateway": []}
+    tokens = {"engine": 0, "gateway": 0}
+    wall = {"engine": 0.0, "gateway": 0.0}
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+        for i in range(3):  # warm-up both
+            engine.ttft_s(i, args.ttft_tokens)
+            await stream_one(client, i, args.ttft_tokens)
+        per_round = max(1, args.ttft_requests // args.rounds)
+        for r in range(args.rounds):
+            for i in range(per_round):
+                ttft["engine"].append(engine.ttft_s(i, args.ttft_tokens))
+                ttft["gateway"].append((await stream_one(client, i, args.ttft_tokens))[0])
+            for side in ("engine", "gateway") if r % 2 == 0 else ("gateway", "engine"):
+                if side == "engine":
+                    n, w = engine.streams(args.streams, args.new_tokens)
+                else:
+                    n, w = await gateway_streams(client, args.streams, args.new_tokens)
+                tokens[side] += n
+                wall[side] += w
+            print(f"  round {r + 1}/{args.rounds} done", flush=True)
+    return {
+        side: {
+            "ttft_ms_p50": 1e3 * percentile(ttft[side], 0.5),
+            "ttft_ms_p99": 1e3 * percentile(ttft[side], 0.99),
+            "tok_s": tokens[side] / wall[side],
+            "num_tokens": tokens[side],
+            "wall_s": wall[side],
+        }
+        for side in ("engine", "gateway")
+    }
+
+
+ECHO = """
+import asyncio, sys
+import nats
+async def main():
+    nc = await nats.connect(sys.argv[1])
+    async def echo(msg):
+        await nc.publish(msg.reply, msg.data)
+    await nc.subscribe("bench.echo", cb=echo)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
+async def nats_rtt_ms(nats_url: str, count: int = 200) -> list[float]:
+    """Round trips to an echo process: the price of one process hop on this machine now."""
+    import nats
+
+    echo = subprocess.Popen([sys.executable, "-c", ECHO, nats_url], start_new_session=True)
+    nc = await nats.connect(nats_url)
+    try:
+        for _ in range(100):
+            try:
+                await nc.request("bench.echo", b"x", timeout=0.2)
+                break
+            except Exception:
+                await asyncio.sleep(0.05)
+        rtts = []
+        for _ in range(count):
+            t0 = time.perf_counter()
+            await nc.request("bench.echo", b"x", timeout=2)
+            rtts.append(1e3 * (time.perf_counter() - t0))
+            await asyncio.sleep(0.002)
+        return rtts
+    finally:
+        await nc.close()
+        stop_process_group(echo, 5)
+
+
+def run_stack(args: argparse.Namespace, work: Path) -> tuple[list, str, str]:  # type: ignore[type-arg]
+    nats = start_nats("127.0.0.1", None, work / "nats")
+    redis = start_redis("127.0.0.1", None)
+    port = free_port()
+    text = CLUSTER.format(
+        nats=nats.url,
+        redis=redis.url,
+        port=port,
+        model=args.model,
+        dtype=args.dtype,
+        max_num_seqs=max(16, args.streams),
+        num_kv_blocks=args.num_kv_blocks,
+    )
+    text = text.replace(
+        "[estimator]", '[presets.bench-model]\nmodels = ["' + args.model + '"]\n[estimator]'
+    )
+    cluster = work / "cluster.toml"
+    cluster.write_text(text)
+    env = {
+        **os.environ,
+        "BATON_CLUSTER": str(cluster),
+        "OMP_NUM_THREADS": "1",
+        "BATON_LOG_LEVEL": "warning",
+    }
+    procs = [nats.process, redis.process]
+    for cmd in (
+        ["services.estimator"],
+        ["services.worker", "--model", args.model, "--instance-id", "bench-0"],
+        ["services.gateway"],
+    ):
+        log = open(work / f"{cmd[0]}.log", "ab")  # noqa: SIM115
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", *cmd],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return procs, base, nats.url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the stack did not become ready; logs in {work}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default="random-tiny", help="random-tiny (default) | smollm2-135m | ..."
+    )
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--streams", type=int, default=16, help="concurrent streams for tokens/s")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens per stream")
+    parser.add_argument(
+        "--ttft-requests", type=int, default=50, help="sequential requests for TTFT"
+    )
+    parser.add_argument("--ttft-tokens", type=int, default=2, help="tokens per TTFT request")
+    parser.add_argument("--num-kv-blocks", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating engine/gateway rounds")
+    parser.add_argument("--out", type=Path, default=None, help="write JSON here")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
+        print("starting nats, redis, estimator, worker, gateway ...", flush=True)
+        procs, base, nats_url = run_stack(args, Path(tmp))
+        try:
+            print(f"loading {args.model} ({args.dtype}) in process too ...", flush=True)
+            measured = asyncio.run(measure(args, EngineSide(args), base))
+            engine, gateway = measured["engine"], measured["gateway"]
+            rtts = asyncio.run(nats_rtt_ms(nats_url))
+        finally:
+            for p in reversed(procs):
+                stop_process_group(p, 15)
+    result = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "streams": args.streams,
+        "new_tokens": args.new_tokens,
+        "engine": engine,
+        "gateway": gateway,
+        "added_ttft_ms_p50": gateway["ttft_ms_p50"] - engine["ttft_ms_p50"],
+        "added_ttft_ms_p99": gateway["ttft_ms_p99"] - engine["ttft_ms_p99"],
+        "stream_tok_s_ratio": gateway["tok_s"] / engine["tok_s"],
+        # anchor: one bare NATS request/reply between two processes, measured in this run
+        "nats_rtt_ms_p50": percentile(rtts, 0.5),
+        "nats_rtt_ms_p99": percentile(rtts, 0.99),
+        "load_average_1m": os.getloadavg()[0],
+    }
+    print(f"\n{'':24}{'engine':>12}{'gateway':>12}{'added/ratio':>14}")
+    print(
+        f"{'TTFT p50 (ms)':24}{engine['ttft_ms_p50']:12.2f}{gateway['ttft_ms_p50']:12.2f}"
+        f"{result['added_ttft_ms_p50']:+14.2f}   target <= +2 ms"
+    )
+    print(
+        f"{'TTFT p99 (ms)':24}{engine['ttft_ms_p99']:12.2f}{gateway['ttft_ms_p99']:12.2f}"
+        f"{result['added_ttft_ms_p99']:+14.2f}"
+    )
+    print(
+        f"{f'tok/s @ {args.streams} streams':24}{engine['tok_s']:12.1f}{gateway['tok_s']:12.1f}"
+        f"{result['stream_tok_s_ratio']:14.3f}   target >= 0.90"
+    )
+    print(
+        f"{'NATS RTT (ms), anchor':24}{'':12}{result['nats_rtt_ms_p50']:12.2f}"
+        f"   p99 {result['nats_rtt_ms_p99']:.2f}; load average {result['load_average_1m']:.1f} "
+        f"on {os.cpu_count()} CPUs"
+    )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""python -m services.gateway [--cluster FILE]: the OpenAI endpoint (uvicorn + uvloop)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import uvicorn
+
+from shared.config import ConfigError, load_cluster
+from shared.logging import configure_logging
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m services.gateway", description="Serve the OpenAI API."
+    )
+    parser.add_argument(
+        "--cluster", help="cluster file (default $BATON_CLUSTER or configs/local.toml)"
+    )
+    parser.add_argument("--gateway-id", help="unique gateway id (default gw-host-pid)")
+    args = parser.parse_args(argv)
+    log = configure_logging("gateway")
+    try:
+        cluster = load_cluster(args.cluster)
+    except ConfigError as exc:
+        log.error("bad_config", error=str(exc))
+        return 2
+    from services.gateway.app import create_app
+    from services.gateway.config import GatewayServiceConfig
+
+    cfg = GatewayServiceConfig.from_cluster(cluster, args.gateway_id)
+    app = create_app(cfg)
+    log.info("gateway_listening", url=f"http://{cluster.gateway.host}:{cluster.gateway.port}/v1")
+    uvicorn.run(
+        app,
+        host=cluster.gateway.host,
+        port=cluster.gateway.port,
+        loop="uvloop",
+        http="httptools",
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=10,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""One completion request, from HTTP body to the last SSE chunk.
+
+    parse -> tokenize -> check limits -> admit -> route -> submit -> first event
+          -> stream (SSE chunks) or collect (one JSON body)
+
+The output side (events to SSE or JSON) is `generation.Generation`.
+Everything that can be checked before routing is checked here, so bad input
+gets a 4xx without touching a worker; what only the engine can judge comes back
+as a RequestFailed event before any byte is sent.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from services.gateway.generation import Generation, failure
+from services.gateway.protocol import (
+    CHAT_DECODER,
+    COMPLETION_DECODER,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from services.gateway.service import GatewayError, GatewayService
+from shared.messages.gateway import RequestFailed
+from shared.sampling import SamplingParams
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
+    return GatewayError(400, message, "invalid_request_error", code, param)
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready to route."""
+
+    request_id: str
+    is_chat: bool
+    body: ChatCompletionRequest | CompletionRequest
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tokenizer: Any
+    arrival_time_s: float = field(default_factory=time.time)
+    t0: float = field(default_factory=time.perf_counter)
+
+
+def prepare(service: GatewayService, raw: bytes, is_chat: bool) -> Prepared:
+    """Parse and validate; raises GatewayError (4xx/503) with a user-facing message."""
+    if len(raw) > service.settings.max_request_bytes:
+        raise GatewayError(
+            413,
+            f"request body over {service.settings.max_request_bytes} bytes",
+            "invalid_request_error",
+        )
+    try:
+        body: ChatCompletionRequest | CompletionRequest = (
+            CHAT_DECODER if is_chat else COMPLETION_DECODER
+        ).decode(raw)
+    except msgspec.ValidationError as exc:
+        raise bad_request(f"invalid request: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    if body.n != 1:
+        raise bad_request("only n=1 is supported", "n")
+    if not service.cluster.candidates(body.model):
+        known = sorted([*service.cluster.models, *service.cluster.presets])
+        raise GatewayError(
+            404,
+            f"the model {body.model!r} does not exist; available: {', '.join(known)}",
+            "invalid_request_error",
+            "model_not_found",
+            "model",
+        )
+    tokenizer = service.tokenizer(body.model)
+    prompt_ids = _tokenize(body, tokenizer)
+    if not prompt_ids:
+        raise bad_request("the prompt is empty", "prompt")
+
+    serving = service.serving(body.model)
+    if not serving:
+        raise GatewayError(
+            503,
+            f"no live worker serves model {body.model!r}; retry later",
+            "service_unavailable",
+            "no_worker",
+            retry_after_s=service.settings.retry_after_s,
+        )
+    max_model_len = min(w.max_model_len for w in serving)
+    requested = (
+        body.max_completion_tokens
+        if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None
+        else body.max_tokens
+    )
+    if requested is None:
+        room = max_model_len - len(prompt_ids)
+        requested = (
+            room if is_chat else min(service.settings.default_completion_max_tokens, max(room, 1))
+        )
+    params = _sampling_params(body, requested)
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    if len(prompt_ids) + params.max_tokens > max_model_len:
+        raise bad_request(
+            f"this model's maximum context length is {max_model_len} tokens; you requested "
+            f"{len(prompt_ids) + params.max_tokens} tokens ({len(prompt_ids)} in the prompt, "
+            f"{params.max_tokens} for the completion). Shorten the prompt or lower max_tokens.",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+    prefix = "chatcmpl-" if is_chat else "cmpl-"
+    return Prepared(prefix + uuid.uuid4().hex, is_chat, body, prompt_ids, params, tokenizer)
+
+
+def _tokenize(body: ChatCompletionRequest | CompletionRequest, tokenizer: Any) -> list[int]:
+    if isinstance(body, ChatCompletionRequest):
+        if not body.messages:
+            raise bad_request("messages must not be empty", "messages")
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from None
+        return list(tokenizer.apply_chat_template(messages))
+    if body.echo:
+        raise bad_request("echo is not supported", "echo")
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt))
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [int(p) for p in prompt]
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return list(tokenizer.encode(prompt[0]))
+    raise bad_request(
+        "prompt must be a string, a list of token ids, or a list with exactly one string", "prompt"
+    )
+
+
+def _sampling_params(
+    body: ChatCompletionRequest | CompletionRequest, max_tokens: int
+) -> SamplingParams:
+    if isinstance(body, ChatCompletionRequest):
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        logprobs = body.logprobs
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        seed=body.seed,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        stop=body.stop_list,
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+    )
+
+
+async def handle(service: GatewayService, raw: bytes, is_chat: bool) -> Response:
+    """The whole request; GatewayError propagates to the app's error handler."""
+    p = prepare(service, raw, is_chat)
+    service.admit()
+    try:
+        reply = await service.route(
+            p.request_id, p.body.model, len(p.prompt_token_ids), p.params.max_tokens
+        )
+        stream = await service.submit(
+            reply, p.request_id, p.prompt_token_ids, p.params, p.arrival_time_s
+        )
+    except BaseException:
+        service.release()
+        raise
+    run = Generation(service, p, stream, reply.model or p.body.model)
+    try:
+        first = await run.next_event()
+    except BaseException:
+        run.close()
+        raise
+    if isinstance(first, RequestFailed):
+        run.is_engine_done = True
+        run.close()
+        raise failure(first)
+    headers = {"X-Request-Id": p.request_id, "X-Instance-Id": stream.instance_id}
+    if p.body.stream:
+        return StreamingResponse(
+            run.sse(first),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", **headers},
+        )
+    try:
+        return JSONResponse(await run.collect(first), headers=headers)
+    finally:
+        run.close()

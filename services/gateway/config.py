@@ -1,0 +1,24 @@
+"""The gateway's configuration: one frozen object built once at start."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from shared.config import ClusterConfig, Env, GatewayConfig
+
+
+@dataclass(frozen=True)
+class GatewayServiceConfig:
+    gateway_id: str  # a subject token, unique per gateway process
+    cluster: ClusterConfig
+    settings: GatewayConfig
+
+    @classmethod
+    def from_cluster(
+        cls, cluster: ClusterConfig, gateway_id: str | None = None
+    ) -> GatewayServiceConfig:
+        gid = gateway_id or Env.GATEWAY_ID.get() or f"gw-{socket.gethostname()}-{os.getpid()}"
+        gid = "".join(c if c.isalnum() or c in "-_" else "-" for c in gid)
+        return cls(gateway_id=gid, cluster=cluster, settings=cluster.gateway)

@@ -1,0 +1,231 @@
+"""The output side of one admitted request: worker events in, SSE chunks or one JSON body out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from services.gateway.protocol import SSE_DONE, error_body, sse, usage
+from services.gateway.service import GatewayError, GatewayService
+from services.gateway.streams import RequestStream
+from services.gateway.text import TextStream
+from shared.messages.gateway import GatewayEvent, RequestFailed, TokenDelta
+
+if TYPE_CHECKING:
+    from services.gateway.completions import Prepared
+
+
+def failure(event: RequestFailed) -> GatewayError:
+    return GatewayError(
+        event.status,
+        event.message,
+        "invalid_request_error" if event.status < 500 else "service_unavailable",
+    )
+
+
+class Generation:
+    """The output side of one admitted request: events in, text pieces and usage out."""
+
+    def __init__(
+        self, service: GatewayService, p: Prepared, stream: RequestStream, model: str
+    ) -> None:
+        self.service = service
+        self.p = p
+        self.stream = stream
+        self.model = model
+        self.created = int(p.arrival_time_s)
+        eos = getattr(p.tokenizer, "eos_token_id", None)
+        skip = set() if eos is None or p.params.ignore_eos else {eos}
+        self.text = TextStream(p.tokenizer, p.params.stop, skip)
+        self.num_prompt_tokens = len(p.prompt_token_ids)
+        self.finish_reason: str | None = None
+        self.is_finished = False  # the answer is complete (the client got or gets all of it)
+        self.is_engine_done = False  # the worker sends nothing more: no abort needed
+        self._closed = False
+        self._last_token_t: float | None = None
+        service.metrics.queued.inc()
+
+    async def next_event(self) -> GatewayEvent:
+        try:
+            return await asyncio.wait_for(
+                self.stream.events.get(), self.service.settings.event_timeout_s
+            )
+        except TimeoutError:
+            raise GatewayError(
+                504, "the worker did not answer in time", "timeout", "worker_timeout"
+            ) from None
+
+    async def pieces(
+        self, first: GatewayEvent
+    ) -> AsyncIterator[tuple[str, list[int], list[float]]]:
+        """(new text, new token ids, their logprobs) per delta, until the request finishes."""
+        event: GatewayEvent | None = first
+        while True:
+            if event is None:
+                event = await self.next_event()
+            if isinstance(event, RequestFailed):
+                self.is_engine_done = True
+                raise failure(event)
+            assert isinstance(event, TokenDelta)
+            self.num_prompt_tokens = event.num_prompt_tokens
+            text, ids, lps = self.text.add(event.position, event.token_ids, event.logprobs)
+            self._observe(len(ids))
+            if event.finish_reason is not None and not self.text.assembler.has_gap:
+                self.finish_reason = event.finish_reason
+            elif self.text.is_stopped:
+                self.finish_reason = "stop"  # the gateway saw the stop string first: cut here
+            if self.finish_reason is not None:
+                self.is_finished = True
+                self.is_engine_done = event.finish_reason is not None
+                text += self.text.finish()
+                yield text, ids, lps
+                return
+            yield text, ids, lps
+            event = None
+
+    def _observe(self, num_new: int) -> None:
+        if num_new == 0:
+            return
+        now = time.perf_counter()
+        m = self.service.metrics
+        if self._last_token_t is None:
+            m.ttft_s.labels(self.model).observe(now - self.p.t0)
+            m.queued.dec()
+        else:
+            m.itl_s.labels(self.model).observe(now - self._last_token_t)
+        self._last_token_t = now
+        m.output_tokens.labels(self.model).inc(num_new)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.text.assembler.token_ids)
+
+    def _logprobs(self, ids: list[int], lps: list[float]) -> Any:
+        if self.p.params.logprobs is None or not lps:
+            return None
+        tokens = [self.text.token_text(t) for t in ids]
+        if self.p.is_chat:
+            return {
+                "content": [
+                    {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                    for t, lp in zip(tokens, lps, strict=False)
+                ]
+            }
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": None}
+
+    async def collect(self, first: GatewayEvent) -> dict:
+        parts: list[str] = []
+        all_ids: list[int] = []
+        all_lps: list[float] = []
+        async for text, ids, lps in self.pieces(first):
+            parts.append(text)
+            all_ids.extend(ids)
+            all_lps.extend(lps)
+        text = "".join(parts)
+        logprobs = self._logprobs(all_ids, all_lps)
+        if self.p.is_chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": self.finish_reason,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": self.finish_reason,
+            }
+            obj = "text_completion"
+        return {
+            "id": self.p.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage(self.num_prompt_tokens, self.num_output_tokens),
+        }
+
+    async def sse(self, first: GatewayEvent) -> AsyncIterator[bytes]:
+        include_usage = self.p.body.include_usage
+        obj = "chat.completion.chunk" if self.p.is_chat else "text_completion"
+        head = {
+            "id": self.p.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+        }
+        extra = {"usage": None} if include_usage else {}
+        try:
+            if self.p.is_chat:
+                yield sse(
+                    {
+                        **head,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                        **extra,
+                    }
+                )
+            async for text, ids, lps in self.pieces(first):
+                if not text and not ids and self.finish_reason is None:
+                    continue
+                lp = self._logprobs(ids, lps)
+                if self.p.is_chat:
+                    choice = {
+                        "index": 0,
+                        "delta": {"content": text} if text else {},
+                        "logprobs": lp,
+                        "finish_reason": self.finish_reason,
+                    }
+                else:
+                    choice = {
+                        "index": 0,
+                        "text": text,
+                        "logprobs": lp,
+                        "finish_reason": self.finish_reason,
+                    }
+                yield sse({**head, "choices": [choice], **extra})
+            if include_usage:
+                yield sse(
+                    {
+                        **head,
+                        "choices": [],
+                        "usage": usage(self.num_prompt_tokens, self.num_output_tokens),
+                    }
+                )
+            yield SSE_DONE
+        except GatewayError as exc:  # headers are sent: report in-band, as OpenAI does
+            self._count(str(exc.status))
+            yield sse(error_body(exc.message, exc.type, exc.code))
+            yield SSE_DONE
+        finally:
+            self.close()
+
+    def _count(self, status: str) -> None:
+        self.service.metrics.requests.labels(self.model, status).inc()
+
+    def close(self) -> None:
+        """Release admission, abort on the worker if it still runs, record metrics. Idempotent, no awaits
+        (it runs in `finally` of a cancelled stream)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._last_token_t is None:
+            self.service.metrics.queued.dec()
+        self.service.finish(self.stream, aborted=not self.is_engine_done)
+        self.service.release()
+        if self.is_finished:
+            self._count("200")
+            self.service.metrics.e2e_s.labels(self.model).observe(time.perf_counter() - self.p.t0)
+        elif not self.is_engine_done:
+            self._count("499")

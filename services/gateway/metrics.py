@@ -1,0 +1,61 @@
+"""Prometheus metrics of one gateway (a registry per app, so tests can run several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "baton_requests",
+            "HTTP requests answered, by model and status",
+            ["model", "status"],
+            registry=r,
+        )
+        self.ttft_s = Histogram(
+            "baton_ttft_seconds",
+            "time to first token",
+            ["model"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.itl_s = Histogram(
+            "baton_itl_seconds",
+            "time between streamed deltas",
+            ["model"],
+            buckets=_ITL_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e_s = Histogram(
+            "baton_e2e_seconds",
+            "request latency, end to end",
+            ["model"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.output_tokens = Counter(
+            "baton_output_tokens", "tokens generated", ["model"], registry=r
+        )
+        self.in_flight = Gauge(
+            "baton_in_flight_requests", "requests admitted and not finished", registry=r
+        )
+        self.queued = Gauge(
+            "baton_queued_requests",
+            "admitted requests still waiting for their first token",
+            registry=r,
+        )
+        self.instance_requests = Gauge(
+            "baton_instance_requests",
+            "requests per instance by state, from its latest snapshot",
+            ["instance", "state"],
+            registry=r,
+        )
+        self.live_workers = Gauge(
+            "baton_live_workers", "registered, non-draining workers", registry=r
+        )

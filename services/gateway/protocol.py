@@ -1,0 +1,105 @@
+"""OpenAI HTTP request bodies (msgspec, validated on decode) and response encoding.
+
+These are the public HTTP API, not Baton wire types, so they live with the
+gateway. Decoding with msgspec gives exact, user-facing type errors
+("Expected `int`, got `str` - at `$.max_tokens`") for free.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool = False  # send a final chunk with token counts
+
+
+class ContentPart(msgspec.Struct, frozen=True):
+    type: str  # only "text" is served
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str  # system | user | assistant | developer | tool
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.type != "text":
+                raise ValueError(
+                    f"content parts of type {part.type!r} are not supported (text only)"
+                )
+            parts.append(part.text or "")
+        return "".join(parts)
+
+
+class _CommonRequest(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    ignore_eos: bool = False  # extension (vLLM): benchmarks pin output lengths
+    user: str | None = None
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(_CommonRequest, frozen=True, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(_CommonRequest, frozen=True, kw_only=True):
+    prompt: str | list[str | int]  # a string, token ids, or a one-string list
+    logprobs: int | None = None  # OpenAI legacy: an int enables logprobs
+    echo: bool = False
+
+
+# Pre-built codecs: decoding happens once per HTTP request, encoding once per chunk.
+CHAT_DECODER = msgspec.json.Decoder(ChatCompletionRequest)
+COMPLETION_DECODER = msgspec.json.Decoder(CompletionRequest)
+JSON = msgspec.json.Encoder()
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: object) -> bytes:
+    """One server-sent event carrying `obj` as JSON, pre-encoded."""
+    return b"data: " + JSON.encode(obj) + b"\n\n"
+
+
+def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": num_prompt_tokens + num_output_tokens,
+    }

@@ -1,0 +1,265 @@
+"""The gateway's non-HTTP half: bus, store, worker directory, routing and submission.
+
+The HTTP handlers (app.py) call `admit` -> `route` -> `submit`, then read the
+request's event queue; this object owns the connections and background tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import msgspec
+
+from services.gateway.config import GatewayServiceConfig
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.streams import RequestStream, StreamManager
+from shared import subjects
+from shared.bus import Bus, is_no_responders
+from shared.logging import get_logger
+from shared.messages.estimator import (
+    ROUTE_REPLY_DECODER,
+    RequestDoneEvent,
+    RouteReply,
+    RouteRequest,
+)
+from shared.messages.gateway import DELTA_BATCH_DECODER
+from shared.messages.registry import WorkerInfo, departed
+from shared.messages.worker import AbortRequest, SubmitRequest
+from shared.sampling import SamplingParams
+from shared.scheduling.snapshot import WorkloadSnapshot
+from shared.store import Store
+
+log = get_logger(component="gateway")
+_SNAPSHOT_DECODER = msgspec.msgpack.Decoder(WorkloadSnapshot)
+
+
+class GatewayError(Exception):
+    """An HTTP error for one request, in OpenAI's format."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+
+class GatewayService:
+    def __init__(self, cfg: GatewayServiceConfig) -> None:
+        self.cfg = cfg
+        self.cluster = cfg.cluster
+        self.settings = cfg.settings
+        ns = cfg.cluster.namespace
+        self.inbox_subject = subjects.gateway_inbox(ns, cfg.gateway_id)
+        self._route_subject = subjects.estimator_route(ns)
+        self._events_subject = subjects.estimator_events(ns)
+        self.bus = Bus(cfg.cluster.nats_url, name=f"gateway-{cfg.gateway_id}")
+        self.store = Store(cfg.cluster.redis_url, ns)
+        self.streams = StreamManager()
+        self.metrics = GatewayMetrics()
+        self.workers: dict[str, WorkerInfo] = {}  # live instances, refreshed from Redis
+        self.num_in_flight = 0
+        self._tokenizers: dict[str, Any] = {}
+        self._refresh_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.bus.connect()
+        await self.store.connect()
+        await self.bus.subscribe(self.inbox_subject, DELTA_BATCH_DECODER, self.streams.on_batch)
+        await self.bus.flush()
+        for model in self.cluster.models:  # load tokenizers before the first request
+            try:
+                self.tokenizer(model)
+            except GatewayError as exc:  # e.g. a model not built yet: its requests get 503
+                log.warning("tokenizer_unavailable", model=model, error=exc.message)
+        await self._refresh_workers()
+        self._refresh_task = asyncio.create_task(self._refresh_loop(), name="registry-refresh")
+        log.info("gateway_ready", gateway_id=self.cfg.gateway_id, live_workers=len(self.workers))
+
+    async def close(self) -> None:
+        if self._refresh_task is not None:
+            self._refresh_task.cancel()
+            await asyncio.wait([self._refresh_task], timeout=2.0)
+        if self._background:
+            await asyncio.wait(self._background, timeout=2.0)
+        await self.bus.close()
+        await self.store.close()
+
+    def tokenizer(self, model: str) -> Any:
+        """The tokenizer of a real model or preset; GatewayError 503 if it cannot load."""
+        name = self.cluster.tokenizer_for(model)
+        tok = self._tokenizers.get(name)
+        if tok is None:
+            from shared.model_store import load_tokenizer
+
+            try:
+                tok = self._tokenizers[name] = load_tokenizer(name)
+            except (OSError, ValueError) as exc:
+                raise GatewayError(
+                    503,
+                    f"model {model!r} is not available here: {exc}",
+                    "service_unavailable",
+                    "model_unavailable",
+                ) from None
+        return tok
+
+    # -- worker directory ------------------------------------------------------
+
+    def serving(self, model: str) -> list[WorkerInfo]:
+        """Live, non-draining instances that can serve `model` (a real model or a preset)."""
+        candidates = set(self.cluster.candidates(model))
+        return [w for w in self.workers.values() if w.model in candidates and not w.is_draining]
+
+    @property
+    def is_ready(self) -> bool:
+        return self.bus.is_connected and any(not w.is_draining for w in self.workers.values())
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.registry_refresh_s)
+            try:
+                await self._refresh_workers()
+            except Exception as exc:
+                log.warning("registry_refresh_failed", error=str(exc))
+
+    async def _refresh_workers(self) -> None:
+        live = {w.instance_id: w for w in await self.store.live_workers()}
+        for gone in departed(self.workers, live):
+            num = self.streams.fail_instance(
+                gone, f"worker {gone} went away while serving the request"
+            )
+            log.warning("worker_gone", instance_id=gone, num_failed=num)
+            for state in ("running", "waiting"):
+                with contextlib.suppress(KeyError):
+                    self.metrics.instance_requests.remove(gone, state)
+        self.workers = live
+        self.metrics.live_workers.set(sum(not w.is_draining for w in live.values()))
+        snapshots = await self.store.read_snapshots(list(live))
+        for iid, blob in snapshots.items():
+            if blob is None:
+                continue
+            snap = _SNAPSHOT_DECODER.decode(blob.data)
+            self.metrics.instance_requests.labels(iid, "running").set(len(snap.running))
+            self.metrics.instance_requests.labels(iid, "waiting").set(len(snap.waiting))
+
+    # -- one request -----------------------------------------------------------
+
+    def admit(self) -> None:
+        if self.num_in_flight >= self.settings.max_in_flight:
+            raise GatewayError(
+                429,
+                f"too many requests in flight (limit {self.settings.max_in_flight}); retry shortly",
+                "rate_limit_error",
+                "too_many_requests",
+                retry_after_s=self.settings.retry_after_s,
+            )
+        self.num_in_flight += 1
+        self.metrics.in_flight.set(self.num_in_flight)
+
+    def release(self) -> None:
+        self.num_in_flight -= 1
+        self.metrics.in_flight.set(self.num_in_flight)
+
+    async def route(
+        self, request_id: str, model: str, num_prompt_tokens: int, max_tokens: int
+    ) -> RouteReply:
+        """Ask the estimator which instance serves this request.
+
+        With `route_single_locally`, a model that only one live instance serves is
+        routed here without the round trip: there is nothing to choose.
+        """
+        if self.settings.route_single_locally:
+            serving = self.serving(model)
+            if len(serving) == 1:
+                w = serving[0]
+                return RouteReply(
+                    request_id=request_id, instance_id=w.instance_id, model=w.model, inbox=w.inbox
+                )
+        req = RouteRequest(
+            request_id=request_id,
+            model=model,
+            num_prompt_tokens=num_prompt_tokens,
+            max_tokens=max_tokens,
+        )
+        try:
+            reply = await self.bus.request(
+                self._route_subject,
+                req,
+                ROUTE_REPLY_DECODER,
+                timeout_s=self.settings.route_timeout_s,
+            )
+        except Exception as exc:
+            if not (is_no_responders(exc) or isinstance(exc, TimeoutError)):
+                raise
+            raise GatewayError(
+                503,
+                "no estimator answered; the service is starting or overloaded",
+                "service_unavailable",
+                "no_estimator",
+                retry_after_s=self.settings.retry_after_s,
+            ) from None
+        if reply.instance_id is None:
+            raise GatewayError(
+                503,
+                reply.error or f"no worker serves model {model!r}",
+                "service_unavailable",
+                "no_worker",
+                retry_after_s=max(1, round(reply.retry_after_s)),
+            )
+        return reply
+
+    async def submit(
+        self,
+        reply: RouteReply,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time_s: float,
+    ) -> RequestStream:
+        assert reply.instance_id is not None and reply.inbox is not None
+        stream = self.streams.open(request_id, reply.instance_id)
+        msg = SubmitRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            reply_to=self.inbox_subject,
+            arrival_time_s=arrival_time_s,
+        )
+        await self.bus.publish(reply.inbox, msg)
+        return stream
+
+    def finish(self, stream: RequestStream, *, aborted: bool) -> None:
+        """The request is over for this gateway: abort it on the worker if needed, tell the estimators."""
+        self.streams.close(stream.request_id)
+        inbox = self.workers.get(stream.instance_id)
+        if aborted and inbox is not None:
+            self._spawn(self.bus.publish(inbox.inbox, AbortRequest(request_id=stream.request_id)))
+        done = RequestDoneEvent(request_id=stream.request_id, instance_id=stream.instance_id)
+        self._spawn(self.bus.publish(self._events_subject, done))
+
+    def _spawn(self, coro: Any) -> None:
+        """Fire a publish that must not be cancelled with the HTTP handler, but keep its errors visible."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._background.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.warning("publish_failed", error=repr(t.exception()))
+
+        task.add_done_callback(done)

@@ -1,0 +1,133 @@
+"""Token ids -> text for one request: merge by position, detokenize, cut at stop strings."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class OutputAssembler:
+    """Merges token deltas by position: duplicates are dropped, early arrivals wait for the gap."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self._early: dict[int, tuple[list[int], list[float] | None]] = {}
+
+    def add(
+        self, position: int, token_ids: list[int], logprobs: list[float] | None
+    ) -> tuple[list[int], list[float]]:
+        """Accept a delta; return the tokens (and logprobs) that became contiguous."""
+        self._early[position] = (token_ids, logprobs)
+        start = len(self.token_ids)
+        while True:
+            # the earliest held delta that reaches the end of what we have
+            usable = [p for p in self._early if p <= len(self.token_ids)]
+            if not usable:
+                break
+            p = min(usable)
+            ids, lps = self._early.pop(p)
+            skip = len(self.token_ids) - p
+            self.token_ids.extend(ids[skip:])
+            if lps is not None:
+                self.logprobs.extend(lps[skip:])
+        return self.token_ids[start:], self.logprobs[start:]
+
+    @property
+    def has_gap(self) -> bool:
+        return bool(self._early)
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing token list without ever splitting a multi-byte character.
+
+    Text is released only once decoding no longer ends in U+FFFD (an incomplete
+    UTF-8 sequence); a short window of earlier tokens is re-decoded so byte-level
+    merges across token boundaries come out right.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_ids: set[int]) -> None:
+        self._tok = tokenizer
+        self._skip = skip_ids
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def add(self, token_ids: list[int]) -> str:
+        self._ids.extend(t for t in token_ids if t not in self._skip)
+        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._tok.decode(self._ids[self._prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            return full[len(prefix) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (at the end of the answer)."""
+        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._tok.decode(self._ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full[len(prefix) :] if len(full) > len(prefix) else ""
+
+
+class StopStringCutter:
+    """Holds back text that might be the start of a stop string; cuts at the first match."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self._stops = stops
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self._buffer = ""
+        self.is_stopped = False
+
+    def push(self, text: str) -> str:
+        if self.is_stopped:
+            return ""
+        if not self._stops:
+            return text
+        self._buffer += text
+        hits = [i for i in (self._buffer.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self.is_stopped = True
+            out, self._buffer = self._buffer[: min(hits)], ""
+            return out
+        cut = max(0, len(self._buffer) - self._hold)
+        out, self._buffer = self._buffer[:cut], self._buffer[cut:]
+        return out
+
+    def flush(self) -> str:
+        out, self._buffer = ("" if self.is_stopped else self._buffer), ""
+        return out
+
+
+class TextStream:
+    """Position merge + detokenizer + stop cutter for one request."""
+
+    def __init__(self, tokenizer: Any, stops: list[str], skip_ids: set[int]) -> None:
+        self.assembler = OutputAssembler()
+        self._detok = IncrementalDetokenizer(tokenizer, skip_ids)
+        self._cutter = StopStringCutter(stops)
+        self._tok = tokenizer
+        self._skip = skip_ids
+
+    def add(
+        self, position: int, token_ids: list[int], logprobs: list[float] | None
+    ) -> tuple[str, list[int], list[float]]:
+        new_ids, new_lps = self.assembler.add(position, token_ids, logprobs)
+        return self._cutter.push(self._detok.add(new_ids)), new_ids, new_lps
+
+    @property
+    def is_stopped(self) -> bool:
+        """A stop string appeared: nothing more will be released."""
+        return self._cutter.is_stopped
+
+    def finish(self) -> str:
+        return self._cutter.push(self._detok.flush()) + self._cutter.flush()
+
+    def token_text(self, token_id: int) -> str:
+        return "" if token_id in self._skip else self._tok.decode([token_id])

@@ -1,0 +1,51 @@
+"""python -m services.launcher [cluster.toml]: run NATS, Redis and every Baton service locally."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from shared.config import DEFAULT_CLUSTER_FILE, ConfigError, Env, load_cluster
+
+
+def main(argv: list[str] | None = None) -> int:
+    env_help = "\n".join(f"  {v.name:<20} {v.help}" for v in Env.all())
+    parser = argparse.ArgumentParser(
+        prog="python -m services.launcher",
+        description="Start NATS and Redis (when none is reachable), then the estimator, one worker per "
+        "model instance and the gateway; serve the OpenAI API; stop everything on Ctrl-C.",
+        epilog=f"environment variables:\n{env_help}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "cluster",
+        nargs="?",
+        help=f"cluster file (default $BATON_CLUSTER or {DEFAULT_CLUSTER_FILE})",
+    )
+    parser.add_argument(
+        "--log-dir", default=None, help="per-service logs (default $BATON_LOG_DIR or logs/)"
+    )
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for a worker (default 600)",
+    )
+    args = parser.parse_args(argv)
+    path = Path(args.cluster or Env.CLUSTER.get() or DEFAULT_CLUSTER_FILE)
+    try:
+        cluster = load_cluster(path)
+    except ConfigError as exc:
+        print(f"baton: {exc}", file=sys.stderr)
+        return 2
+    from services.launcher.launcher import Launcher
+
+    log_dir = Path(args.log_dir or Env.LOG_DIR.get() or "logs")
+    return Launcher(
+        cluster, path.resolve(), log_dir.resolve(), ready_timeout_s=args.ready_timeout
+    ).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

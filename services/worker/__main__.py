@@ -1,0 +1,65 @@
+"""python -m services.worker --model NAME [--cluster FILE] [--instance-id ID]"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+from shared.config import ConfigError, Env, load_cluster
+from shared.logging import configure_logging
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m services.worker", description="Run one model instance."
+    )
+    parser.add_argument(
+        "--cluster", help="cluster file (default $BATON_CLUSTER or configs/local.toml)"
+    )
+    parser.add_argument("--model", help="model to serve (default $BATON_MODEL)")
+    parser.add_argument("--instance-id", help="unique instance id (default model-host-pid)")
+    args = parser.parse_args(argv)
+    log = configure_logging("worker")
+    try:
+        cluster = load_cluster(args.cluster)
+        model = args.model or Env.MODEL.get()
+        if not model:
+            raise ConfigError("no model given: pass --model or set BATON_MODEL")
+        os.environ.setdefault("OMP_NUM_THREADS", str(cluster.instance_for(model).threads))
+        from services.worker.config import WorkerServiceConfig
+        from services.worker.service import WorkerService
+
+        cfg = WorkerServiceConfig.from_cluster(cluster, model, args.instance_id)
+    except ConfigError as exc:
+        log.error("bad_config", error=str(exc))
+        return 2
+    if cfg.model_config.engine == "torch":  # sim workers never import torch
+        import torch
+
+        torch.set_num_threads(cfg.instance.threads)
+    # The step thread holds the GIL between kernels; a short switch interval lets
+    # the event loop take inbox messages and flush deltas during a step.
+    sys.setswitchinterval(0.001)
+    service = WorkerService(cfg)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, service.request_stop)
+        await service.run()
+
+    try:
+        import uvloop
+
+        uvloop.run(run())
+    except Exception:
+        log.exception("worker_failed")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The worker service's configuration: one frozen object built once at start."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from shared.config import ClusterConfig, ConfigError, Env, InstanceConfig, ModelConfig
+
+if TYPE_CHECKING:
+    from services.worker.engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class WorkerServiceConfig:
+    instance_id: str  # unique per process; a subject token
+    model: str  # real model served
+    namespace: str
+    nats_url: str
+    redis_url: str
+    model_config: ModelConfig  # engine kind, dtype, device, batch-time model, sim settings
+    instance: InstanceConfig  # scheduler limits, threads, seed
+    heartbeat_interval_s: float
+    heartbeat_ttl_s: float
+    drain_timeout_s: float
+    snapshot_ttl_s: float
+    max_batch_samples: int
+
+    @classmethod
+    def from_cluster(
+        cls, cluster: ClusterConfig, model: str, instance_id: str | None = None
+    ) -> WorkerServiceConfig:
+        if model not in cluster.models:
+            raise ConfigError(
+                f"unknown model {model!r}; the cluster file has {sorted(cluster.models)}"
+            )
+        return cls(
+            instance_id=instance_id or Env.INSTANCE_ID.get() or default_instance_id(model),
+            model=model,
+            namespace=cluster.namespace,
+            nats_url=cluster.nats_url,
+            redis_url=cluster.redis_url,
+            model_config=cluster.models[model],
+            instance=cluster.instance_for(model),
+            heartbeat_interval_s=cluster.worker.heartbeat_interval_s,
+            heartbeat_ttl_s=cluster.worker.heartbeat_ttl_s,
+            drain_timeout_s=cluster.worker.drain_timeout_s,
+            snapshot_ttl_s=cluster.worker.snapshot_ttl_s,
+            max_batch_samples=cluster.worker.max_batch_samples,
+        )
+
+    def engine_config(self) -> EngineConfig:
+        """The torch engine's config (imports torch: call it only for engine = "torch")."""
+        from services.worker.engine.config import EngineConfig
+
+        inst = self.instance
+        return EngineConfig(
+            model=self.model,
+            dtype=self.model_config.dtype,
+            device=self.model_config.device,
+            max_num_seqs=inst.max_num_seqs,
+            max_num_batched_tokens=inst.max_num_batched_tokens,
+            block_size=inst.block_size,
+            num_kv_blocks=inst.num_kv_blocks,
+            max_model_len=inst.max_model_len,
+            threads=inst.threads,
+            seed=inst.seed,
+        )
+
+
+def create_engine(cfg: WorkerServiceConfig) -> Any:
+    """Build the engine the cluster file names for this model: "torch" or "sim"."""
+    if cfg.model_config.engine == "sim":
+        from services.estimator.sfs.batch_time import BatchTimeModel
+        from services.worker.engine.sim import SimEngine, SimEngineConfig
+
+        inst = cfg.instance
+        sim_cfg = SimEngineConfig(
+            max_num_seqs=inst.max_num_seqs,
+            max_num_batched_tokens=inst.max_num_batched_tokens,
+            block_size=inst.block_size,
+            num_kv_blocks=inst.num_kv_blocks,
+            max_model_len=inst.max_model_len,
+            seed=inst.seed,
+            **cfg.model_config.sim,  # type: ignore[arg-type]
+        )
+        mc = cfg.model_config
+        return SimEngine.create(
+            sim_cfg, BatchTimeModel(mc.batch_time_features, tuple(mc.batch_time_coefs))
+        )
+    from services.worker.engine.engine import LLMEngine
+
+    return LLMEngine.create(cfg.engine_config())
+
+
+def default_instance_id(model: str) -> str:
+    """model-host-pid, made safe as a subject token (unique across compose replicas)."""
+    raw = f"{model}-{socket.gethostname()}-{os.getpid()}"
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in raw)

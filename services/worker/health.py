@@ -1,0 +1,29 @@
+"""python -m services.worker.health: exit 0 when a worker of this host is registered (compose healthcheck)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+
+from shared.config import load_cluster
+from shared.store import Store
+
+
+async def _check() -> bool:
+    cluster = load_cluster()
+    store = Store(cluster.redis_url, cluster.namespace)
+    await store.connect()
+    try:
+        host = socket.gethostname()
+        return any(host in w.instance_id and not w.is_draining for w in await store.live_workers())
+    finally:
+        await store.close()
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(0 if asyncio.run(asyncio.wait_for(_check(), 5)) else 1)
+    except Exception as exc:
+        print(f"unhealthy: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,288 @@
+"""The worker service: one engine, driven by a loop of numbered steps.
+
+    inbox (NATS callback) --> deque --+
+                                      v
+    loop:  1. take inbox     add_request / abort_request (errors -> RequestFailed)
+           2. step           engine.step() in a thread (the event loop stays free)
+           3. publish        one DeltaBatch per owning gateway
+           4. record         snapshot + batch samples -> Redis (overlaps the next step)
+
+Only the loop touches the engine, and never while a step runs in the thread,
+so the engine needs no locks. SIGTERM (or `request_stop`) drains: stop taking
+new requests, let running ones finish within `drain_timeout_s`, abort the rest
+with a failure event, deregister, exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from services.worker.config import WorkerServiceConfig, create_engine
+from shared import subjects
+from shared.bus import Bus
+from shared.logging import get_logger
+from shared.messages import encode
+from shared.messages.gateway import DeltaBatch, GatewayEvent, RequestFailed, TokenDelta
+from shared.messages.registry import WorkerInfo
+from shared.messages.worker import (
+    WORKER_INBOUND_DECODER,
+    AbortRequest,
+    SubmitRequest,
+    WorkerInbound,
+)
+from shared.store import Store
+
+log = get_logger(component="worker")
+
+EngineFactory = Callable[[WorkerServiceConfig], Any]
+
+
+class WorkerService:
+    """One model instance on the bus. `run()` until `request_stop()`; nothing happens in __init__."""
+
+    def __init__(
+        self, cfg: WorkerServiceConfig, engine_factory: EngineFactory = create_engine
+    ) -> None:
+        self.cfg = cfg
+        self.inbox_subject = subjects.worker_inbox(cfg.namespace, cfg.instance_id)
+        self._engine_factory = engine_factory
+        self._engine: Any = None
+        self._bus = Bus(cfg.nats_url, name=f"worker-{cfg.instance_id}")
+        self._store = Store(cfg.redis_url, cfg.namespace)
+        self._inbox: deque[WorkerInbound] = deque()
+        self._wakeup = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._owners: dict[str, str] = {}  # request id -> owning gateway's inbox subject
+        self._num_steps = 0
+        self._started_at_s = time.time()
+        self._is_draining = False
+        self._record_task: asyncio.Task[None] | None = None
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self.ready = asyncio.Event()  # set once the engine is loaded and the inbox subscribed
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Begin a graceful drain (safe to call from a signal handler)."""
+        self._stop.set()
+        self._wakeup.set()
+
+    async def run(self) -> None:
+        try:
+            await self._start()
+            await self._loop()
+        finally:
+            await self.close()
+
+    async def _start(self) -> None:
+        t0 = time.perf_counter()
+        self._engine = await asyncio.to_thread(self._engine_factory, self.cfg)
+        log.info("engine_loaded", model=self.cfg.model, seconds=round(time.perf_counter() - t0, 2))
+        await self._bus.connect()
+        await self._store.connect()
+        await self._bus.subscribe(self.inbox_subject, WORKER_INBOUND_DECODER, self._on_inbound)
+        await self._bus.flush()
+        await self._register()
+        self._heartbeat_task = asyncio.create_task(self._heartbeat(), name="heartbeat")
+        self._record(samples=False)
+        self.ready.set()
+        log.info("worker_ready", instance_id=self.cfg.instance_id, inbox=self.inbox_subject)
+
+    async def close(self) -> None:
+        """Deregister, flush, disconnect. Idempotent; each step bounded."""
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            await asyncio.gather(self._heartbeat_task, return_exceptions=True)
+            self._heartbeat_task = None
+        if self._record_task is not None:
+            await asyncio.gather(self._record_task, return_exceptions=True)
+            self._record_task = None
+        if self._store.is_connected:
+            try:
+                await asyncio.wait_for(self._store.deregister(self.cfg.instance_id), 2.0)
+            except Exception as exc:
+                log.warning("deregister_failed", error=str(exc))
+        await self._bus.close()
+        await self._store.close()
+        log.info("worker_closed", instance_id=self.cfg.instance_id, num_steps=self._num_steps)
+
+    # -- the loop ------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        engine = self._engine
+        drain_deadline: float | None = None
+        while True:
+            if self._stop.is_set() and drain_deadline is None:
+                drain_deadline = await self._begin_drain()
+            # 1. take inbox (rejections are answered at once)
+            rejected = self._take_inbox()
+            if drain_deadline is not None and time.monotonic() > drain_deadline:
+                rejected += self._abort_all("the worker shut down before the request finished")
+                drain_deadline = float("inf")  # abort once, then let the step report it
+            if rejected:
+                await self._publish(rejected)
+            if not engine.has_unfinished():
+                if drain_deadline is not None:
+                    return
+                await self._idle()
+                continue
+            # 2. step (off the event loop)
+            outputs = await asyncio.to_thread(engine.step)
+            self._num_steps += 1
+            # 3. publish deltas, one batch per owning gateway
+            await self._publish(self._deltas(outputs))
+            # Let nats-py's flusher task write the deltas now: once the next step
+            # runs, its thread holds the GIL and the write would wait a switch interval.
+            await asyncio.sleep(0)
+            # 4. record snapshot and batch samples (written while the next step runs)
+            self._record(samples=True)
+
+    async def _idle(self) -> None:
+        """Nothing to run: wait for the inbox, refreshing the snapshot so it never goes stale."""
+        self._wakeup.clear()
+        if self._inbox or self._stop.is_set():
+            return
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), self.cfg.heartbeat_interval_s)
+        except TimeoutError:
+            self._record(samples=False)
+
+    def _take_inbox(self) -> list[tuple[str, GatewayEvent]]:
+        """Hand new requests and aborts to the engine; return the rejections to send."""
+        failures: list[tuple[str, GatewayEvent]] = []
+        while self._inbox:
+            msg = self._inbox.popleft()
+            match msg:
+                case SubmitRequest():
+                    failure = self._admit(msg)
+                    if failure is not None:
+                        failures.append((msg.reply_to, failure))
+                case AbortRequest():
+                    if msg.request_id in self._owners:
+                        self._engine.abort_request(msg.request_id)
+        return failures
+
+    def _admit(self, msg: SubmitRequest) -> RequestFailed | None:
+        if self._is_draining:
+            return RequestFailed(msg.request_id, 503, "the worker is shutting down; retry")
+        if msg.request_id in self._owners:
+            return RequestFailed(msg.request_id, 400, f"duplicate request id {msg.request_id}")
+        try:
+            msg.params.validate()
+            self._engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+        except ValueError as exc:  # RequestError is a ValueError: the loop goes on
+            log.info("request_rejected", request_id=msg.request_id, error=str(exc))
+            return RequestFailed(msg.request_id, 400, str(exc))
+        self._owners[msg.request_id] = msg.reply_to
+        return None
+
+    def _deltas(self, outputs: list[Any]) -> list[tuple[str, GatewayEvent]]:
+        events: list[tuple[str, GatewayEvent]] = []
+        for out in outputs:
+            reply_to = self._owners.get(out.request_id)
+            if reply_to is None:
+                continue
+            if out.finished:
+                del self._owners[out.request_id]
+            position = out.num_output_tokens - len(out.new_token_ids)
+            delta = TokenDelta(
+                out.request_id,
+                position,
+                list(out.new_token_ids),
+                None if out.new_logprobs is None else list(out.new_logprobs),
+                out.finish_reason if out.finished else None,
+                out.num_prompt_tokens,
+            )
+            events.append((reply_to, delta))
+        return events
+
+    async def _publish(self, events: list[tuple[str, GatewayEvent]]) -> None:
+        by_gateway: dict[str, list[GatewayEvent]] = {}
+        for reply_to, event in events:
+            by_gateway.setdefault(reply_to, []).append(event)
+        for reply_to, batch in by_gateway.items():
+            msg = DeltaBatch(instance_id=self.cfg.instance_id, step=self._num_steps, events=batch)
+            await self._bus.publish(reply_to, msg)
+
+    def _record(self, *, samples: bool) -> None:
+        """Write the snapshot (and new batch samples) in the background, one write at a time."""
+        snapshot = encode(self._engine.snapshot())
+        batch = (
+            [msgspec.msgpack.encode(s) for s in self._engine.pop_batch_samples()] if samples else []
+        )
+        previous = self._record_task
+        self._record_task = asyncio.create_task(self._write_record(previous, snapshot, batch))
+
+    async def _write_record(
+        self, previous: asyncio.Task[None] | None, snapshot: bytes, samples: list[bytes]
+    ) -> None:
+        if previous is not None:
+            await asyncio.gather(previous, return_exceptions=True)
+        try:
+            await self._store.write_snapshot(
+                self.cfg.instance_id,
+                self._num_steps,
+                snapshot,
+                ttl_s=self.cfg.snapshot_ttl_s,
+                samples=samples,
+                max_samples=self.cfg.max_batch_samples,
+            )
+        except Exception as exc:  # Redis hiccup: the next iteration writes again
+            log.warning("snapshot_write_failed", error=str(exc))
+
+    # -- inbox, heartbeat, drain ----------------------------------------------
+
+    async def _on_inbound(self, msg: WorkerInbound) -> None:
+        self._inbox.append(msg)
+        self._wakeup.set()
+
+    def _info(self) -> WorkerInfo:
+        return WorkerInfo(
+            instance_id=self.cfg.instance_id,
+            model=self.cfg.model,
+            inbox=self.inbox_subject,
+            max_model_len=self.cfg.instance.max_model_len,
+            max_num_seqs=self.cfg.instance.max_num_seqs,
+            started_at_s=self._started_at_s,
+            heartbeat_at_s=time.time(),
+            is_draining=self._is_draining,
+        )
+
+    async def _register(self) -> None:
+        await self._store.register(self._info(), ttl_s=self.cfg.heartbeat_ttl_s)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+            try:
+                await self._register()
+            except Exception as exc:
+                log.warning("heartbeat_failed", error=str(exc))
+
+    async def _begin_drain(self) -> float:
+        """Stop accepting: re-register as draining so routers skip this instance now."""
+        self._is_draining = True
+        log.info(
+            "drain_started", num_in_flight=len(self._owners), timeout_s=self.cfg.drain_timeout_s
+        )
+        try:
+            await asyncio.wait_for(self._register(), 2.0)
+        except Exception as exc:  # routers still notice when the registration expires
+            log.warning("drain_register_failed", error=repr(exc))
+        return time.monotonic() + self.cfg.drain_timeout_s
+
+    def _abort_all(self, reason: str) -> list[tuple[str, GatewayEvent]]:
+        """Drain timed out: abort what still runs; return the failures to send its gateways."""
+        log.warning("drain_timeout", num_aborted=len(self._owners))
+        failures: list[tuple[str, GatewayEvent]] = []
+        for request_id, reply_to in self._owners.items():
+            self._engine.abort_request(request_id)
+            failures.append((reply_to, RequestFailed(request_id, 503, reason)))
+        self._owners.clear()
+        return failures

@@ -1,0 +1,283 @@
+"""Cluster file (TOML) -> frozen config objects, and the BATON_* environment registry.
+
+The cluster file names the models, the instances that serve them, the routing
+presets and the per-service settings. Environment variables override a few
+deployment-level values; they are read when a service starts (`load_cluster`),
+never at import time.
+
+    namespace = "baton"
+    nats_url = "nats://127.0.0.1:4222"
+    redis_url = "redis://127.0.0.1:6379/0"
+    [gateway]    host, port, max_in_flight, ...
+    [estimator]  policy, snapshot_max_age_s, ...
+    [worker]     heartbeat_interval_s, heartbeat_ttl_s, drain_timeout_s, ...
+    [models.<name>]     engine, dtype, device, tokenizer, price_*_per_mtok
+    [[instances]]       model, replicas, max_num_seqs, max_model_len, ...
+    [presets.<name>]    models, policy
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+DEFAULT_CLUSTER_FILE = "configs/local.toml"
+
+# Query-level policies a cluster file may name. This service layer implements
+# round-robin and shortest-queue; the estimator refuses the others until they land.
+PolicyName = Literal[
+    "round-robin",
+    "shortest-queue",
+    "latency-agnostic",
+    "sfs-constraint",
+    "sfs-lagrangian",
+    "routebalance",
+]
+EngineKind = Literal["torch", "sim"]
+
+
+class ConfigError(ValueError):
+    """The cluster file or an environment variable is invalid."""
+
+
+# ---------------------------------------------------------------------------
+# Environment registry
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One BATON_* variable: its name, what it does, and how to read it."""
+
+    name: str
+    help: str
+
+    def get(self, environ: Mapping[str, str] | None = None) -> str | None:
+        value = (os.environ if environ is None else environ).get(self.name)
+        return value if value else None
+
+    def get_int(self, environ: Mapping[str, str] | None = None) -> int | None:
+        value = self.get(environ)
+        if value is None:
+            return None
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{self.name} must be an integer, got {value!r}") from None
+
+
+class Env:
+    """Every environment variable Baton reads. Nothing else calls os.environ for config."""
+
+    CLUSTER = EnvVar("BATON_CLUSTER", "cluster file path (default configs/local.toml)")
+    NAMESPACE = EnvVar("BATON_NAMESPACE", "prefix of every NATS subject and Redis key")
+    NATS_URL = EnvVar("BATON_NATS_URL", "NATS server URL")
+    REDIS_URL = EnvVar("BATON_REDIS_URL", "Redis URL")
+    HOST = EnvVar("BATON_HOST", "gateway bind address")
+    PORT = EnvVar("BATON_PORT", "gateway HTTP port")
+    DTYPE = EnvVar("BATON_DTYPE", "engine dtype for every model: float32 | bfloat16")
+    DEVICE = EnvVar("BATON_DEVICE", "engine device for every model: cpu | cuda")
+    THREADS = EnvVar("BATON_THREADS", "torch threads per worker process")
+    INSTANCE_ID = EnvVar("BATON_INSTANCE_ID", "worker instance id (default: model-host-pid)")
+    MODEL = EnvVar("BATON_MODEL", "model a worker serves (when not given on the command line)")
+    GATEWAY_ID = EnvVar("BATON_GATEWAY_ID", "gateway id (default: host-pid)")
+    API_KEY = EnvVar(
+        "BATON_API_KEY", "gateway: require this bearer token on /v1/* (adds to [gateway] api_keys)"
+    )
+    LOG_LEVEL = EnvVar("BATON_LOG_LEVEL", "debug | info | warning | error")
+    LOG_DIR = EnvVar("BATON_LOG_DIR", "launcher: where per-service logs go (default logs/)")
+
+    @classmethod
+    def all(cls) -> list[EnvVar]:
+        return [v for v in vars(cls).values() if isinstance(v, EnvVar)]
+
+
+# ---------------------------------------------------------------------------
+# Cluster file schema (msgspec validates types and rejects unknown keys)
+
+
+class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class GatewayConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"  # bind address
+    port: int = 8000  # HTTP port
+    max_in_flight: int = 256  # requests admitted at once; past it: 429
+    route_timeout_s: float = 2.0  # seconds to wait for the estimator
+    route_single_locally: bool = True  # skip the estimator when one live instance serves the model
+    event_timeout_s: float = (
+        300.0  # seconds without any event from the worker before a request fails
+    )
+    retry_after_s: int = 1  # seconds, the Retry-After header on 429/503
+    registry_refresh_s: float = 0.5  # seconds between reads of the worker registry
+    default_completion_max_tokens: int = 16  # /v1/completions default (OpenAI's)
+    max_request_bytes: int = 4_000_000  # bytes of JSON body at most
+    api_keys: list[str] = []  # when set, /v1/* requires "Authorization: Bearer <one of them>"
+
+
+class EstimatorConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    policy: PolicyName = "shortest-queue"  # for requests that name a real model
+    snapshot_max_age_s: float = 5.0  # seconds; an older snapshot is stale
+    ledger_ttl_s: float = 60.0  # seconds a ledger entry lives without being reconciled
+    registry_refresh_s: float = 0.5  # seconds between reads of the worker registry
+    # Default TTFT target of a request that names none (SFS: tau = base + per_token * P,
+    # clipped); read by the latency-aware policies.
+    ttft_slo_base_ms: float = 158.0  # ms
+    ttft_slo_per_prompt_token_ms: float = 3.5e-3  # ms per prompt token
+    ttft_slo_min_ms: float = 150.0  # ms
+    ttft_slo_max_ms: float = 1120.0  # ms
+
+
+class WorkerConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    heartbeat_interval_s: float = 1.0  # seconds between registrations
+    heartbeat_ttl_s: float = 3.0  # seconds a registration lives without renewal
+    drain_timeout_s: float = 10.0  # seconds SIGTERM waits for in-flight requests
+    snapshot_ttl_s: float = 30.0  # seconds a snapshot key lives without being rewritten
+    max_batch_samples: int = 10_000  # samples kept per instance in Redis
+
+
+class ModelConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    engine: EngineKind = "torch"  # torch: real forward | sim: scheduler + batch-time model
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    device: str = "cpu"  # torch device
+    tokenizer: str | None = None  # tokenizer name; default: the model's own
+    price_input_per_mtok: float = 0.0  # cost units per million prompt tokens
+    price_output_per_mtok: float = 0.0  # cost units per million output tokens
+    batch_time_features: str = ""  # feature set of batch_time_coefs (required by engine = "sim")
+    batch_time_coefs: list[float] = []  # seconds per feature unit
+    quality: dict[
+        str, float
+    ] = {}  # judged quality per task name, in [0, 1]; "default" for any task
+    sim: dict[str, str | float | int] = {}  # SimEngineConfig fields other than the limits
+
+
+class InstanceConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    model: str  # a key of [models]
+    replicas: int = 1  # worker processes serving this model
+    max_num_seqs: int = 16  # requests running at once
+    max_num_batched_tokens: int = 512  # tokens per iteration (the token budget)
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int = 512  # KV capacity in blocks
+    max_model_len: int = 2048  # tokens, prompt + output
+    threads: int = 1  # torch threads
+    seed: int = 0  # engine RNG seed
+
+
+class PresetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    models: list[str]  # candidate real models
+    policy: PolicyName = "shortest-queue"
+    description: str = ""
+    routebalance_weights: list[float] = []  # (w_quality, w_latency, w_cost) on the simplex
+
+
+class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One deployment: everything every service needs, built once at start."""
+
+    namespace: str = "baton"
+    nats_url: str = "nats://127.0.0.1:4222"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    gateway: GatewayConfig = GatewayConfig()
+    estimator: EstimatorConfig = EstimatorConfig()
+    worker: WorkerConfig = WorkerConfig()
+    models: dict[str, ModelConfig] = {}
+    instances: list[InstanceConfig] = []
+    presets: dict[str, PresetConfig] = {}
+
+    def instance_for(self, model: str) -> InstanceConfig:
+        for inst in self.instances:
+            if inst.model == model:
+                return inst
+        raise ConfigError(f"no [[instances]] entry serves model {model!r}")
+
+    def tokenizer_for(self, model: str) -> str:
+        """Tokenizer name for a real model or a preset (a preset uses its first model's)."""
+        if model in self.presets:
+            model = self.presets[model].models[0]
+        return self.models[model].tokenizer or model
+
+    def candidates(self, model: str) -> list[str]:
+        """Real models that may serve a request for `model` (a real model or a preset)."""
+        if model in self.presets:
+            return list(self.presets[model].models)
+        return [model] if model in self.models else []
+
+    def check(self) -> None:
+        """Cross-field checks msgspec cannot express."""
+        for name, model in self.models.items():
+            if model.engine == "sim" and not (model.batch_time_features and model.batch_time_coefs):
+                raise ConfigError(
+                    f'model {name!r}: engine = "sim" needs batch_time_features and batch_time_coefs'
+                )
+        for inst in self.instances:
+            if inst.model not in self.models:
+                raise ConfigError(f"instance serves unknown model {inst.model!r}")
+            if inst.replicas < 0:
+                raise ConfigError(f"replicas must be >= 0 for {inst.model!r}")
+        for name, preset in self.presets.items():
+            if name in self.models:
+                raise ConfigError(f"preset {name!r} has the name of a real model")
+            if not preset.models:
+                raise ConfigError(f"preset {name!r} names no models")
+            for m in preset.models:
+                if m not in self.models:
+                    raise ConfigError(f"preset {name!r} names unknown model {m!r}")
+        if not 0 < self.gateway.port < 65536:
+            raise ConfigError(f"gateway port out of range: {self.gateway.port}")
+
+
+def parse_cluster(text: str, environ: Mapping[str, str] | None = None) -> ClusterConfig:
+    """Parse cluster-file TOML, apply BATON_* overrides, check it."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"cluster file is not valid TOML: {exc}") from None
+    _apply_env(raw, environ)
+    try:
+        cfg = msgspec.convert(raw, ClusterConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"cluster file: {exc}") from None
+    cfg.check()
+    return cfg
+
+
+def load_cluster(
+    path: str | Path | None = None, environ: Mapping[str, str] | None = None
+) -> ClusterConfig:
+    """Read the cluster file at `path` (default: $BATON_CLUSTER, then configs/local.toml)."""
+    path = Path(path or Env.CLUSTER.get(environ) or DEFAULT_CLUSTER_FILE)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read cluster file {path}: {exc.strerror}") from None
+    return parse_cluster(text, environ)
+
+
+def _apply_env(raw: dict, environ: Mapping[str, str] | None) -> None:
+    for var, key in (
+        (Env.NAMESPACE, "namespace"),
+        (Env.NATS_URL, "nats_url"),
+        (Env.REDIS_URL, "redis_url"),
+    ):
+        if (value := var.get(environ)) is not None:
+            raw[key] = value
+    gateway = raw.setdefault("gateway", {})
+    if (host := Env.HOST.get(environ)) is not None:
+        gateway["host"] = host
+    if (port := Env.PORT.get_int(environ)) is not None:
+        gateway["port"] = port
+    if (api_key := Env.API_KEY.get(environ)) is not None:
+        gateway["api_keys"] = [*gateway.get("api_keys", []), api_key]
+    for model in raw.get("models", {}).values():
+        if (dtype := Env.DTYPE.get(environ)) is not None:
+            model["dtype"] = dtype
+        if (device := Env.DEVICE.get(environ)) is not None:
+            model["device"] = device
+    if (threads := Env.THREADS.get_int(environ)) is not None:
+        for inst in raw.get("instances", []):
+            inst["threads"] = threads

@@ -1,0 +1,27 @@
+"""Every Redis key Baton uses, built in one place, prefixed by the deployment namespace.
+
+{ns}:workers                    SET of instance ids ever registered (pruned by readers)
+{ns}:worker:{instance_id}       registration (WorkerInfo, msgpack), expires unless heartbeats renew it
+{ns}:snapshot:{instance_id}     HASH {version, wall_time_s, data}: the latest WorkloadSnapshot
+{ns}:samples:{instance_id}      LIST of BatchSample (msgpack), newest last, capped
+"""
+
+from __future__ import annotations
+
+from shared.subjects import check_token
+
+
+def workers(namespace: str) -> str:
+    return f"{check_token(namespace)}:workers"
+
+
+def worker(namespace: str, instance_id: str) -> str:
+    return f"{check_token(namespace)}:worker:{check_token(instance_id)}"
+
+
+def snapshot(namespace: str, instance_id: str) -> str:
+    return f"{check_token(namespace)}:snapshot:{check_token(instance_id)}"
+
+
+def batch_samples(namespace: str, instance_id: str) -> str:
+    return f"{check_token(namespace)}:samples:{check_token(instance_id)}"

@@ -1,0 +1,37 @@
+"""Messages to the estimator: route request/reply and request-done events."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Which instance should serve this request? (request/reply on `estimator_route`)"""
+
+    request_id: str  # minted by the gateway; the ledger is keyed by it
+    model: str  # the name the client asked for: a real model or a routing preset
+    num_prompt_tokens: int  # tokens, after the chat template
+    max_tokens: int  # output tokens at most
+
+
+class RouteReply(msgspec.Struct, frozen=True, kw_only=True):
+    """The decision. `instance_id` is None when no live instance serves the model."""
+
+    request_id: str  # as in the request
+    instance_id: str | None = None  # chosen worker instance
+    model: str | None = None  # the real model that instance serves
+    inbox: str | None = None  # subject to submit to (`subjects.worker_inbox`)
+    error: str | None = None  # user-facing reason when instance_id is None
+    retry_after_s: float = 1.0  # seconds a client should wait before retrying after an error
+
+
+class RequestDoneEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """A request has ended (finished, failed or aborted): drop it from every ledger."""
+
+    request_id: str  # as routed
+    instance_id: str  # where it ran
+
+
+ROUTE_REQUEST_DECODER = msgspec.msgpack.Decoder(RouteRequest)
+ROUTE_REPLY_DECODER = msgspec.msgpack.Decoder(RouteReply)
+REQUEST_DONE_DECODER = msgspec.msgpack.Decoder(RequestDoneEvent)

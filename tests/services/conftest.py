@@ -1,0 +1,208 @@
+"""Real NATS and Redis on free ports (one pair per test session) and an in-process Baton stack.
+
+Nothing is mocked: the services talk through the real servers exactly as in
+production; only the process boundary is folded (gateway, estimator and
+workers share the test's event loop) to keep start-up to a few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import uvicorn
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from services.estimator.service import EstimatorService
+from services.gateway.app import create_app
+from services.gateway.config import GatewayServiceConfig
+from services.gateway.service import GatewayService
+from services.launcher.servers import free_port, start_nats, start_redis
+from services.worker.config import WorkerServiceConfig
+from services.worker.service import WorkerService
+from shared.config import ClusterConfig, parse_cluster
+
+TINY_CLUSTER = """
+namespace = "{namespace}"
+nats_url = "{nats_url}"
+redis_url = "{redis_url}"
+
+[gateway]
+host = "127.0.0.1"
+port = {port}
+max_in_flight = 32
+event_timeout_s = 60.0
+registry_refresh_s = 0.2
+
+[estimator]
+policy = "shortest-queue"
+registry_refresh_s = 0.2
+
+[worker]
+heartbeat_interval_s = 0.3
+heartbeat_ttl_s = 1.0
+drain_timeout_s = 3.0
+
+[models.random-tiny]
+dtype = "float32"
+
+[[instances]]
+model = "random-tiny"
+replicas = 2
+max_num_seqs = 8
+max_num_batched_tokens = 256
+num_kv_blocks = 64
+max_model_len = 256
+
+[presets.auto]
+models = ["random-tiny"]
+policy = "round-robin"
+"""
+
+
+def tiny_cluster_text(
+    nats_url: str, redis_url: str, namespace: str | None = None, port: int | None = None
+) -> str:
+    return TINY_CLUSTER.format(
+        namespace=namespace or f"t{uuid.uuid4().hex[:8]}",
+        nats_url=nats_url,
+        redis_url=redis_url,
+        port=port or free_port(),
+    )
+
+
+@pytest.fixture(scope="session")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server = start_nats("127.0.0.1", None, tmp_path_factory.mktemp("nats"))
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    server = start_redis("127.0.0.1", None)
+    yield server.url
+    server.stop()
+
+
+def _await_chain(coro: object) -> list[str]:
+    out = []
+    while coro is not None:
+        frame = (
+            getattr(coro, "cr_frame", None)
+            or getattr(coro, "ag_frame", None)
+            or getattr(coro, "gi_frame", None)
+        )
+        if frame is not None:
+            out.append(f"{frame.f_code.co_filename.split('site-packages/')[-1]}:{frame.f_lineno}")
+        coro = (
+            getattr(coro, "cr_await", None)
+            or getattr(coro, "ag_await", None)
+            or getattr(coro, "gi_yieldfrom", None)
+        )
+    return out
+
+
+@dataclass
+class Stack:
+    """An in-process deployment: gateway (real uvicorn on a free port), estimator, workers."""
+
+    cluster: ClusterConfig
+    base_url: str
+    gateway: GatewayService
+    estimator: EstimatorService
+    workers: list[WorkerService]
+    _tasks: list[asyncio.Task] = field(default_factory=list)
+    _server: uvicorn.Server | None = None
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        for w in self.workers:
+            w.request_stop()
+        self.estimator.request_stop()
+        _, pending = await asyncio.wait(self._tasks, timeout=30)
+        if pending:
+            for t in asyncio.all_tasks():
+                print("TASK", t.get_name(), _await_chain(t.get_coro()))
+            for t in pending:
+                t.cancel()
+            raise AssertionError(f"services did not stop: {[t.get_coro() for t in pending]}")
+
+
+async def start_worker(
+    cluster: ClusterConfig, instance_id: str, model: str = "random-tiny"
+) -> tuple[WorkerService, asyncio.Task]:
+    worker = WorkerService(WorkerServiceConfig.from_cluster(cluster, model, instance_id))
+    task = asyncio.create_task(worker.run())
+    ready = asyncio.create_task(worker.ready.wait())
+    done, _ = await asyncio.wait({task, ready}, timeout=120, return_when=asyncio.FIRST_COMPLETED)
+    if ready not in done:
+        ready.cancel()
+        if task.done():
+            task.result()
+        raise TimeoutError("worker did not become ready")
+    return worker, task
+
+
+async def start_stack(cluster: ClusterConfig, num_workers: int) -> Stack:
+    tasks: list[asyncio.Task] = []
+    started = await asyncio.gather(*(start_worker(cluster, f"w{i}") for i in range(num_workers)))
+    workers = [w for w, _ in started]
+    tasks += [t for _, t in started]
+    estimator = EstimatorService(cluster)
+    tasks.append(asyncio.create_task(estimator.run()))
+    app = create_app(GatewayServiceConfig.from_cluster(cluster, "gw-test"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=cluster.gateway.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=5,
+        )
+    )
+    tasks.append(asyncio.create_task(server.serve()))
+    for _ in range(600):
+        if server.started:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise TimeoutError("gateway did not start")
+    stack = Stack(
+        cluster,
+        f"http://127.0.0.1:{cluster.gateway.port}",
+        app.state.service,
+        estimator,
+        workers,
+        tasks,
+        server,
+    )
+    for _ in range(200):  # wait until the gateway and estimator see every worker
+        if len(stack.gateway.workers) == num_workers and len(estimator.workers) == num_workers:
+            return stack
+        await asyncio.sleep(0.05)
+    raise TimeoutError("services did not discover the workers")
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def stack(nats_url: str, redis_url: str) -> AsyncIterator[Stack]:
+    """Two random-tiny workers behind one gateway; shared by the tests that do not break it."""
+    cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
+    s = await start_stack(cluster, num_workers=2)
+    yield s
+    await s.stop()
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]

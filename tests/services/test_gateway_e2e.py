@@ -1,0 +1,358 @@
+"""End to end through the real gateway, NATS, estimator, Redis and two random-tiny workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import msgspec
+import pytest
+from openai import AsyncOpenAI
+
+from shared.model_store import load_tokenizer
+from shared.scheduling.snapshot import WorkloadSnapshot
+from tests.services.conftest import Stack
+
+MESSAGES: list[dict[str, str]] = [{"role": "user", "content": "Say hello."}]
+CHAT: dict[str, object] = {"model": "random-tiny", "messages": MESSAGES}
+
+
+def sse_events(lines: list[str]) -> list[dict | str]:
+    events: list[dict | str] = []
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[len("data: ") :]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+async def test_chat_stream_with_httpx(stack: Stack) -> None:
+    body = {
+        **CHAT,
+        "stream": True,
+        "max_tokens": 12,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with (
+        httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events([line async for line in resp.aiter_lines()])
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [f["choices"][0]["finish_reason"] for f in finals] == ["length"]
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == []
+    prompt_ids = load_tokenizer("random-tiny").apply_chat_template(MESSAGES)
+    assert usage == {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": 12,
+        "total_tokens": len(prompt_ids) + 12,
+    }
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+async def test_chat_with_openai_client(stack: Stack) -> None:
+    client = AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused")
+    stream = await client.chat.completions.create(  # type: ignore[call-overload]
+        model="random-tiny",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+        seed=1,
+    )
+    text, reasons, usage = "", [], None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            reasons.append(chunk.choices[0].finish_reason)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert reasons[-1] in ("length", "stop")
+    assert usage is not None and 1 <= usage.completion_tokens <= 8
+
+    full = await client.chat.completions.create(
+        model="random-tiny",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=8,
+        seed=1,
+        temperature=0.7,
+        top_p=0.9,
+    )
+    assert full.object == "chat.completion"
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].finish_reason in ("length", "stop")
+    assert full.usage is not None
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    models = await client.models.list()
+    assert {"random-tiny", "auto"} <= {m.id for m in models.data}
+    await client.close()
+
+
+async def test_completion_non_stream_usage_and_logprobs(stack: Stack) -> None:
+    prompt = "The quick brown fox"
+    body = {
+        "model": "auto",
+        "prompt": prompt,
+        "max_tokens": 5,
+        "ignore_eos": True,
+        "logprobs": 0,
+        "temperature": 0,
+    }
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        resp = await client.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert out["object"] == "text_completion"
+    assert out["model"] == "random-tiny"  # the preset resolved to a real model
+    n_prompt = len(load_tokenizer("random-tiny").encode(prompt))
+    assert out["usage"] == {
+        "prompt_tokens": n_prompt,
+        "completion_tokens": 5,
+        "total_tokens": n_prompt + 5,
+    }
+    assert out["choices"][0]["finish_reason"] == "length"
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == 5 and all(v <= 0 for v in lp["token_logprobs"])
+
+
+async def test_greedy_is_deterministic_and_seed_repeats(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        greedy = {**CHAT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        seeded = {**CHAT, "max_tokens": 6, "temperature": 1.0, "seed": 1234, "ignore_eos": True}
+        outs = await asyncio.gather(
+            *(client.post("/v1/chat/completions", json=b) for b in (greedy, greedy, seeded, seeded))
+        )
+    texts = [o.json()["choices"][0]["message"]["content"] for o in outs]
+    assert texts[0] == texts[1]
+    assert texts[2] == texts[3]
+
+
+async def test_two_concurrent_requests_use_both_workers(stack: Stack) -> None:
+    body = {**CHAT, "stream": True, "max_tokens": 24, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+
+        async def one() -> tuple[str, int]:
+            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                assert resp.status_code == 200
+                events = sse_events([line async for line in resp.aiter_lines()])
+                return resp.headers["x-instance-id"], len(events)
+
+        (a, _), (b, _) = await asyncio.gather(one(), one())
+    assert {a, b} == {"w0", "w1"}  # shortest-queue + ledger: no herding onto one instance
+
+
+async def snapshot_of(stack: Stack, instance_id: str) -> WorkloadSnapshot:
+    blob = (await stack.gateway.store.read_snapshots([instance_id]))[instance_id]
+    assert blob is not None
+    return msgspec.msgpack.decode(blob.data, type=WorkloadSnapshot)
+
+
+async def test_client_disconnect_frees_kv(stack: Stack) -> None:
+    body = {**CHAT, "stream": True, "max_tokens": 200, "ignore_eos": True}
+    async with (
+        httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as resp,
+    ):
+        request_id, instance_id = resp.headers["x-request-id"], resp.headers["x-instance-id"]
+        n = 0
+        async for line in resp.aiter_lines():
+            n += line.startswith("data: ")
+            if n >= 3:
+                break  # leave mid-stream: closing the response drops the connection
+    ids: set[str] = {request_id}
+    for _ in range(200):
+        snap = await snapshot_of(stack, instance_id)
+        ids = {r.request_id for r in (*snap.running, *snap.waiting, *snap.pending)}
+        if request_id not in ids and snap.num_free_blocks == snap.num_kv_blocks:
+            break
+        await asyncio.sleep(0.05)
+    assert request_id not in ids
+    assert snap.num_free_blocks == snap.num_kv_blocks  # every KV block back in the pool
+    assert request_id not in stack.estimator.ledger
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "needle"),
+    [
+        ("/v1/chat/completions", b"{not json", 400, "not valid JSON"),
+        (
+            "/v1/chat/completions",
+            {"model": "nope", "messages": CHAT["messages"]},
+            404,
+            "does not exist",
+        ),
+        ("/v1/chat/completions", {**CHAT, "max_tokens": -3}, 400, "max_tokens must be >= 1"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "max_tokens": 10**9},
+            400,
+            "maximum context length is 256",
+        ),
+        (
+            "/v1/completions",
+            {"model": "random-tiny", "prompt": "word " * 400, "max_tokens": 4},
+            400,
+            "maximum context length",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "max_tokens": "ten"},
+            400,
+            "Expected `int | null`, got `str` - at `$.max_tokens`",
+        ),
+        ("/v1/chat/completions", {"model": "random-tiny", "messages": "hi"}, 400, "$.messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT["messages"]},
+            400,
+            "missing required field `model`",
+        ),
+        ("/v1/chat/completions", {**CHAT, "temperature": 7}, 400, "temperature must be in [0, 2]"),
+        ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "only n=1"),
+        ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages must not be empty"),
+        (
+            "/v1/completions",
+            {"model": "random-tiny", "prompt": [10**7], "max_tokens": 2},
+            400,
+            "token ids must be in",
+        ),
+    ],
+)
+async def test_bad_requests_get_4xx_and_server_keeps_serving(
+    stack: Stack, path: str, body: object, status: int, needle: str
+) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        if isinstance(body, bytes):
+            resp = await client.post(
+                path, content=body, headers={"content-type": "application/json"}
+            )
+        else:
+            resp = await client.post(path, json=body)
+        assert resp.status_code == status, resp.text
+        err = resp.json()["error"]
+        assert needle in err["message"]
+        assert err["type"] == "invalid_request_error"
+        ok = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+async def test_admission_limit_answers_429_with_retry_after(stack: Stack) -> None:
+    service = stack.gateway
+    saved = service.num_in_flight
+    service.num_in_flight = service.settings.max_in_flight  # as if the gateway were full
+    try:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+            resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+    finally:
+        service.num_in_flight = saved
+    assert resp.status_code == 429
+    assert resp.headers["retry-after"] == "1"
+    assert resp.json()["error"]["code"] == "too_many_requests"
+
+
+async def test_health_models_and_metrics(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        health = await client.get("/health")
+        assert health.status_code == 200 and sorted(health.json()["workers"]) == ["w0", "w1"]
+        models = (await client.get("/v1/models")).json()["data"]
+        by_id = {m["id"]: m for m in models}
+        assert by_id["random-tiny"]["max_model_len"] == 256 and by_id["auto"]["is_preset"]
+        text = (await client.get("/metrics")).text
+    for name in (
+        "baton_requests_total",
+        "baton_ttft_seconds_bucket",
+        "baton_itl_seconds_bucket",
+        "baton_e2e_seconds_bucket",
+        "baton_in_flight_requests",
+        "baton_queued_requests",
+    ):
+        assert name in text
+    assert 'baton_requests_total{model="random-tiny",status="200"}' in text
+
+
+async def test_stop_string_cuts_the_text_in_stream_and_non_stream(stack: Stack) -> None:
+    base = {
+        "model": "random-tiny",
+        "prompt": "Once upon a time",
+        "max_tokens": 24,
+        "temperature": 0,
+    }
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        full = (await client.post("/v1/completions", json={**base, "ignore_eos": True})).json()
+        text = full["choices"][0]["text"]
+        stop = text[len(text) // 2 : len(text) // 2 + 3]  # greedy is deterministic: cut mid-answer
+        assert stop.strip()
+        cut = (await client.post("/v1/completions", json={**base, "stop": [stop]})).json()
+        assert cut["choices"][0]["text"] == text[: text.index(stop)]
+        assert cut["choices"][0]["finish_reason"] == "stop"
+        async with client.stream(
+            "POST", "/v1/completions", json={**base, "stop": stop, "stream": True}
+        ) as resp:
+            events = sse_events([line async for line in resp.aiter_lines()])
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text[: text.index(stop)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_chat_stream_with_logprobs(stack: Stack) -> None:
+    body = {**CHAT, "stream": True, "max_tokens": 4, "ignore_eos": True, "logprobs": True}
+    async with (
+        httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as resp,
+    ):
+        events = sse_events([line async for line in resp.aiter_lines()])
+    entries = [
+        item
+        for e in events
+        if isinstance(e, dict) and e["choices"] and e["choices"][0]["logprobs"]
+        for item in e["choices"][0]["logprobs"]["content"]
+    ]
+    assert len(entries) == 4
+    assert all(x["logprob"] <= 0 and isinstance(x["token"], str) for x in entries)
+
+
+async def test_nothing_leaks_after_the_requests(stack: Stack) -> None:
+    for _ in range(100):  # aborts and done events are published in the background
+        if (
+            stack.gateway.num_in_flight == 0
+            and len(stack.gateway.streams) == 0
+            and len(stack.estimator.ledger) == 0
+        ):
+            break
+        await asyncio.sleep(0.05)
+    assert stack.gateway.num_in_flight == 0
+    assert len(stack.gateway.streams) == 0
+    assert len(stack.estimator.ledger) == 0
+
+
+async def test_api_keys_when_configured(stack: Stack) -> None:
+    from msgspec import structs
+
+    from services.gateway.app import create_app
+    from services.gateway.config import GatewayServiceConfig
+
+    settings = structs.replace(stack.cluster.gateway, api_keys=["sk-right"])
+    cluster = structs.replace(stack.cluster, gateway=settings)
+    app = create_app(
+        GatewayServiceConfig.from_cluster(cluster, "gw-keys")
+    )  # lifespan not run: auth comes first
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        missing = await client.get("/v1/models")
+        wrong = await client.post(
+            "/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer sk-wrong"}
+        )
+        right = await client.get("/v1/models", headers={"Authorization": "Bearer sk-right"})
+    assert missing.status_code == wrong.status_code == 401
+    assert missing.json()["error"]["code"] == "invalid_api_key"
+    assert right.status_code == 200

@@ -1,0 +1,107 @@
+"""The launcher as a user runs it: starts NATS, Redis and every service, serves, stops with no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from services.launcher.servers import free_port
+from tests.services.conftest import tiny_cluster_text
+
+
+def children_of(pid: int) -> set[int]:
+    kids: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.add(int(entry.name))
+    return kids
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_launcher_serves_and_stops_cleanly(tmp_path: Path, repo_root: Path) -> None:
+    nats_url, redis_url = f"nats://127.0.0.1:{free_port()}", f"redis://127.0.0.1:{free_port()}/0"
+    port = free_port()
+    (tmp_path / "cluster.toml").write_text(tiny_cluster_text(nats_url, redis_url, port=port))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.launcher",
+            str(tmp_path / "cluster.toml"),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        cwd=repo_root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "serving the OpenAI API" in line or len(lines) > 50:
+                break
+        out = "".join(lines)
+        assert f"http://127.0.0.1:{port}/v1" in out, out
+        assert "started nats-server" in out and "started redis-server" in out
+        kids = children_of(proc.pid)
+        assert len(kids) == 6  # nats, redis, estimator, 2 workers, gateway
+        resp = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "random-tiny", "prompt": "Hi", "max_tokens": 3},
+            timeout=30,
+        )
+        assert resp.status_code == 200, resp.text
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        assert proc.wait(30) == 0
+        deadline = time.monotonic() + 5
+        while any(is_alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [k for k in kids if is_alive(k)], "orphaned processes"
+        logs = {p.name for p in (tmp_path / "logs").iterdir()}
+        assert {
+            "gateway.log",
+            "estimator.log",
+            "worker-random-tiny-0.log",
+            "worker-random-tiny-1.log",
+        } <= logs
+        assert (
+            '"event": "worker_closed"'
+            in (tmp_path / "logs" / "worker-random-tiny-0.log").read_text()
+        )
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_launcher_help() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "services.launcher", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "BATON_PORT" in out.stdout and "cluster" in out.stdout

@@ -1,0 +1,126 @@
+"""shared/: config parsing, subjects and keys, and the store against a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+
+from shared import keys, subjects
+from shared.bus import Bus
+from shared.config import ConfigError, load_cluster, parse_cluster
+from shared.messages.estimator import (
+    ROUTE_REPLY_DECODER,
+    ROUTE_REQUEST_DECODER,
+    RouteReply,
+    RouteRequest,
+)
+from shared.messages.registry import WorkerInfo
+from shared.store import Store
+
+
+def test_shipped_cluster_files_parse(repo_root) -> None:  # type: ignore[no-untyped-def]
+    local = load_cluster(repo_root / "configs/local.toml", environ={})
+    assert local.gateway.port == 8000
+    assert set(local.models) == {"smollm2-135m", "smollm2-medium", "smollm2-small"}
+    assert local.candidates("auto") == ["smollm2-135m", "smollm2-medium", "smollm2-small"]
+    tiny = load_cluster(
+        repo_root / "configs/tiny.toml", environ={"BATON_PORT": "9000", "BATON_NAMESPACE": "x"}
+    )
+    assert tiny.gateway.port == 9000 and tiny.namespace == "x"
+    for path in sorted((repo_root / "configs").glob("*.toml")):  # every shipped file is valid
+        load_cluster(path, environ={})
+
+
+def test_cluster_errors_are_clear() -> None:
+    with pytest.raises(ConfigError, match="unknown field `bogus`"):
+        parse_cluster("[gateway]\nbogus = 1\n", environ={})
+    with pytest.raises(ConfigError, match="unknown model 'nope'"):
+        parse_cluster('[models.a]\n[presets.p]\nmodels = ["nope"]\n', environ={})
+    with pytest.raises(ConfigError, match="BATON_PORT must be an integer"):
+        parse_cluster("", environ={"BATON_PORT": "eighty"})
+    with pytest.raises(ConfigError, match="Expected `int`"):
+        parse_cluster('[gateway]\nport = "x"\n', environ={})
+
+
+def test_subjects_and_keys_are_namespaced() -> None:
+    assert subjects.worker_inbox("ns", "w-1") == "ns.worker.w-1.in"
+    assert keys.snapshot("ns", "w-1") == "ns:snapshot:w-1"
+    with pytest.raises(ValueError):
+        subjects.worker_inbox("ns", "a.b")  # a dot would split the subject token
+
+
+async def test_snapshot_write_is_atomic_and_staleness_is_visible(redis_url: str) -> None:
+    store = Store(redis_url, "infra")
+    await store.connect()
+    try:
+        stop = asyncio.Event()
+        torn = 0
+
+        async def reader() -> int:
+            nonlocal torn
+            reads = 0
+            while not stop.is_set():
+                blob = (await store.read_snapshots(["w"]))["w"]
+                if blob is not None:
+                    reads += 1
+                    torn += int(blob.data) != blob.version  # payload must belong to its version
+                await asyncio.sleep(0)
+            return reads
+
+        task = asyncio.create_task(reader())
+        for version in range(1, 300):
+            await store.write_snapshot(
+                "w", version, str(version).encode(), ttl_s=5, samples=[b"s"], max_samples=50
+            )
+        stop.set()
+        assert await task > 0 and torn == 0
+        blob = (await store.read_snapshots(["w"]))["w"]
+        assert blob is not None and blob.version == 299 and not blob.is_stale(1.0)
+        assert blob.is_stale(1.0, now_s=time.time() + 2)
+        assert len(await store.read_samples("w")) == 50  # capped
+    finally:
+        await store.close()
+
+
+async def test_registry_expires_without_heartbeat(redis_url: str) -> None:
+    store = Store(redis_url, "reg")
+    await store.connect()
+    try:
+        info = WorkerInfo(
+            instance_id="w",
+            model="m",
+            inbox="reg.worker.w.in",
+            max_model_len=1,
+            max_num_seqs=1,
+            started_at_s=0.0,
+            heartbeat_at_s=0.0,
+        )
+        await store.register(info, ttl_s=0.2)
+        assert [w.instance_id for w in await store.live_workers()] == ["w"]
+        await asyncio.sleep(0.35)
+        assert await store.live_workers() == []
+    finally:
+        await store.close()
+
+
+async def test_bus_request_reply_and_bad_messages(nats_url: str) -> None:
+    bus = Bus(nats_url, "t")
+    await bus.connect()
+    try:
+
+        async def answer(req: RouteRequest) -> RouteReply:
+            return RouteReply(request_id=req.request_id, instance_id="i")
+
+        await bus.serve("infra.route", ROUTE_REQUEST_DECODER, answer)
+        await bus.nc.publish(
+            "infra.route", b"\x00garbage"
+        )  # logged and dropped, the server keeps answering
+        req = RouteRequest(request_id="r", model="m", num_prompt_tokens=1, max_tokens=1)
+        reply = await bus.request("infra.route", req, ROUTE_REPLY_DECODER, timeout_s=2)
+        assert reply == RouteReply(request_id="r", instance_id="i")
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(reply), type=RouteReply) == reply
+    finally:
+        await bus.close()

@@ -1,0 +1,59 @@
+"""Detokenization and merging in the gateway, with the real SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+from services.gateway.text import (
+    IncrementalDetokenizer,
+    OutputAssembler,
+    StopStringCutter,
+    TextStream,
+)
+from shared.model_store import load_tokenizer
+
+TEXT = "naïve café — 日本語のテキスト 🎉🚀 done"
+
+
+def test_incremental_detokenizer_never_splits_a_character() -> None:
+    tok = load_tokenizer("random-tiny")
+    ids = tok.encode(TEXT)
+    assert len(ids) > len(TEXT.split())  # multi-byte characters span several tokens
+    detok = IncrementalDetokenizer(tok, skip_ids=set())
+    pieces = [detok.add([t]) for t in ids]
+    pieces.append(detok.flush())
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == TEXT
+
+
+def test_detokenizer_skips_eos() -> None:
+    tok = load_tokenizer("random-tiny")
+    detok = IncrementalDetokenizer(tok, skip_ids={tok.eos_token_id})
+    out = detok.add([*tok.encode("hi there"), tok.eos_token_id]) + detok.flush()
+    assert out == "hi there"
+
+
+def test_assembler_merges_by_position() -> None:
+    asm = OutputAssembler()
+    assert asm.add(0, [1, 2], None) == ([1, 2], [])
+    assert asm.add(4, [5], None) == ([], [])  # a gap: held back
+    assert asm.has_gap
+    assert asm.add(1, [2, 3, 4], None) == ([3, 4, 5], [])  # overlap dropped, gap filled
+    assert asm.add(2, [3], None) == ([], [])  # a duplicate
+    assert asm.token_ids == [1, 2, 3, 4, 5] and not asm.has_gap
+
+
+def test_stop_string_cut_across_deltas() -> None:
+    cutter = StopStringCutter(["STOP"])
+    out = cutter.push("hello ST") + cutter.push("OP and more")
+    assert out == "hello " and cutter.is_stopped
+    assert cutter.push("ignored") == "" and cutter.flush() == ""
+    free = StopStringCutter(["STOP"])
+    assert free.push("a ST") + free.push("ep") + free.flush() == "a STep"
+
+
+def test_text_stream_stops_before_the_stop_string() -> None:
+    tok = load_tokenizer("random-tiny")
+    ids = tok.encode("one two three four")
+    stream = TextStream(tok, ["three"], {tok.eos_token_id})
+    texts = [stream.add(i, [t], None)[0] for i, t in enumerate(ids)]
+    assert "".join(texts) + stream.finish() == "one two "
+    assert stream.is_stopped

@@ -1,0 +1,184 @@
+"""Workers come and go: a killed worker is noticed by /health and routing; SIGTERM drains."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from shared.config import parse_cluster
+from tests.services.conftest import start_stack, start_worker, tiny_cluster_text
+
+CHAT = {"model": "random-tiny", "messages": [{"role": "user", "content": "Tell me a story."}]}
+
+
+async def wait_for(predicate, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_killed_worker_is_noticed_by_health_and_routing(
+    nats_url: str, redis_url: str, tmp_path: Path, repo_root: Path
+) -> None:
+    text = tiny_cluster_text(nats_url, redis_url)
+    (tmp_path / "cluster.toml").write_text(text)
+    cluster = parse_cluster(text)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    victim = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.worker",
+            "--cluster",
+            str(tmp_path / "cluster.toml"),
+            "--model",
+            "random-tiny",
+            "--instance-id",
+            "victim",
+        ],
+        cwd=repo_root,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    stack = await start_stack(cluster, num_workers=0)
+    try:
+        await wait_for(
+            lambda: "victim" in stack.gateway.workers and "victim" in stack.estimator.workers, 90
+        )
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
+            assert (await client.get("/health")).status_code == 200
+            body = {**CHAT, "stream": True, "max_tokens": 200, "ignore_eos": True}
+            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                assert resp.status_code == 200
+                lines = resp.aiter_lines()
+                for _ in range(3):  # streaming has begun
+                    await anext(lines)
+                os.killpg(victim.pid, signal.SIGKILL)  # no drain, no deregistration
+                rest = [line async for line in lines]
+            # the open stream is told in-band that its worker went away
+            assert any("went away" in line for line in rest), rest[-3:]
+            assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
+
+            health = await client.get("/health")
+            assert health.status_code == 503 and health.json()["workers"] == []
+            resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+            assert resp.status_code == 503
+            assert resp.headers["retry-after"] == "1"
+            assert "no live worker" in resp.json()["error"]["message"]
+        await wait_for(lambda: not stack.estimator.workers, 5)
+    finally:
+        if victim.poll() is None:
+            os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait()
+        await stack.stop()
+
+
+async def test_sigterm_drains_in_flight_requests(nats_url: str, redis_url: str) -> None:
+    cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
+    stack = await start_stack(cluster, num_workers=1)
+    try:
+        worker, task = stack.workers[0], stack._tasks[0]
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
+            body = {**CHAT, "stream": True, "max_tokens": 40, "ignore_eos": True}
+            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                lines = resp.aiter_lines()
+                await anext(lines)
+                worker.request_stop()  # what SIGTERM does
+                rest = [line async for line in lines]
+            assert '"finish_reason":"length"' in "".join(rest)  # the request finished, not aborted
+            await asyncio.wait_for(task, 10)  # then the worker exits
+            await wait_for(lambda: not stack.gateway.workers, 5)  # and deregistered at once
+            assert (await client.get("/health")).status_code == 503
+    finally:
+        await stack.stop()
+
+
+async def test_worker_replaced_under_same_cluster_serves_again(
+    nats_url: str, redis_url: str
+) -> None:
+    cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
+    stack = await start_stack(cluster, num_workers=0)
+    try:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
+            assert (await client.get("/health")).status_code == 503
+            worker, task = await start_worker(cluster, "late")
+            stack.workers.append(worker)
+            stack._tasks.append(task)
+            await wait_for(
+                lambda: "late" in stack.gateway.workers and "late" in stack.estimator.workers, 10
+            )
+            assert (await client.get("/health")).status_code == 200
+            resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3})
+            assert resp.status_code == 200 and resp.headers["x-instance-id"] == "late"
+    finally:
+        await stack.stop()
+
+
+async def test_drain_timeout_fails_what_still_runs(nats_url: str, redis_url: str) -> None:
+    text = tiny_cluster_text(nats_url, redis_url).replace(
+        "drain_timeout_s = 3.0", "drain_timeout_s = 0.0"
+    )
+    stack = await start_stack(parse_cluster(text), num_workers=1)
+    try:
+        worker, task = stack.workers[0], stack._tasks[0]
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
+            body = {**CHAT, "stream": True, "max_tokens": 200, "ignore_eos": True}
+            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                lines = resp.aiter_lines()
+                await anext(lines)
+                worker.request_stop()
+                rest = [line async for line in lines]
+            assert any("shut down before the request finished" in line for line in rest)
+            assert rest[-1] == "" or rest[-1] == "data: [DONE]"
+            await asyncio.wait_for(task, 10)
+            assert (
+                await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+            ).status_code == 503
+    finally:
+        await stack.stop()
+
+
+SIM_MODEL = """
+[models.sim-a]
+engine = "sim"
+tokenizer = "smollm2-135m"
+batch_time_features = "six-term"
+batch_time_coefs = [2.0e-3, 1.0e-6, 0.0, 1.0e-5, 0.0, 0.0]
+
+[models.sim-a.sim]
+clock = "wall"
+output_len_dist = "fixed"
+output_len_mean = 7.0
+
+[[instances]]
+model = "sim-a"
+replicas = 1
+"""
+
+
+async def test_sim_engine_worker_serves_through_the_gateway(nats_url: str, redis_url: str) -> None:
+    cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url) + SIM_MODEL)
+    stack = await start_stack(cluster, num_workers=0)
+    try:
+        worker, task = await start_worker(cluster, "sim0", model="sim-a")
+        stack.workers.append(worker)
+        stack._tasks.append(task)
+        await wait_for(lambda: "sim0" in stack.gateway.workers, 10)
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
+            resp = await client.post(
+                "/v1/chat/completions", json={**CHAT, "model": "sim-a", "max_tokens": 50}
+            )
+        assert resp.status_code == 200, resp.text
+        out = resp.json()
+        assert out["usage"]["completion_tokens"] == 7  # the sim's fixed output length
+        assert out["choices"][0]["finish_reason"] == "stop"
+    finally:
+        await stack.stop()
