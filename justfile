@@ -38,3 +38,11 @@ bench-engine *args:
 # drive an OpenAI-compatible endpoint with arrivals, traces and workloads
 loadgen *args:
     ./baton python -m loadgen "$@"
+
+# TTFT and stream throughput through gateway + NATS vs an in-process engine
+bench-gateway *args:
+    ./baton python scripts/bench_gateway.py "$@"
+
+# cost of one SFS routing decision (3 and 13 instances)
+bench-sfs-decision *args:
+    ./baton python scripts/bench_sfs_decision.py "$@"
