@@ -48,6 +48,10 @@ def validate(config: BenchConfig) -> None:
         raise ValueError("a ramp sets the rate: drop --request-rate")
     if config.time_scale is not None and config.time_scale <= 0:
         raise ValueError("--time-scale must be > 0")
+    if config.trace_duration_s is not None and config.trace_duration_s <= 0:
+        raise ValueError("--trace-duration-s must be > 0")
+    if config.trace_duration_s is not None and not config.trace:
+        raise ValueError("--trace-duration-s needs --trace")
     if config.high_share is not None and not 0 < config.high_share < 1:
         raise ValueError("--high-share must be in (0, 1)")
     if config.rate_ratio < 1:

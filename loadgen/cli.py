@@ -19,6 +19,21 @@ OnTimeUtility (JSON fields named as `vllm bench serve` names them).
   python -m loadgen --trace ../shared/data/traces/azure_llm_2023_conv.csv \\
       --time-scale 0.5 --duration 120 --save-result run.json --plot plots/
   python -m loadgen compare A.json B.json
+
+Every request streams (stream_options.include_usage). Definitions:
+  TTFT  send -> first chunk that carries content (text or reasoning_content);
+        a role-only or empty first chunk does not count
+  TPOT  (E2EL - TTFT) / (output tokens - 1), per request (vLLM's definition)
+  ITL   every gap between content chunks, pooled over requests
+  E2EL  send -> [DONE]
+Output tokens come from the final usage chunk (else: content chunks).
+
+Read from Baton's gateway when present (optional; other servers work without):
+response headers X-Request-Id and X-Instance-Id, and the `baton` object {model,
+instance, policy, router_overhead_ms, predicted_ttft_ms, cost} of the final
+chunk. Sent on every request: x-request-id, x-slo-ttft-ms (see --slo-ttft-ms),
+x-baton-task (the request's task) and, with --budget, x-budget-cost; the x-baton-*
+and x-budget-* headers are Baton-specific, other servers ignore them.
 """
 
 
@@ -205,6 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="start this many trace seconds in (default 0)",
     )
     g.add_argument(
+        "--trace-duration-s",
+        type=float,
+        default=None,
+        help="replay only the trace's first S seconds (from --trace-start-s, in trace "
+        "time, before --time-scale); --duration instead counts replayed seconds",
+    )
+    g.add_argument(
         "--max-input-tokens",
         type=int,
         default=None,
@@ -256,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--slo-ttft-ms",
         default="paper",
         metavar="MS|paper|none",
-        help="TTFT target sent as header x-slo-ttft-ms: a fixed number of ms, "
+        help="TTFT target sent as header x-slo-ttft-ms (llm-d's convention; Baton "
+        "reads it): a fixed number of ms, "
         "`paper` = 158 ms + 3.5e-3 ms per prompt token clipped to "
         "[150, 1120] ms, or `none` (default paper)",
     )
@@ -264,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget",
         type=float,
         default=None,
-        help="cost budget per request, sent as header x-budget-cost",
+        help="cost budget per request, sent as header x-budget-cost (Baton-specific; "
+        "other servers ignore it)",
     )
 
     g = p.add_argument_group("metrics")

@@ -1,9 +1,15 @@
 """Streaming OpenAI client: one request in, one filled `RequestRecord` out, never a raise.
 
 Streams with `stream_options.include_usage` and parses SSE lines. TTFT is the
-first chunk that carries content (a role-only first chunk does not count). A
-server error (4xx/5xx), an error event, a stream cut short, a timeout or a
-refused connection ends the request as a failure with its error text.
+first chunk that carries content (a role-only first chunk, or one with empty
+content, does not count). A server error (4xx/5xx), an error event, a stream cut
+short, a timeout or a refused connection ends the request as a failure with its
+error text.
+
+What Baton's gateway adds, all optional (any OpenAI server works without them):
+the `X-Request-Id` and `X-Instance-Id` response headers, and a `baton` object
+({model, instance, router_overhead_ms, predicted_ttft_ms, ...}) on a chunk
+(normally the final usage chunk) or inside `usage`.
 """
 
 from __future__ import annotations
@@ -111,9 +117,20 @@ class OpenAIClient:
         body.update(self.config.extra_body)
         return body
 
+    def request_id_for(self, record: RequestRecord) -> str:
+        """The x-request-id loadgen sends: unique across runs, ends in the request's index."""
+        return f"{self._run_id}-{record.spec.index}"
+
     def headers_for(self, record: RequestRecord) -> dict[str, str]:
-        """Per-request headers: the TTFT target and the cost budget."""
-        headers = {"x-request-id": f"{self._run_id}-{record.spec.index}"}
+        """Per-request headers: loadgen's request id, the task, the TTFT target, the budget.
+
+        `x-slo-ttft-ms` follows llm-d's convention; `x-baton-task` and
+        `x-budget-cost` are Baton's own. Other servers ignore all three.
+        """
+        headers = {"x-request-id": self.request_id_for(record)}
+        task = record.spec.task
+        if task and task.isascii() and task.isprintable():  # header values are ASCII
+            headers["x-baton-task"] = task
         if record.spec.slo_ttft_ms is not None:
             headers["x-slo-ttft-ms"] = f"{record.spec.slo_ttft_ms:.3f}"
         if record.spec.budget is not None:
@@ -143,11 +160,15 @@ class OpenAIClient:
 
     async def _stream(self, record: RequestRecord, origin_ns: int) -> None:
         body = self.body_for(record)
+        headers = self.headers_for(record)
+        record.request_id = headers["x-request-id"]
         async with self._pools[record.spec.index % NUM_POOLS].stream(
-            "POST", self.config.url, json=body, headers=self.headers_for(record)
+            "POST", self.config.url, json=body, headers=headers
         ) as reply:
             record.http_status = reply.status_code
-            record.instance = reply.headers.get("x-instance-id", "")  # Baton's gateway sends it
+            # Baton's gateway sends both; `baton.instance` in the body wins if present
+            record.server_request_id = reply.headers.get("x-request-id", "")
+            record.instance = reply.headers.get("x-instance-id", "")
             if reply.status_code >= 400:
                 raw = (await reply.aread()).decode("utf-8", "replace")
                 _fail(record, Status.HTTP_ERROR, f"HTTP {reply.status_code}: {_error_text(raw)}")
@@ -200,6 +221,8 @@ def _read_chunk(record: RequestRecord, chunk: dict[str, Any]) -> str:
     """Update record from one chunk; return the chunk's content text ('' if none)."""
     if chunk.get("model"):
         record.served_model = record.served_model or str(chunk["model"])
+    if chunk.get("id") and not record.server_request_id:
+        record.server_request_id = str(chunk["id"])
     usage = chunk.get("usage")
     if isinstance(usage, dict):
         _read_usage(record, usage)
@@ -233,12 +256,17 @@ def _read_usage(record: RequestRecord, usage: dict[str, Any]) -> None:
 
 def _read_baton(record: RequestRecord, baton: dict[str, Any]) -> None:
     """Baton's optional per-response routing fields."""
+    record.has_baton = True
     if baton.get("model"):
         record.served_model = str(baton["model"])  # wins over the echoed `model`
     if baton.get("instance") is not None:
         record.instance = str(baton["instance"])
+    if baton.get("policy"):
+        record.policy = str(baton["policy"])
     if baton.get("router_overhead_ms") is not None:
         record.router_overhead_ms = float(baton["router_overhead_ms"])
+    if baton.get("predicted_ttft_ms") is not None:
+        record.predicted_ttft_ms = float(baton["predicted_ttft_ms"])
     if baton.get("cost") is not None:
         record.cost = float(baton["cost"])
     if isinstance(baton.get("tokens_per_model"), dict):

@@ -50,6 +50,7 @@ class BenchConfig:
     trace_format: str | None = None
     time_scale: float | None = None
     trace_start_s: float = 0.0
+    trace_duration_s: float | None = None
     max_input_tokens: int | None = None
     max_output_tokens: int | None = None
     # workload

@@ -154,6 +154,9 @@ def summarize(
     out.update(routing_fields(records))
     out["per_task"] = per_group(records, lambda r: r.spec.task, config.utility)
     out["per_model"] = per_group(records, lambda r: r.model_for_utility, config.utility)
+    out["per_instance"] = per_group(
+        [r for r in records if r.instance], lambda r: r.instance, config.utility
+    )
     out["num_with_usage"] = sum(r.completion_tokens is not None for r in done)
     return out
 
@@ -241,10 +244,19 @@ def routing_fields(records: Sequence[RequestRecord]) -> dict[str, Any]:
         tokens.update(r.tokens_per_model)
     total_tokens = sum(tokens.values())
     overheads = [r.router_overhead_ms / 1000.0 for r in done if r.router_overhead_ms is not None]
+    predicted = [r.predicted_ttft_ms / 1000.0 for r in done if r.predicted_ttft_ms is not None]
+    errors = [
+        ttft - r.predicted_ttft_ms / 1000.0
+        for r in done
+        if r.predicted_ttft_ms is not None and (ttft := r.ttft_s) is not None
+    ]
     costs = [r.cost for r in done if r.cost is not None]
     out: dict[str, Any] = {
+        "num_with_baton": sum(r.has_baton for r in done),
+        "num_with_server_request_id": sum(bool(r.server_request_id) for r in records),
         "served_model_counts": dict(Counter(r.served_model for r in done if r.served_model)),
         "instance_counts": dict(Counter(r.instance for r in done if r.instance)),
+        "policy_counts": dict(Counter(r.policy for r in done if r.policy)),
         "tokens_per_model": dict(tokens),
         "token_share_per_model": (
             {m: n / total_tokens for m, n in tokens.items()} if total_tokens else {}
@@ -253,19 +265,28 @@ def routing_fields(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "mean_cost": float(np.mean(costs)) if costs else None,
     }
     out.update(describe_ms("router_overhead", overheads, (99.0,)))
+    out.update(describe_ms("predicted_ttft", predicted, (99.0,)))
+    # measured (client-side) TTFT minus the router's prediction: > 0 means it was optimistic
+    out["mean_ttft_prediction_error_ms"] = float(np.mean(errors)) * 1000.0 if errors else None
+    out["mean_abs_ttft_prediction_error_ms"] = (
+        float(np.mean(np.abs(errors))) * 1000.0 if errors else None
+    )
     return out
 
 
 def per_group(
     records: Sequence[RequestRecord], key: Any, utility: UtilityTable | None
 ) -> dict[str, dict[str, Any]]:
-    """Counts, TTFT, SLO attainment and OnTimeUtility per task or per model."""
+    """Counts, TTFT, SLO attainment and OnTimeUtility per task, model or instance."""
     groups: dict[str, list[RequestRecord]] = defaultdict(list)
     for r in records:
         groups[str(key(r))].append(r)
     out = {}
     for name, group in sorted(groups.items()):
         ttfts = [t for r in group if (t := r.ttft_s) is not None]
+        predicted = [
+            r.predicted_ttft_ms for r in group if r.is_ok and r.predicted_ttft_ms is not None
+        ]
         slo = slo_fields(group, utility)
         out[name] = {
             "count": len(group),
@@ -277,6 +298,7 @@ def per_group(
                 if any(r.is_ok for r in group)
                 else None
             ),
+            "mean_predicted_ttft_ms": float(np.mean(predicted)) if predicted else None,
             "slo_attainment": slo["slo_attainment"],
             "ontime_utility": slo["ontime_utility"],
         }

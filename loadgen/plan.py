@@ -180,6 +180,7 @@ def _trace_plan(
     rows = read_trace(config.trace, fmt)
     window = TraceWindow(
         start_s=config.trace_start_s,
+        trace_duration_s=config.trace_duration_s,
         num_prompts=config.num_prompts,
         time_scale=config.time_scale,
         target_rate=None if math.isinf(config.request_rate) else config.request_rate,
@@ -201,6 +202,7 @@ def _trace_plan(
         "trace_format": fmt,
         "time_scale": scale,
         "trace_start_s": config.trace_start_s,
+        "trace_duration_s": config.trace_duration_s,
         "trace_native_rate": native_rate(chosen) * scale,
         "prompt_text_source": source,
     }

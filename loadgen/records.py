@@ -39,12 +39,17 @@ class RequestRecord:
     # from the server's `usage`, when sent
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    request_id: str = ""  # the x-request-id loadgen sent
+    server_request_id: str = ""  # the server's: X-Request-Id response header, else the body's `id`
     # Baton's per-response fields, when present
     served_model: str = ""  # `model` of the response, or `baton.model`
-    instance: str = ""
+    instance: str = ""  # X-Instance-Id response header, or `baton.instance`
     tokens_per_model: dict[str, int] = field(default_factory=dict)
-    router_overhead_ms: float | None = None
+    policy: str = ""  # `baton.policy`: the routing policy that chose the instance
+    router_overhead_ms: float | None = None  # `baton.router_overhead_ms`
+    predicted_ttft_ms: float | None = None  # `baton.predicted_ttft_ms`: the router's estimate
     cost: float | None = None
+    has_baton: bool = False  # the response carried a `baton` object
     finish_reason: str = ""
     text: str = ""
 
@@ -122,6 +127,8 @@ class RequestRecord:
 
         return {
             "index": self.spec.index,
+            "request_id": self.request_id or None,
+            "server_request_id": self.server_request_id or None,
             "task": self.spec.task,
             "label": self.spec.label or None,
             "model": self.spec.model,
@@ -152,7 +159,9 @@ class RequestRecord:
             "served_model": self.served_model or None,
             "instance": self.instance or None,
             "tokens_per_model": self.tokens_per_model or None,
+            "policy": self.policy or None,
             "router_overhead_ms": self.router_overhead_ms,
+            "predicted_ttft_ms": self.predicted_ttft_ms,
             "cost": self.cost,
             "text": self.text or None,  # only with --keep-text
         }

@@ -105,6 +105,9 @@ def print_summary(result: dict[str, Any], out: TextIO) -> None:
         if result["mean_router_overhead_ms"] is not None:
             _row(out, "Mean router overhead (ms):", result["mean_router_overhead_ms"])
             _row(out, "P99 router overhead (ms):", result["p99_router_overhead_ms"])
+        if result["mean_predicted_ttft_ms"] is not None:
+            _row(out, "Mean predicted TTFT (ms):", result["mean_predicted_ttft_ms"])
+            _row(out, "Mean TTFT - predicted (ms):", result["mean_ttft_prediction_error_ms"])
         if result["total_cost"] is not None:
             _row(out, "Total cost:", result["total_cost"])
     out.write("=" * WIDTH + "\n")

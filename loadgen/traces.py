@@ -101,6 +101,7 @@ class TraceWindow:
     """Which part of a trace to replay and how."""
 
     start_s: float = 0.0  # skip rows before this offset (trace time)
+    trace_duration_s: float | None = None  # keep rows within this long after start_s (trace time)
     num_prompts: int | None = None  # first N rows of the window
     time_scale: float | None = None  # offsets are multiplied by this: < 1 compresses time
     target_rate: float | None = None  # if time_scale is None: scale to this mean rate
@@ -112,6 +113,9 @@ class TraceWindow:
 def select_rows(rows: list[TraceRow], window: TraceWindow) -> tuple[list[TraceRow], float]:
     """Apply the window; return the rows (first at offset 0) and the time scale used."""
     chosen = [r for r in rows if r.offset_s >= window.start_s]
+    if window.trace_duration_s is not None:
+        end = window.start_s + window.trace_duration_s
+        chosen = [r for r in chosen if r.offset_s < end]
     if window.num_prompts is not None:
         chosen = chosen[: window.num_prompts]
     if not chosen:

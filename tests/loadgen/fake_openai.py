@@ -1,7 +1,8 @@
 """A minimal OpenAI-compatible streaming server for loadgen's end-to-end tests.
 
 Routes under /v1 stream a few content chunks with a small delay, then a usage
-chunk carrying Baton-style extras, then [DONE]. Under /fail/v1 every request gets
+chunk carrying Baton-style extras (a `baton` object; X-Request-Id and
+X-Instance-Id headers), then [DONE]. Under /fail/v1 every request gets
 a 500 in OpenAI's error format; under /broken/v1 the stream stops after two
 chunks without [DONE].
 """
@@ -67,7 +68,9 @@ def create_app() -> FastAPI:
                 "baton": {
                     "instance": "fake-small/0",
                     "model": "fake-small",
+                    "policy": "fake-policy",
                     "router_overhead_ms": 0.5,
+                    "predicted_ttft_ms": 2.0,
                     "cost": 0.001,
                 },
             }
@@ -79,7 +82,12 @@ def create_app() -> FastAPI:
     ) -> StreamingResponse:
         body = await request.json()
         app.state.seen.append((dict(request.headers), body))
-        return StreamingResponse(stream(body, is_chat, is_broken), media_type="text/event-stream")
+        # as Baton's gateway: its own request id, and an instance header that the
+        # body's `baton.instance` overrides
+        headers = {"X-Request-Id": f"fake-{len(app.state.seen)}", "X-Instance-Id": "header/0"}
+        return StreamingResponse(
+            stream(body, is_chat, is_broken), media_type="text/event-stream", headers=headers
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> StreamingResponse:

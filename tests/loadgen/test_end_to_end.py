@@ -1,6 +1,6 @@
 """loadgen against a real HTTP server it starts on a free port (a minimal OpenAI stream).
 
-The run against the real Baton stack lives with the services' tests.
+The run against a real Baton stack is tests/loadgen/test_baton_e2e.py.
 """
 
 from __future__ import annotations
@@ -114,11 +114,21 @@ def test_azure_replay_time_compressed(server: tuple[str, FastAPI], tmp_path: Pat
     assert result["mean_slo_ttft_ms"] == pytest.approx(158.0 + 3.5e-3 * 300, abs=0.5)
     assert result["slo_attainment"] > 0.5 and result["request_goodput"] > 0
     assert result["served_model_counts"] == {"fake-small": 200}
+    assert result["instance_counts"] == {"fake-small/0": 200}
+    assert result["per_instance"]["fake-small/0"]["completed"] == 200
+    assert result["policy_counts"] == {"fake-policy": 200}
+    assert result["num_with_baton"] == 200 and result["num_with_server_request_id"] == 200
+    assert result["mean_predicted_ttft_ms"] == pytest.approx(2.0)
+    assert result["mean_ttft_prediction_error_ms"] == pytest.approx(
+        result["mean_ttft_ms"] - 2.0, abs=1e-6
+    )
     assert result["token_share_per_model"]["fake-large"] == pytest.approx(0.2)
     assert result["model_id"] == "fake-small"  # from GET /v1/models
 
     headers, body = app.state.seen[0]
     assert float(headers["x-slo-ttft-ms"]) >= 150.0
+    assert headers["x-baton-task"] == "trace-azure"
+    assert headers["x-request-id"].startswith("loadgen-") and "x-budget-cost" not in headers
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["ignore_eos"] is True and body["max_tokens"] <= 5
     assert body["messages"][0]["role"] == "user"
@@ -126,7 +136,11 @@ def test_azure_replay_time_compressed(server: tuple[str, FastAPI], tmp_path: Pat
     lines = [json.loads(x) for x in (tmp_path / "azure.jsonl").read_text().splitlines()]
     assert len(lines) == 200
     assert all(x["status"] == "ok" and x["first_token_ns"] > x["start_ns"] > 10**18 for x in lines)
-    assert all(x["instance"] == "fake-small/0" for x in lines)
+    assert all(x["instance"] == "fake-small/0" for x in lines)  # baton.instance wins
+    assert len({x["server_request_id"] for x in lines}) == 200
+    assert all(x["server_request_id"].startswith("fake-") for x in lines)
+    assert all(x["request_id"].endswith(f"-{x['index']}") for x in lines)
+    assert all(x["policy"] == "fake-policy" and x["predicted_ttft_ms"] == 2.0 for x in lines)
     for png in ("ttft_cdf.png", "latency_over_time.png", "throughput.png"):
         assert (tmp_path / "plots" / png).stat().st_size > 10_000
 

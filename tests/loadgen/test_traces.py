@@ -83,3 +83,12 @@ def test_window_start_count_duration_and_caps() -> None:
 def test_empty_window_is_an_error() -> None:
     with pytest.raises(ValueError):
         select_rows(_rows(), TraceWindow(start_s=100.0))
+
+
+def test_trace_duration_counts_trace_seconds_before_scaling() -> None:
+    window = TraceWindow(start_s=2.0, trace_duration_s=3.0, time_scale=10.0)
+    rows, scale = select_rows(_rows(), window)
+    assert scale == 10.0
+    assert [r.offset_s for r in rows] == [0.0, 10.0, 20.0]  # trace seconds 2, 3, 4
+    rows, scale = select_rows(_rows(), TraceWindow(trace_duration_s=4.5, target_rate=2.0))
+    assert len(rows) == 5 and scale == pytest.approx((5 / 4.0) / 2.0)

@@ -25,7 +25,8 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int = 512  # KV capacity: num_kv_blocks * block_size tokens
     max_model_len: int = 2048  # prompt + output tokens of one request
-    threads: int = 1  # torch intra-op threads (pin: 2 threads next to a busy neighbour is 30x slower)
+    # torch intra-op threads: pin them; 2 threads next to a busy neighbour run ~30x slower.
+    threads: int = 1
     seed: int = 0  # seed of random-weight models
     num_batch_samples: int = 4096  # batch-time samples kept until popped
 

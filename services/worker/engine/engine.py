@@ -32,8 +32,10 @@ from services.worker.engine.loader import (
 from services.worker.engine.model import CausalLM, ModelConfig
 from services.worker.engine.outputs import (
     FinishReason,
+    Handoff,
     RequestError,
     RequestOutput,
+    Resume,
     StepHook,
     StepOutputs,
 )
@@ -54,6 +56,7 @@ class Sequence:
     sampling: SamplingState
     stop_ids: frozenset[int]
     emitted: int = 0  # output tokens already handed out in a RequestOutput
+    num_handoffs: int = 0  # times the route hook sent this request to a peer
     new_logprobs: list[float] = field(default_factory=list)
     new_top: list[list[tuple[int, float]]] = field(default_factory=list)
 
@@ -79,6 +82,8 @@ class LLMEngine:
         self._live_ids: set[str] = set()  # inbox + scheduled, guarded by _lock
         self._inbox: list[Sequence] = []
         self._aborts: list[str] = []
+        self._resumes: list[Resume] = []
+        self._handoffs: list[Handoff] = []
         self._lock = threading.Lock()
         self._snapshot_version = 0
         self._snapshot = take_snapshot(self.scheduler, 0, time.time())
@@ -151,8 +156,12 @@ class LLMEngine:
             raise RequestError(f"prompt token ids must be in [0, {self.vocab_size})")
         sched = SchedRequest(request_id, n, params.max_tokens, arrival_seq=-1)
         sched.predicted_output_tokens = predicted_output_tokens
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        seq = Sequence(sched, list(prompt_token_ids), SamplingState.create(params, self.device), stop_ids)
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.eos_ids
+        )
+        seq = Sequence(
+            sched, list(prompt_token_ids), SamplingState.create(params, self.device), stop_ids
+        )
         if params.stop:
             self._load_detokenizer()  # here, not inside a step: keeps steps free of spikes
         with self._lock:
@@ -166,9 +175,27 @@ class LLMEngine:
         with self._lock:
             self._aborts.append(request_id)
 
+    def resume_request(
+        self, request_id: str, new_token_ids: list[int], *, finish_reason: str | None = None
+    ) -> None:
+        """Bring back a parked request with the tokens a peer wrote (any thread).
+
+        Applied at the start of the next step: the new tokens are appended and
+        streamed as this request's output, then the request runs again, prefilling
+        only those tokens into its kept KV, unless finish_reason (or a stop condition
+        met by the new tokens) ends it.
+        """
+        with self._lock:
+            self._resumes.append(Resume(request_id, list(new_token_ids), finish_reason))
+
+    def pop_handoffs(self) -> list[Handoff]:
+        """Requests parked by the route hook since the last call."""
+        handoffs, self._handoffs = self._handoffs, []
+        return handoffs
+
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self._seqs or self._inbox or self._aborts)
+            return bool(self._seqs or self._inbox or self._aborts or self._resumes)
 
     # ---- the loop (one thread) ---------------------------------------------------
 
@@ -186,8 +213,11 @@ class LLMEngine:
             result = self.runner.execute(batch, {rid: s.token_ids for rid, s in seqs.items()})
             states = [seqs[rid].sampling for rid in result.request_ids]
             sampled = sample(result.logits, states)
+            destinations = None
             if self.hook is not None and result.request_ids:
-                self.hook(StepOutputs(result.request_ids, sampled.token_ids, result.logits, result.hidden))
+                destinations = self.hook(
+                    StepOutputs(result.request_ids, sampled.token_ids, result.logits, result.hidden)
+                )
             # 4. Append tokens, advance counters, stop what is done.
             for i, rid in enumerate(result.request_ids):
                 seq = seqs[rid]
@@ -197,8 +227,17 @@ class LLMEngine:
                     assert sampled.top_logprobs is not None
                     seq.new_top.append(sampled.top_logprobs[i])
             self.scheduler.commit(batch)
-            for rid in result.request_ids:
-                outputs.append(self._emit(seqs[rid], self._stop_reason(seqs[rid])))
+            for i, rid in enumerate(result.request_ids):
+                seq = seqs[rid]
+                dest = destinations[i] if destinations else 0
+                if dest < 0:  # the peer rewrites this token: take it back unseen
+                    self._unsample(seq)
+                    self._park(seq, -dest, rewrites_last=True)
+                    continue
+                reason = self._stop_reason(seq)
+                outputs.append(self._emit(seq, reason))
+                if reason is None and dest > 0:
+                    self._park(seq, dest, rewrites_last=False)
             self._samples.append(
                 describe_batch(batch, self.scheduler, wall0, time.perf_counter() - t0, queue_lens)
             )
@@ -218,12 +257,62 @@ class LLMEngine:
                 rid, old.num_prompt_tokens, old.max_tokens, old.predicted_output_tokens
             )
             self._seqs[rid] = seq
-        outputs = []
+        with self._lock:
+            resumes, self._resumes = self._resumes, []
+        outputs = [out for r in resumes if (out := self._apply_resume(r)) is not None]
         for rid in aborts:
             aborted = self._seqs.get(rid)
             if aborted is not None:
                 outputs.append(self._emit(aborted, FinishReason.ABORT))
         return outputs
+
+    def _park(self, seq: Sequence, destination: int, *, rewrites_last: bool) -> None:
+        """The hook sent seq to a peer: keep its KV, skip it until it is resumed."""
+        self.scheduler.set_pending(seq.sched.request_id)
+        seq.num_handoffs += 1
+        self._handoffs.append(
+            Handoff(
+                seq.sched.request_id,
+                destination,
+                list(seq.token_ids),
+                seq.sched.num_prompt_tokens,
+                seq.sched.num_output_tokens,
+                rewrites_last,
+                seq.num_handoffs,
+            )
+        )
+
+    def _unsample(self, seq: Sequence) -> None:
+        """Take back the token sampled this step (never computed, never emitted)."""
+        tok = seq.token_ids.pop()
+        seq.sched.num_output_tokens -= 1
+        counts = seq.sampling.output_counts
+        if tok in counts:
+            counts[tok] -= 1
+            if not counts[tok]:
+                del counts[tok]
+        if seq.params.logprobs is not None:
+            seq.new_logprobs.pop()
+            seq.new_top.pop()
+
+    def _apply_resume(self, resume: Resume) -> RequestOutput | None:
+        seq = self._seqs.get(resume.request_id)
+        if seq is None or seq.sched.request_id not in self.scheduler.pending:
+            return None  # finished or aborted meanwhile, or never parked: nothing to resume
+        sched = seq.sched
+        room = sched.max_tokens - sched.num_output_tokens
+        new = resume.new_token_ids[: max(0, room)]
+        for tok in new:
+            seq.token_ids.append(tok)
+            seq.sampling.record(tok)
+        sched.num_output_tokens += len(new)
+        reason = resume.finish_reason
+        if reason is None and new:
+            reason = self._stop_reason(seq)
+        if reason is None and sched.num_output_tokens >= sched.max_tokens:
+            reason = FinishReason.LENGTH
+        self.scheduler.resume(sched.request_id)
+        return self._emit(seq, reason) if new or reason else None
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         last = seq.token_ids[-1]

@@ -142,7 +142,11 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
         # Chat checkpoints list their end-of-turn ids here (Qwen3, Llama 3).
         gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
         if gen_eos is not None:
-            ids = [raw.get("eos_token_id")] if not isinstance(raw.get("eos_token_id"), list) else raw["eos_token_id"]
+            ids = (
+                [raw.get("eos_token_id")]
+                if not isinstance(raw.get("eos_token_id"), list)
+                else raw["eos_token_id"]
+            )
             extra = gen_eos if isinstance(gen_eos, list) else [gen_eos]
             raw["eos_token_id"] = [i for i in dict.fromkeys([*ids, *extra]) if i is not None]
     cfg = ModelConfig.from_hf(raw)

@@ -145,7 +145,9 @@ def _rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if cfg.rope_freq_factors is not None:
         if len(cfg.rope_freq_factors) != dim // 2:
-            raise ValueError(f"rope_freqs has {len(cfg.rope_freq_factors)} factors, expected {dim // 2}")
+            raise ValueError(
+                f"rope_freqs has {len(cfg.rope_freq_factors)} factors, expected {dim // 2}"
+            )
         inv_freq = inv_freq / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -347,7 +349,9 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
         self.lm_head = (
-            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            None
+            if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
 
     @torch.inference_mode()
@@ -385,7 +389,9 @@ class CausalLM(nn.Module):
         if "lm_head.weight" in own and self.lm_head is None:
             tied = own.pop("lm_head.weight")
             if not torch.equal(tied, own["embed_tokens.weight"]):
-                raise ValueError("config says tied embeddings but lm_head differs from embed_tokens")
+                raise ValueError(
+                    "config says tied embeddings but lm_head differs from embed_tokens"
+                )
         for i in range(self.config.num_hidden_layers):
             p = f"layers.{i}."
             for kind in ("weight", "bias"):
@@ -396,7 +402,9 @@ class CausalLM(nn.Module):
             own[f"{p}mlp.gate_up_proj.weight"] = torch.cat([gate, up], dim=0)
         missing, unexpected = self.load_state_dict(own, strict=False)
         if missing or unexpected:
-            raise ValueError(f"checkpoint mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
+            raise ValueError(
+                f"checkpoint mismatch: missing={missing[:5]} unexpected={unexpected[:5]}"
+            )
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights in HF names (q/k/v and gate/up split): feeds HF models in tests."""
@@ -405,7 +413,10 @@ class CausalLM(nn.Module):
         for key, t in self.state_dict().items():
             if ".qkv_proj." in key:
                 q, k, v = t.split(
-                    [cfg.num_attention_heads * cfg.head_dim, *[cfg.num_key_value_heads * cfg.head_dim] * 2]
+                    [
+                        cfg.num_attention_heads * cfg.head_dim,
+                        *[cfg.num_key_value_heads * cfg.head_dim] * 2,
+                    ]
                 )
                 for n, part in zip("qkv", (q, k, v), strict=True):
                     out["model." + key.replace("qkv_proj", f"{n}_proj")] = part

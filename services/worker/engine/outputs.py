@@ -45,6 +45,35 @@ class StepOutputs:
 
 
 class StepHook(Protocol):
-    """Called after every forward that sampled; token-level routing plugs in here."""
+    """Called after every forward that sampled; token-level routing plugs in here.
 
-    def __call__(self, outputs: StepOutputs) -> None: ...
+    Returns None (everyone stays) or one destination per row of outputs: 0 = stay,
+    i > 0 = hand the request to peer i after this token, -i = hand it to peer i to
+    rewrite this very token (it is taken back before anyone sees it). A handed-off
+    request is parked (its KV kept, skipped by the scheduler) until
+    `LLMEngine.resume_request` brings it back.
+    """
+
+    def __call__(self, outputs: StepOutputs) -> list[int] | None: ...
+
+
+@dataclass(slots=True)
+class Handoff:
+    """A request the route hook sent to a peer; the worker turns it into a PeerReq."""
+
+    request_id: str
+    destination: int  # peer index chosen by the hook (> 0)
+    token_ids: list[int]  # the whole sequence the peer continues, prompt first
+    num_prompt_tokens: int
+    num_output_tokens: int  # output tokens in token_ids
+    rewrites_last: bool  # the token sampled at this step was taken back for the peer to rewrite
+    seq_no: int  # handoffs of this request so far (1 for the first)
+
+
+@dataclass(slots=True)
+class Resume:
+    """Tokens a peer wrote for a parked request (queued by resume_request)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None  # the peer ended the answer
