@@ -125,13 +125,17 @@ def bf16_agreement(
 
 def rss_probe(num_kv_blocks: int, dtype: str) -> dict[str, float]:
     """Run in a child process: peak RSS of one SmolLM2 engine with its KV capacity."""
+    # A child's peak RSS starts at its parent's size at fork (the high-water mark
+    # survives exec): reset it first (writing 5 to clear_refs), then read VmHWM.
     code = (
-        "import resource,torch;from services.worker.engine.engine import LLMEngine;"
+        "open('/proc/self/clear_refs','w').write('5');"
+        "import torch;from services.worker.engine.engine import LLMEngine;"
         "from services.worker.engine.config import EngineConfig;"
         "from shared.sampling import SamplingParams;"
         f"e=LLMEngine.create(EngineConfig(model='smollm2-135m',dtype='{dtype}',num_kv_blocks={num_kv_blocks},max_model_len=2048));"
         "e.generate([[1,2,3]*50]*8,SamplingParams(max_tokens=16,ignore_eos=True));"
-        "print(e.runner.kv_cache_bytes, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+        "hwm=[l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1];"
+        "print(e.runner.kv_cache_bytes, hwm)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,

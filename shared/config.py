@@ -29,8 +29,8 @@ import msgspec
 
 DEFAULT_CLUSTER_FILE = "configs/local.toml"
 
-# Query-level policies a cluster file may name. This service layer implements
-# round-robin and shortest-queue; the estimator refuses the others until they land.
+# Query-level policies a cluster file (or a request's x-baton-policy header) may name.
+# The estimator implements all but routebalance, which it refuses until it lands.
 PolicyName = Literal[
     "round-robin",
     "shortest-queue",
@@ -39,6 +39,14 @@ PolicyName = Literal[
     "sfs-lagrangian",
     "routebalance",
 ]
+# What the estimator runs today (a request's x-baton-policy must name one of these).
+IMPLEMENTED_POLICIES: tuple[str, ...] = (
+    "round-robin",
+    "shortest-queue",
+    "latency-agnostic",
+    "sfs-constraint",
+    "sfs-lagrangian",
+)
 EngineKind = Literal["torch", "sim"]
 
 
@@ -132,6 +140,16 @@ class EstimatorConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields
     ttft_slo_per_prompt_token_ms: float = 3.5e-3  # ms per prompt token
     ttft_slo_min_ms: float = 150.0  # ms
     ttft_slo_max_ms: float = 1120.0  # ms
+    # Weights of the utility policies for requests naming a real model (presets set
+    # their own): U = acc - lambda * cost; Lagrangian score U - delta * TTFT_s.
+    lambda_: float = msgspec.field(default=0.0, name="lambda")  # utility per cost unit
+    delta: float = 0.0  # utility per second of predicted TTFT
+    snapshot_refresh_s: float = 0.02  # seconds between background reads of every snapshot
+    fit_interval_s: float = 1.0  # seconds between reads of new batch samples (and refits)
+    fit_refit_every: int = 256  # new samples per instance before a refit
+    fit_min_samples: int = 64  # samples before the first fit of an instance
+    default_output_tokens: int = 128  # predicted output of a request without a prediction
+    arrival_window_s: float = 1.0  # LPS fallback: EWMA window of the per-instance arrival rate
 
 
 class WorkerConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -156,6 +174,19 @@ class ModelConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     ] = {}  # judged quality per task name, in [0, 1]; "default" for any task
     sim: dict[str, str | float | int] = {}  # SimEngineConfig fields other than the limits
 
+    def accuracy(self, task: str | None) -> float:
+        """Judged quality for `task` (its own entry, else "default", else 0)."""
+        if task is not None and task in self.quality:
+            return self.quality[task]
+        return self.quality.get("default", 0.0)
+
+    def cost(self, num_prompt_tokens: int, num_output_tokens: float) -> float:
+        """Price of a request in cost units: tokens times the per-token prices."""
+        return (
+            num_prompt_tokens * self.price_input_per_mtok
+            + num_output_tokens * self.price_output_per_mtok
+        ) / 1e6
+
 
 class InstanceConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: str  # a key of [models]
@@ -174,6 +205,8 @@ class PresetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     policy: PolicyName = "shortest-queue"
     description: str = ""
     routebalance_weights: list[float] = []  # (w_quality, w_latency, w_cost) on the simplex
+    lambda_: float = msgspec.field(default=0.0, name="lambda")  # utility per cost unit
+    delta: float = 0.0  # sfs-lagrangian: utility per second of predicted TTFT
 
 
 class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -227,6 +260,11 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
             for m in preset.models:
                 if m not in self.models:
                     raise ConfigError(f"preset {name!r} names unknown model {m!r}")
+        for name, preset in self.presets.items():
+            if preset.lambda_ < 0 or preset.delta < 0:
+                raise ConfigError(f"preset {name!r}: lambda and delta must be >= 0")
+        if self.estimator.lambda_ < 0 or self.estimator.delta < 0:
+            raise ConfigError("[estimator] lambda and delta must be >= 0")
         if not 0 < self.gateway.port < 65536:
             raise ConfigError(f"gateway port out of range: {self.gateway.port}")
 

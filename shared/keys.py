@@ -4,6 +4,7 @@
 {ns}:worker:{instance_id}       registration (WorkerInfo, msgpack), expires unless heartbeats renew it
 {ns}:snapshot:{instance_id}     HASH {version, wall_time_s, data}: the latest WorkloadSnapshot
 {ns}:samples:{instance_id}      LIST of BatchSample (msgpack), newest last, capped
+{ns}:calibration:{instance_id}  BatchTimeCalibration (msgpack): the estimator's fitted batch-time model
 """
 
 from __future__ import annotations
@@ -25,3 +26,7 @@ def snapshot(namespace: str, instance_id: str) -> str:
 
 def batch_samples(namespace: str, instance_id: str) -> str:
     return f"{check_token(namespace)}:samples:{check_token(instance_id)}"
+
+
+def calibration(namespace: str, instance_id: str) -> str:
+    return f"{check_token(namespace)}:calibration:{check_token(instance_id)}"

@@ -102,13 +102,17 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             self._template = env.from_string(self.chat_template)
-        return str(self._template.render(messages=messages, add_generation_prompt=add_generation_prompt))
+        return str(
+            self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+        )
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the chat, ending with the assistant's generation prompt."""

@@ -20,6 +20,7 @@ class LedgerEntry:
     num_prompt_tokens: int  # tokens
     max_tokens: int  # tokens
     dispatched_at_s: float  # time.monotonic() of the decision
+    predicted_output_tokens: int | None = None  # tokens, the length the decision assumed
 
 
 class Ledger:

@@ -1,19 +1,44 @@
 """Query-level routing policies: pure objects over plain data (no I/O, no clocks).
 
 A policy sees one request and the candidate instances, each with its latest
-fresh snapshot (or None when missing or stale) and the ledger's not-yet-visible
-dispatches, and picks one.
+fresh snapshot (or None when missing or stale), the ledger's not-yet-visible
+dispatches and, for the utility policies, the request's predicted accuracy, cost
+and TTFT there (`Scores`, filled by the service when `needs_scores`), and picks one.
+
+    latency-agnostic  argmax acc - lambda * cost
+    sfs-constraint    argmax acc - lambda * cost over instances with TTFT <= target,
+                      else argmin TTFT
+    sfs-lagrangian    argmax acc - lambda * cost - delta * TTFT (seconds)
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from services.estimator.ledger import LedgerEntry
+from services.estimator.sfs.utility import (
+    Candidate,
+    default_ttft_target_s,
+    pick_latency_agnostic,
+    pick_sfs_constraint,
+    pick_sfs_lagrangian,
+)
 from shared.messages.estimator import RouteRequest
 from shared.messages.registry import WorkerInfo
 from shared.scheduling.snapshot import WorkloadSnapshot
+
+
+@dataclass(frozen=True, slots=True)
+class Scores:
+    """The request's predictions on one instance."""
+
+    accuracy: float  # the model's judged quality for the request's task
+    cost: float  # cost units: prompt and predicted output tokens at the model's prices
+    ttft_s: float = math.nan  # predicted TTFT, seconds (nan: not computed; inf: cannot serve)
+    ttft_source: str = ""  # "sfs" (replay on a fresh snapshot) | "lps" (queue model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +46,7 @@ class InstanceView:
     info: WorkerInfo
     snapshot: WorkloadSnapshot | None  # None: missing or older than the staleness bound
     unseen: list[LedgerEntry]  # dispatched here, not yet in the snapshot
+    scores: Scores | None = None  # filled for policies with needs_scores
 
     @property
     def instance_id(self) -> str:
@@ -43,6 +69,8 @@ class InstanceView:
 
 class Policy(Protocol):
     name: str
+    needs_scores: bool  # the service fills InstanceView.scores (accuracy, cost)
+    needs_ttft: bool  # ... and the predicted TTFT
 
     def choose(self, request: RouteRequest, candidates: list[InstanceView]) -> InstanceView:
         """Pick one of `candidates` (never empty)."""
@@ -53,6 +81,8 @@ class RoundRobin:
     """Each candidate set in turn, independent of load."""
 
     name = "round-robin"
+    needs_scores = False
+    needs_ttft = False
 
     def __init__(self) -> None:
         self._next: dict[tuple[str, ...], int] = {}
@@ -69,6 +99,8 @@ class ShortestQueue:
     """Fewest requests (snapshot + ledger); ties go to more free KV, then rotate."""
 
     name = "shortest-queue"
+    needs_scores = False
+    needs_ttft = False
 
     def __init__(self) -> None:
         self._turn = 0
@@ -81,11 +113,69 @@ class ShortestQueue:
         return ties[self._turn % len(ties)]
 
 
-def create_policy(name: str) -> Policy:
+class UtilityPolicy:
+    """latency-agnostic, sfs-constraint or sfs-lagrangian over the views' Scores.
+
+    lambda: utility per cost unit; delta: utility per second of TTFT (Lagrangian);
+    the TTFT target is the request's `ttft_target_ms`, else `default_target_s(prompt)`.
+    Candidates are ordered by instance id, so ties go to the smallest id.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        lam: float,
+        delta: float,
+        default_target_s: Callable[[int], float],
+    ) -> None:
+        if name not in UTILITY_POLICIES:
+            raise ValueError(f"not a utility policy: {name!r}")
+        self.name = name
+        self.lam = lam
+        self.delta = delta
+        self.default_target_s = default_target_s
+        self.needs_scores = True
+        self.needs_ttft = name != "latency-agnostic"
+
+    def target_s(self, request: RouteRequest) -> float:
+        if request.ttft_target_ms is not None:
+            return request.ttft_target_ms / 1000.0
+        return self.default_target_s(request.num_prompt_tokens)
+
+    def choose(self, request: RouteRequest, candidates: list[InstanceView]) -> InstanceView:
+        ordered = sorted(candidates, key=lambda c: c.instance_id)
+        by_id = {c.instance_id: c for c in ordered}
+        cands = []
+        for c in ordered:
+            assert c.scores is not None, "the service fills scores for utility policies"
+            s = c.scores
+            cands.append(Candidate(c.instance_id, s.accuracy, s.cost, s.ttft_s))
+        if self.name == "latency-agnostic":
+            picked = pick_latency_agnostic(cands, self.lam)
+        elif self.name == "sfs-constraint":
+            picked = pick_sfs_constraint(cands, self.lam, self.target_s(request))
+        else:
+            picked = pick_sfs_lagrangian(cands, self.lam, self.delta)
+        return by_id[picked.instance_id]
+
+
+UTILITY_POLICIES = ("latency-agnostic", "sfs-constraint", "sfs-lagrangian")
+
+
+def create_policy(
+    name: str,
+    lam: float = 0.0,
+    delta: float = 0.0,
+    default_target_s: Callable[[int], float] = default_ttft_target_s,
+) -> Policy:
+    """A fresh policy object; ValueError for a name this estimator does not implement."""
     if name == "round-robin":
         return RoundRobin()
     if name == "shortest-queue":
         return ShortestQueue()
+    if name in UTILITY_POLICIES:
+        return UtilityPolicy(name, lam, delta, default_target_s)
     raise ValueError(
-        f"policy {name!r} is not available in this estimator yet: use round-robin or shortest-queue"
+        f"policy {name!r} is not available in this estimator yet: use one of round-robin, "
+        f"shortest-queue, {', '.join(UTILITY_POLICIES)}"
     )

@@ -1,9 +1,16 @@
 """The estimator service: answers "which instance?" over NATS request/reply.
 
     route request -> candidates (live, non-draining instances of the model or preset)
-                  -> their snapshots from Redis (one round trip), stale ones dropped
-                  -> ledger reconciled with what the snapshots show
+                  -> their cached snapshots (read and parsed by the refresh loop,
+                     `instances.py`), stale ones dropped
+                  -> scores for utility policies: accuracy (quality table), cost
+                     (prices x prompt + predicted output), TTFT (SFS replay on a
+                     fresh snapshot with the ledger as pending, else LPS queue model)
                   -> policy.choose -> ledger.add -> reply
+
+Background: the refresh loop reads every snapshot each `snapshot_refresh_s`, parses
+new versions for the replay and reconciles the ledger; the fit loop feeds the batch
+samples to one OnlineBatchTimeFitter per instance and publishes each refit.
 
 nats-py runs one subscription's callbacks one at a time, so decisions (and the
 ledger) are serialized within a process. Several estimator replicas share the
@@ -14,16 +21,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
+from services.estimator.instances import InstanceState, LatencyEstimator, create_instance_state
 from services.estimator.ledger import Ledger, LedgerEntry
-from services.estimator.policies import InstanceView, Policy, create_policy
+from services.estimator.policies import InstanceView, Policy, Scores, create_policy
+from services.estimator.sfs.replay import Probe
 from shared import subjects
 from shared.bus import Bus
 from shared.config import ClusterConfig
 from shared.logging import get_logger
+from shared.messages import encode
 from shared.messages.estimator import (
     REQUEST_DONE_DECODER,
     ROUTE_REQUEST_DECODER,
@@ -32,11 +44,15 @@ from shared.messages.estimator import (
     RouteRequest,
 )
 from shared.messages.registry import WorkerInfo, departed
-from shared.scheduling.snapshot import WorkloadSnapshot
+from shared.messages.worker import BatchTimeCalibration
+from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot
 from shared.store import Store
 
 log = get_logger(component="estimator")
 _SNAPSHOT_DECODER = msgspec.msgpack.Decoder(WorkloadSnapshot)
+_SAMPLE_DECODER = msgspec.msgpack.Decoder(BatchSample)
+CALIBRATION_TTL_S = 3600.0  # a published fit outlives estimator restarts this long
+SAMPLES_PER_READ = 2048  # newest batch samples read per instance per fit interval
 
 
 class EstimatorService:
@@ -46,13 +62,30 @@ class EstimatorService:
         self.bus = Bus(cluster.nats_url, name="estimator")
         self.store = Store(cluster.redis_url, cluster.namespace)
         self.ledger = Ledger(self.settings.ledger_ttl_s)
-        self._default_policy = create_policy(self.settings.policy)
+        self.latency = LatencyEstimator(self.settings)
+        # Policies are built up front, so a cluster file naming one this estimator
+        # cannot run fails at start (ValueError), not at the first request.
+        self._default_policy = self._create_policy(
+            self.settings.policy, self.settings.lambda_, self.settings.delta
+        )
         self._preset_policies: dict[str, Policy] = {
-            n: create_policy(p.policy) for n, p in cluster.presets.items()
+            n: self._create_policy(p.policy, p.lambda_, p.delta) for n, p in cluster.presets.items()
         }
+        self._override_policies: dict[tuple[str, str], Policy] = {}  # (model, name) -> policy
         self.workers: dict[str, WorkerInfo] = {}
+        self.instances: dict[str, InstanceState] = {}
         self._stop = asyncio.Event()
+        self._loops: list[asyncio.Task[None]] = []
         self.num_decisions = 0
+
+    def _create_policy(self, name: str, lam: float, delta: float) -> Policy:
+        return create_policy(name, lam, delta, self.default_ttft_target_s)
+
+    def default_ttft_target_s(self, num_prompt_tokens: int) -> float:
+        """The TTFT target of a request without x-slo-ttft-ms (SFS rule, [estimator] keys)."""
+        st = self.settings
+        ms = st.ttft_slo_base_ms + st.ttft_slo_per_prompt_token_ms * num_prompt_tokens
+        return min(st.ttft_slo_max_ms, max(st.ttft_slo_min_ms, ms)) / 1000.0
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -61,6 +94,7 @@ class EstimatorService:
         await self.bus.connect()
         await self.store.connect()
         await self._refresh_workers()
+        await self.refresh_snapshots()
         ns = self.cluster.namespace
         await self.bus.serve(
             subjects.estimator_route(ns),
@@ -70,6 +104,16 @@ class EstimatorService:
         )
         await self.bus.subscribe(subjects.estimator_events(ns), REQUEST_DONE_DECODER, self._on_done)
         await self.bus.flush()
+        self._loops = [
+            asyncio.create_task(
+                self._every(self.settings.snapshot_refresh_s, self.refresh_snapshots, "snapshots"),
+                name="snapshot-refresh",
+            ),
+            asyncio.create_task(
+                self._every(self.settings.fit_interval_s, self.fit_batch_times, "fit"),
+                name="batch-time-fit",
+            ),
+        ]
         log.info(
             "estimator_ready", policy=self._default_policy.name, live_workers=len(self.workers)
         )
@@ -86,71 +130,217 @@ class EstimatorService:
                 except Exception as exc:
                     log.warning("registry_refresh_failed", error=str(exc))
                 self.ledger.expire(time.monotonic())
+                for task in self._loops:
+                    if task.done():  # a background loop must never die silently
+                        task.result()
         finally:
             await self.close()
 
     async def close(self) -> None:
+        self._stop.set()
+        for task in self._loops:
+            task.cancel()
+        if self._loops:  # bounded: see _every
+            await asyncio.wait(self._loops, timeout=5.0)
+        self._loops = []
         await self.bus.close()
         await self.store.close()
+
+    async def _every(self, period_s: float, step: Callable[[], Awaitable[None]], what: str) -> None:
+        """Run `step` every period_s; a failure is logged and retried next period.
+
+        Also ends on `_stop`: redis-py can swallow a cancellation that lands inside a
+        command, and the loop would then run on after close().
+        """
+        while not self._stop.is_set():
+            await asyncio.sleep(period_s)
+            if self._stop.is_set():
+                return
+            try:
+                await step()
+            except Exception as exc:
+                log.warning("background_step_failed", step=what, error=repr(exc))
 
     async def _refresh_workers(self) -> None:
         live = {w.instance_id: w for w in await self.store.live_workers()}
         for gone in departed(self.workers, live):
             self.ledger.forget_instance(gone)
+            self.instances.pop(gone, None)
+            self.latency.forget(gone)
             log.info("worker_gone", instance_id=gone)
-        for new in live.keys() - self.workers.keys():
-            log.info("worker_seen", instance_id=new, model=live[new].model)
+        for iid, info in live.items():
+            state = self.instances.get(iid)
+            if state is None:
+                log.info("worker_seen", instance_id=iid, model=info.model)
+                self.instances[iid] = create_instance_state(
+                    info, self.cluster.models.get(info.model), self.settings
+                )
+            else:
+                state.info = info
         self.workers = live
+
+    async def refresh_snapshots(self) -> None:
+        """Read every live instance's snapshot; parse new versions and reconcile the ledger."""
+        ids = list(self.instances)
+        blobs = await self.store.read_snapshots(ids)
+        for iid, blob in blobs.items():
+            state = self.instances.get(iid)
+            if state is None or blob is None:
+                continue
+            key = (blob.version, blob.wall_time_s)
+            if key == state.snapshot_key:
+                continue
+            snapshot = _SNAPSHOT_DECODER.decode(blob.data)
+            state.snapshot, state.snapshot_key = snapshot, key
+            state.snapshot_wall_time_s = blob.wall_time_s
+            state.visible = {
+                r.request_id
+                for group in (snapshot.running, snapshot.waiting, snapshot.pending)
+                for r in group
+            }
+            self.ledger.reconcile(iid, state.visible)
+            self.latency.prepare(state)
+
+    async def fit_batch_times(self) -> None:
+        """Feed new batch samples to each instance's fitter; publish every refit."""
+        for iid, state in list(self.instances.items()):
+            new = await self._new_samples(state)
+            if not new:
+                continue
+            # The fit (numpy, a few ms for thousands of samples) runs off the event
+            # loop; only this loop touches the fitter.
+            fit = await asyncio.to_thread(state.add_samples, new)
+            if fit is None:
+                continue
+            cal = BatchTimeCalibration(
+                feature_set=fit.model.feature_set,
+                coefs=list(fit.model.coefs),
+                mape=fit.mape_inliers,
+                mape_all=fit.mape_all,
+                num_samples=fit.num_samples,
+                fitted_at_s=time.time(),
+            )
+            await self.store.write_calibration(iid, encode(cal), ttl_s=CALIBRATION_TTL_S)
+            log.info(
+                "batch_time_fitted",
+                instance_id=iid,
+                feature_set=cal.feature_set,
+                mape=round(cal.mape, 4),
+                mape_all=round(cal.mape_all, 4),
+                num_samples=cal.num_samples,
+                num_stalls=fit.num_stalls,
+            )
+
+    async def _new_samples(self, state: InstanceState) -> list[BatchSample]:
+        """Samples newer than the last one fed, oldest first: read newest-first in
+        growing pages, decoding only until an already-seen one."""
+        count = 64
+        while True:
+            raw = await self.store.read_samples(state.instance_id, count)
+            new: list[BatchSample] = []
+            for blob in reversed(raw):
+                sample = _SAMPLE_DECODER.decode(blob)
+                if sample.wall_time_s <= state.last_sample_time_s:
+                    return new[::-1]
+                new.append(sample)
+            if len(raw) < count or count >= SAMPLES_PER_READ:
+                return new[::-1]
+            count = min(SAMPLES_PER_READ, count * 4)
 
     async def _on_done(self, event: RequestDoneEvent) -> None:
         self.ledger.remove(event.request_id)
 
+    def policy_for(self, request: RouteRequest) -> Policy:
+        """The request's own policy (x-baton-policy), else its preset's, else the default."""
+        preset = self.cluster.presets.get(request.model)
+        if request.policy is None:
+            return self._preset_policies.get(request.model, self._default_policy)
+        key = (request.model, request.policy)
+        policy = self._override_policies.get(key)
+        if policy is None:
+            lam = preset.lambda_ if preset is not None else self.settings.lambda_
+            delta = preset.delta if preset is not None else self.settings.delta
+            policy = self._override_policies[key] = self._create_policy(request.policy, lam, delta)
+        return policy
+
     async def route(self, request: RouteRequest) -> RouteReply:
+        t0 = time.perf_counter()
         models = set(self.cluster.candidates(request.model))
         if not models:
             return RouteReply(
                 request_id=request.request_id, error=f"unknown model {request.model!r}"
             )
-        infos = [w for w in self.workers.values() if w.model in models and not w.is_draining]
-        if not infos:
+        states = [
+            s for s in self.instances.values() if s.info.model in models and not s.info.is_draining
+        ]
+        if not states:
             return RouteReply(
                 request_id=request.request_id,
                 error=f"no live worker serves model {request.model!r}",
             )
-        views = await self._views(infos)
-        policy = self._preset_policies.get(request.model, self._default_policy)
+        try:
+            policy = self.policy_for(request)
+        except ValueError as exc:
+            return RouteReply(request_id=request.request_id, error=str(exc))
+        predicted = request.predicted_output_tokens
+        num_output = (
+            predicted
+            if predicted is not None
+            else min(request.max_tokens, self.settings.default_output_tokens)
+        )
+        views = self._views(request, states, policy, max(1, num_output))
         chosen = policy.choose(request, views)
+        now_mono = time.monotonic()
         self.ledger.add(
             LedgerEntry(
                 request.request_id,
                 chosen.instance_id,
                 request.num_prompt_tokens,
                 request.max_tokens,
-                time.monotonic(),
+                now_mono,
+                predicted,
             )
         )
+        self.instances[chosen.instance_id].arrivals.observe(now_mono)
         self.num_decisions += 1
+        ttft = chosen.scores.ttft_s if chosen.scores is not None else math.nan
         return RouteReply(
             request_id=request.request_id,
             instance_id=chosen.instance_id,
             model=chosen.info.model,
             inbox=chosen.info.inbox,
+            policy=policy.name,
+            predicted_ttft_ms=ttft * 1000.0 if math.isfinite(ttft) else None,
+            predicted_output_tokens=predicted,
+            decision_ms=(time.perf_counter() - t0) * 1000.0,
         )
 
-    async def _views(self, infos: list[WorkerInfo]) -> list[InstanceView]:
-        blobs = await self.store.read_snapshots([w.instance_id for w in infos])
-        now = time.time()
+    def _views(
+        self,
+        request: RouteRequest,
+        states: list[InstanceState],
+        policy: Policy,
+        num_output: int,
+    ) -> list[InstanceView]:
+        now_wall, now_mono = time.time(), time.monotonic()
+        max_age_s = self.settings.snapshot_max_age_s
+        probe = Probe(request.num_prompt_tokens, num_output, request.max_tokens)
         views: list[InstanceView] = []
-        for info in infos:
-            blob = blobs.get(info.instance_id)
-            snapshot = None
-            if blob is not None and not blob.is_stale(self.settings.snapshot_max_age_s, now):
-                snapshot = _SNAPSHOT_DECODER.decode(blob.data)
-                visible = {
-                    r.request_id
-                    for group in (snapshot.running, snapshot.waiting, snapshot.pending)
-                    for r in group
-                }
-                self.ledger.reconcile(info.instance_id, visible)
-            views.append(InstanceView(info, snapshot, self.ledger.pending(info.instance_id)))
+        for state in states:
+            fresh = state.snapshot if state.is_fresh(now_wall, max_age_s) else None
+            pending = self.ledger.pending(state.instance_id)
+            scores = None
+            if policy.needs_scores:
+                model = self.cluster.models[state.info.model]
+                ttft_s, source = math.nan, ""
+                if policy.needs_ttft:
+                    est = self.latency.ttft(state, probe, pending, now_wall, now_mono)
+                    ttft_s, source = est.ttft_s, est.source
+                scores = Scores(
+                    accuracy=model.accuracy(request.task),
+                    cost=model.cost(request.num_prompt_tokens, num_output),
+                    ttft_s=ttft_s,
+                    ttft_source=source,
+                )
+            views.append(InstanceView(state.info, fresh, pending, scores))
         return views

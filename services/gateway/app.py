@@ -75,12 +75,16 @@ def create_app(cfg: GatewayServiceConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         authorize(request)
-        return await completions.handle(service, await request.body(), is_chat=True)
+        return await completions.handle(
+            service, await request.body(), is_chat=True, headers=request.headers
+        )
 
     @app.post("/v1/completions")
     async def text_completions(request: Request) -> Response:
         authorize(request)
-        return await completions.handle(service, await request.body(), is_chat=False)
+        return await completions.handle(
+            service, await request.body(), is_chat=False, headers=request.headers
+        )
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, object]:

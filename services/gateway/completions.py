@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,8 @@ from services.gateway.protocol import (
     CompletionRequest,
 )
 from services.gateway.service import GatewayError, GatewayService
+from shared.config import IMPLEMENTED_POLICIES
+from shared.messages.estimator import RouteRequest
 from shared.messages.gateway import RequestFailed
 from shared.sampling import SamplingParams
 
@@ -45,12 +48,49 @@ class Prepared:
     prompt_token_ids: list[int]
     params: SamplingParams
     tokenizer: Any
+    ttft_target_ms: float | None = None  # x-slo-ttft-ms
+    task: str | None = None  # x-baton-task
+    policy: str | None = None  # x-baton-policy
     arrival_time_s: float = field(default_factory=time.time)
     t0: float = field(default_factory=time.perf_counter)
 
 
-def prepare(service: GatewayService, raw: bytes, is_chat: bool) -> Prepared:
+# Routing headers a client may send (llm-d's x-slo-ttft-ms; Baton's own x-baton-*).
+SLO_TTFT_HEADER = "x-slo-ttft-ms"  # the request's TTFT target, milliseconds
+TASK_HEADER = "x-baton-task"  # task name for the models' quality tables
+POLICY_HEADER = "x-baton-policy"  # overrides the preset's routing policy
+
+
+def routing_headers(headers: Mapping[str, str]) -> tuple[float | None, str | None, str | None]:
+    """(TTFT target ms, task, policy) from the request headers; 400 when malformed."""
+    ttft: float | None = None
+    raw = headers.get(SLO_TTFT_HEADER)
+    if raw is not None:
+        try:
+            ttft = float(raw)
+        except ValueError:
+            ttft = -1.0
+        if not (0 < ttft < float("inf")):
+            raise bad_request(
+                f"header {SLO_TTFT_HEADER} must be a positive number of milliseconds, got {raw!r}",
+                SLO_TTFT_HEADER,
+            )
+    task = headers.get(TASK_HEADER) or None
+    policy = headers.get(POLICY_HEADER) or None
+    if policy is not None and policy not in IMPLEMENTED_POLICIES:
+        raise bad_request(
+            f"header {POLICY_HEADER} must be one of {', '.join(IMPLEMENTED_POLICIES)}, "
+            f"got {policy!r}",
+            POLICY_HEADER,
+        )
+    return ttft, task, policy
+
+
+def prepare(
+    service: GatewayService, raw: bytes, is_chat: bool, headers: Mapping[str, str] | None = None
+) -> Prepared:
     """Parse and validate; raises GatewayError (4xx/503) with a user-facing message."""
+    ttft_target_ms, task, policy = routing_headers(headers or {})
     if len(raw) > service.settings.max_request_bytes:
         raise GatewayError(
             413,
@@ -115,7 +155,17 @@ def prepare(service: GatewayService, raw: bytes, is_chat: bool) -> Prepared:
             "context_length_exceeded",
         )
     prefix = "chatcmpl-" if is_chat else "cmpl-"
-    return Prepared(prefix + uuid.uuid4().hex, is_chat, body, prompt_ids, params, tokenizer)
+    return Prepared(
+        prefix + uuid.uuid4().hex,
+        is_chat,
+        body,
+        prompt_ids,
+        params,
+        tokenizer,
+        ttft_target_ms=ttft_target_ms,
+        task=task,
+        policy=policy,
+    )
 
 
 def _tokenize(body: ChatCompletionRequest | CompletionRequest, tokenizer: Any) -> list[int]:
@@ -162,13 +212,28 @@ def _sampling_params(
     )
 
 
-async def handle(service: GatewayService, raw: bytes, is_chat: bool) -> Response:
+async def handle(
+    service: GatewayService, raw: bytes, is_chat: bool, headers: Mapping[str, str] | None = None
+) -> Response:
     """The whole request; GatewayError propagates to the app's error handler."""
-    p = prepare(service, raw, is_chat)
+    p = prepare(service, raw, is_chat, headers)
     service.admit()
     try:
+        t_route = time.perf_counter()
         reply = await service.route(
-            p.request_id, p.body.model, len(p.prompt_token_ids), p.params.max_tokens
+            RouteRequest(
+                request_id=p.request_id,
+                model=p.body.model,
+                num_prompt_tokens=len(p.prompt_token_ids),
+                max_tokens=p.params.max_tokens,
+                ttft_target_ms=p.ttft_target_ms,
+                task=p.task,
+                policy=p.policy,
+            )
+        )
+        router_overhead_ms = (time.perf_counter() - t_route) * 1000.0
+        service.metrics.router_overhead_s.labels(reply.policy or "").observe(
+            router_overhead_ms / 1000.0
         )
         stream = await service.submit(
             reply, p.request_id, p.prompt_token_ids, p.params, p.arrival_time_s
@@ -177,6 +242,16 @@ async def handle(service: GatewayService, raw: bytes, is_chat: bool) -> Response
         service.release()
         raise
     run = Generation(service, p, stream, reply.model or p.body.model)
+    run.baton = {
+        "model": reply.model,
+        "instance": reply.instance_id,
+        "policy": reply.policy,
+        "router_overhead_ms": round(router_overhead_ms, 3),
+        "decision_ms": None if reply.decision_ms is None else round(reply.decision_ms, 3),
+        "predicted_ttft_ms": (
+            None if reply.predicted_ttft_ms is None else round(reply.predicted_ttft_ms, 3)
+        ),
+    }
     try:
         first = await run.next_event()
     except BaseException:

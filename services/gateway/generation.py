@@ -45,6 +45,9 @@ class Generation:
         self.is_engine_done = False  # the worker sends nothing more: no abort needed
         self._closed = False
         self._last_token_t: float | None = None
+        # Routing facts for the response's `baton` object (model, instance, policy,
+        # router_overhead_ms, predicted_ttft_ms); `cost` is added at the end.
+        self.baton: dict[str, Any] = {"model": model}
         service.metrics.queued.inc()
 
     async def next_event(self) -> GatewayEvent:
@@ -102,6 +105,14 @@ class Generation:
     def num_output_tokens(self) -> int:
         return len(self.text.assembler.token_ids)
 
+    def baton_summary(self) -> dict[str, Any]:
+        """The `baton` object: routing facts plus the request's cost at the model's prices."""
+        served = self.service.cluster.models.get(self.baton.get("model") or self.model)
+        cost = None
+        if served is not None:
+            cost = served.cost(self.num_prompt_tokens, self.num_output_tokens)
+        return {**self.baton, "cost": cost}
+
     def _logprobs(self, ids: list[int], lps: list[float]) -> Any:
         if self.p.params.logprobs is None or not lps:
             return None
@@ -148,6 +159,7 @@ class Generation:
             "model": self.model,
             "choices": [choice],
             "usage": usage(self.num_prompt_tokens, self.num_output_tokens),
+            "baton": self.baton_summary(),
         }
 
     async def sse(self, first: GatewayEvent) -> AsyncIterator[bytes]:
@@ -194,13 +206,20 @@ class Generation:
                         "logprobs": lp,
                         "finish_reason": self.finish_reason,
                     }
-                yield sse({**head, "choices": [choice], **extra})
+                # Without a usage chunk, the finishing chunk carries the `baton` object.
+                tail = (
+                    {"baton": self.baton_summary()}
+                    if self.is_finished and not include_usage
+                    else {}
+                )
+                yield sse({**head, "choices": [choice], **extra, **tail})
             if include_usage:
                 yield sse(
                     {
                         **head,
                         "choices": [],
                         "usage": usage(self.num_prompt_tokens, self.num_output_tokens),
+                        "baton": self.baton_summary(),
                     }
                 )
             yield SSE_DONE

@@ -59,3 +59,16 @@ class GatewayMetrics:
         self.live_workers = Gauge(
             "baton_live_workers", "registered, non-draining workers", registry=r
         )
+        self.batch_time_fit_mape = Gauge(
+            "baton_batch_time_fit_mape",
+            "fit error (MAPE, fraction, inliers) of the estimator's batch-time model per instance",
+            ["instance", "feature_set"],
+            registry=r,
+        )
+        self.router_overhead_s = Histogram(
+            "baton_router_overhead_seconds",
+            "time the gateway waited for the routing decision",
+            ["policy"],
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1),
+            registry=r,
+        )

@@ -26,7 +26,7 @@ from shared.messages.estimator import (
 )
 from shared.messages.gateway import DELTA_BATCH_DECODER
 from shared.messages.registry import WorkerInfo, departed
-from shared.messages.worker import AbortRequest, SubmitRequest
+from shared.messages.worker import CALIBRATION_DECODER, AbortRequest, SubmitRequest
 from shared.sampling import SamplingParams
 from shared.scheduling.snapshot import WorkloadSnapshot
 from shared.store import Store
@@ -74,6 +74,7 @@ class GatewayService:
         self._tokenizers: dict[str, Any] = {}
         self._refresh_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        self._fitted: dict[str, str] = {}  # instance -> feature set of its MAPE gauge
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -147,6 +148,10 @@ class GatewayService:
             for state in ("running", "waiting"):
                 with contextlib.suppress(KeyError):
                     self.metrics.instance_requests.remove(gone, state)
+            fitted = self._fitted.pop(gone, None)
+            if fitted is not None:
+                with contextlib.suppress(KeyError):
+                    self.metrics.batch_time_fit_mape.remove(gone, fitted)
         self.workers = live
         self.metrics.live_workers.set(sum(not w.is_draining for w in live.values()))
         snapshots = await self.store.read_snapshots(list(live))
@@ -156,6 +161,16 @@ class GatewayService:
             snap = _SNAPSHOT_DECODER.decode(blob.data)
             self.metrics.instance_requests.labels(iid, "running").set(len(snap.running))
             self.metrics.instance_requests.labels(iid, "waiting").set(len(snap.waiting))
+        for iid, cal_blob in (await self.store.read_calibrations(list(live))).items():
+            if cal_blob is None:
+                continue
+            cal = CALIBRATION_DECODER.decode(cal_blob)
+            old = self._fitted.get(iid)
+            if old is not None and old != cal.feature_set:
+                with contextlib.suppress(KeyError):
+                    self.metrics.batch_time_fit_mape.remove(iid, old)
+            self._fitted[iid] = cal.feature_set
+            self.metrics.batch_time_fit_mape.labels(iid, cal.feature_set).set(cal.mape)
 
     # -- one request -----------------------------------------------------------
 
@@ -175,27 +190,24 @@ class GatewayService:
         self.num_in_flight -= 1
         self.metrics.in_flight.set(self.num_in_flight)
 
-    async def route(
-        self, request_id: str, model: str, num_prompt_tokens: int, max_tokens: int
-    ) -> RouteReply:
+    async def route(self, req: RouteRequest) -> RouteReply:
         """Ask the estimator which instance serves this request.
 
         With `route_single_locally`, a model that only one live instance serves is
         routed here without the round trip: there is nothing to choose.
         """
+        model = req.model
         if self.settings.route_single_locally:
             serving = self.serving(model)
             if len(serving) == 1:
                 w = serving[0]
                 return RouteReply(
-                    request_id=request_id, instance_id=w.instance_id, model=w.model, inbox=w.inbox
+                    request_id=req.request_id,
+                    instance_id=w.instance_id,
+                    model=w.model,
+                    inbox=w.inbox,
+                    policy="single",
                 )
-        req = RouteRequest(
-            request_id=request_id,
-            model=model,
-            num_prompt_tokens=num_prompt_tokens,
-            max_tokens=max_tokens,
-        )
         try:
             reply = await self.bus.request(
                 self._route_subject,
@@ -239,6 +251,7 @@ class GatewayService:
             params=params,
             reply_to=self.inbox_subject,
             arrival_time_s=arrival_time_s,
+            predicted_output_tokens=reply.predicted_output_tokens,
         )
         await self.bus.publish(reply.inbox, msg)
         return stream

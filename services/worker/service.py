@@ -31,8 +31,10 @@ from shared.messages import encode
 from shared.messages.gateway import DeltaBatch, GatewayEvent, RequestFailed, TokenDelta
 from shared.messages.registry import WorkerInfo
 from shared.messages.worker import (
+    CALIBRATION_DECODER,
     WORKER_INBOUND_DECODER,
     AbortRequest,
+    BatchTimeCalibration,
     SubmitRequest,
     WorkerInbound,
 )
@@ -64,6 +66,10 @@ class WorkerService:
         self._is_draining = False
         self._record_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._closing = False
+        # The estimator's fitted batch-time model of this instance, read with the
+        # heartbeat; copied into every snapshot (the engine's own, if any, otherwise).
+        self.calibration: BatchTimeCalibration | None = None
         self.ready = asyncio.Event()  # set once the engine is loaded and the inbox subscribed
 
     # -- lifecycle -----------------------------------------------------------
@@ -96,9 +102,12 @@ class WorkerService:
 
     async def close(self) -> None:
         """Deregister, flush, disconnect. Idempotent; each step bounded."""
+        self._closing = True
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
-            await asyncio.gather(self._heartbeat_task, return_exceptions=True)
+            await asyncio.wait(
+                [self._heartbeat_task], timeout=2 * self.cfg.heartbeat_interval_s + 2
+            )
             self._heartbeat_task = None
         if self._record_task is not None:
             await asyncio.gather(self._record_task, return_exceptions=True)
@@ -175,7 +184,15 @@ class WorkerService:
             return RequestFailed(msg.request_id, 400, f"duplicate request id {msg.request_id}")
         try:
             msg.params.validate()
-            self._engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+            if msg.predicted_output_tokens is None:
+                self._engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+            else:
+                self._engine.add_request(
+                    msg.request_id,
+                    msg.prompt_token_ids,
+                    msg.params,
+                    predicted_output_tokens=msg.predicted_output_tokens,
+                )
         except ValueError as exc:  # RequestError is a ValueError: the loop goes on
             log.info("request_rejected", request_id=msg.request_id, error=str(exc))
             return RequestFailed(msg.request_id, 400, str(exc))
@@ -212,12 +229,18 @@ class WorkerService:
 
     def _record(self, *, samples: bool) -> None:
         """Write the snapshot (and new batch samples) in the background, one write at a time."""
-        snapshot = encode(self._engine.snapshot())
+        snapshot = self._engine.snapshot()
+        cal = self.calibration
+        if cal is not None:
+            snapshot = msgspec.structs.replace(
+                snapshot, batch_time_features=cal.feature_set, batch_time_coefs=list(cal.coefs)
+            )
+        data = encode(snapshot)
         batch = (
             [msgspec.msgpack.encode(s) for s in self._engine.pop_batch_samples()] if samples else []
         )
         previous = self._record_task
-        self._record_task = asyncio.create_task(self._write_record(previous, snapshot, batch))
+        self._record_task = asyncio.create_task(self._write_record(previous, data, batch))
 
     async def _write_record(
         self, previous: asyncio.Task[None] | None, snapshot: bytes, samples: list[bytes]
@@ -258,12 +281,31 @@ class WorkerService:
         await self._store.register(self._info(), ttl_s=self.cfg.heartbeat_ttl_s)
 
     async def _heartbeat(self) -> None:
-        while True:
+        # The loop also ends on `_closing`: redis-py can swallow a cancellation that
+        # lands inside a command, and the task would then sleep on for ever.
+        while not self._closing:
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
+            if self._closing:
+                return
             try:
                 await self._register()
+                await self._read_calibration()
             except Exception as exc:
                 log.warning("heartbeat_failed", error=str(exc))
+
+    async def _read_calibration(self) -> None:
+        blob = (await self._store.read_calibrations([self.cfg.instance_id]))[self.cfg.instance_id]
+        if blob is None:
+            return
+        cal = CALIBRATION_DECODER.decode(blob)
+        if cal != self.calibration:
+            log.info(
+                "calibration_applied",
+                feature_set=cal.feature_set,
+                mape=round(cal.mape, 4),
+                num_samples=cal.num_samples,
+            )
+        self.calibration = cal
 
     async def _begin_drain(self) -> float:
         """Stop accepting: re-register as draining so routers skip this instance now."""

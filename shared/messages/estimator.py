@@ -12,6 +12,12 @@ class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: str  # the name the client asked for: a real model or a routing preset
     num_prompt_tokens: int  # tokens, after the chat template
     max_tokens: int  # output tokens at most
+    ttft_target_ms: float | None = (
+        None  # the client's TTFT target (x-slo-ttft-ms); None: default rule
+    )
+    task: str | None = None  # task name for the quality table (x-baton-task); None: "default"
+    policy: str | None = None  # overrides the preset's policy (x-baton-policy); None: the preset's
+    predicted_output_tokens: int | None = None  # tokens, when a predictor upstream knows
 
 
 class RouteReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -23,6 +29,10 @@ class RouteReply(msgspec.Struct, frozen=True, kw_only=True):
     inbox: str | None = None  # subject to submit to (`subjects.worker_inbox`)
     error: str | None = None  # user-facing reason when instance_id is None
     retry_after_s: float = 1.0  # seconds a client should wait before retrying after an error
+    policy: str | None = None  # the policy that decided
+    predicted_ttft_ms: float | None = None  # ms, the chosen instance's predicted TTFT (if computed)
+    predicted_output_tokens: int | None = None  # tokens, the length the decision assumed
+    decision_ms: float | None = None  # ms the estimator spent deciding (no bus time)
 
 
 class RequestDoneEvent(msgspec.Struct, frozen=True, kw_only=True):

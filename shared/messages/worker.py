@@ -15,6 +15,9 @@ class SubmitRequest(msgspec.Struct, tag="submit", frozen=True, kw_only=True):
     params: SamplingParams  # decoding settings, validated by the gateway
     reply_to: str  # subject of the owning gateway's inbox
     arrival_time_s: float  # gateway wall clock (time.time()) when the HTTP request arrived
+    predicted_output_tokens: int | None = (
+        None  # tokens, the router's length prediction (snapshots carry it)
+    )
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True, kw_only=True):
@@ -25,4 +28,21 @@ class AbortRequest(msgspec.Struct, tag="abort", frozen=True, kw_only=True):
 
 WorkerInbound = SubmitRequest | AbortRequest
 
+
+class BatchTimeCalibration(msgspec.Struct, frozen=True, kw_only=True):
+    """Batch-time coefficients the estimator fitted for one instance (Redis `keys.calibration`).
+
+    The worker copies feature_set/coefs into every snapshot it writes, so a replay
+    always prices with the calibration the publisher carried.
+    """
+
+    feature_set: str  # name of the feature set (services/estimator/sfs/batch_time.py)
+    coefs: list[float]  # seconds per feature unit
+    mape: float  # fraction, fit error over inlier samples
+    mape_all: float  # fraction, fit error over every sample (stalls included)
+    num_samples: int  # samples in the fit window
+    fitted_at_s: float  # estimator wall clock (time.time()) of the fit
+
+
 WORKER_INBOUND_DECODER = msgspec.msgpack.Decoder(WorkerInbound)
+CALIBRATION_DECODER = msgspec.msgpack.Decoder(BatchTimeCalibration)

@@ -69,7 +69,9 @@ class BatchSample(msgspec.Struct, array_like=True, frozen=True):
     context_lens: list[int]  # per scheduled request, tokens of context after the step
     num_running: int  # running requests after scheduling
     num_waiting: int  # waiting requests after scheduling
-    prefill_context_lens: list[int] = []  # per prefill chunk (as chunk_sizes), context after the step
+    prefill_context_lens: list[
+        int
+    ] = []  # per prefill chunk (as chunk_sizes), context after the step
 
 
 def _counters(req: SchedRequest) -> RequestCounters:

@@ -49,7 +49,11 @@ def test_stop_token_ids_and_eos(engine: LLMEngine) -> None:
     engine.add_request("ref", [9, 9, 9], GREEDY)
     ref = tokens(drain(engine)["ref"])
     stop_at = ref[4]
-    engine.add_request("s", [9, 9, 9], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_at], ignore_eos=True))
+    engine.add_request(
+        "s",
+        [9, 9, 9],
+        SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_at], ignore_eos=True),
+    )
     out = drain(engine)["s"]
     assert tokens(out) == ref[: ref.index(stop_at) + 1]
     assert out[-1].finish_reason == "stop"
@@ -70,7 +74,9 @@ def test_stop_string(engine: LLMEngine) -> None:
     ref = tokens(drain(engine)["ref"])
     text = tok.decode(ref[:6])
     stop = text[-3:] if len(text.strip()) >= 3 else text
-    engine.add_request("s", [11, 12], SamplingParams(max_tokens=12, temperature=0.0, stop=[stop], ignore_eos=True))
+    engine.add_request(
+        "s", [11, 12], SamplingParams(max_tokens=12, temperature=0.0, stop=[stop], ignore_eos=True)
+    )
     out = drain(engine)["s"]
     assert out[-1].finish_reason == "stop"
     got = tokens(out)
@@ -119,18 +125,34 @@ def test_seed_reproduces_tokens_whatever_the_batch(engine: LLMEngine) -> None:
     p = SamplingParams(max_tokens=10, temperature=1.0, seed=123, ignore_eos=True)
     engine.add_request("s1", [4, 5, 6], p)
     alone = tokens(drain(engine)["s1"])
-    engine.add_request("noise", [8] * 30, SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True))
+    engine.add_request(
+        "noise", [8] * 30, SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
+    )
     engine.add_request("s2", [4, 5, 6], p)
     batched = tokens(drain(engine)["s2"])
     assert alone == batched
-    engine.add_request("s3", [4, 5, 6], SamplingParams(max_tokens=10, temperature=1.0, seed=124, ignore_eos=True))
+    engine.add_request(
+        "s3", [4, 5, 6], SamplingParams(max_tokens=10, temperature=1.0, seed=124, ignore_eos=True)
+    )
     assert tokens(drain(engine)["s3"]) != alone
 
 
 def test_top_k_one_is_greedy_and_penalty_changes_output(engine: LLMEngine) -> None:
     engine.add_request("g", [3, 4], GREEDY)
-    engine.add_request("k1", [3, 4], SamplingParams(max_tokens=12, temperature=1.0, top_k=1, ignore_eos=True))
-    engine.add_request("pen", [3, 4], SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=2.0, frequency_penalty=2.0, ignore_eos=True))
+    engine.add_request(
+        "k1", [3, 4], SamplingParams(max_tokens=12, temperature=1.0, top_k=1, ignore_eos=True)
+    )
+    engine.add_request(
+        "pen",
+        [3, 4],
+        SamplingParams(
+            max_tokens=12,
+            temperature=0.0,
+            presence_penalty=2.0,
+            frequency_penalty=2.0,
+            ignore_eos=True,
+        ),
+    )
     outs = drain(engine)
     assert tokens(outs["g"]) == tokens(outs["k1"])
     pen = tokens(outs["pen"])
@@ -138,7 +160,9 @@ def test_top_k_one_is_greedy_and_penalty_changes_output(engine: LLMEngine) -> No
 
 
 def test_logprobs(engine: LLMEngine) -> None:
-    engine.add_request("lp", [3, 4], SamplingParams(max_tokens=5, temperature=0.0, logprobs=3, ignore_eos=True))
+    engine.add_request(
+        "lp", [3, 4], SamplingParams(max_tokens=5, temperature=0.0, logprobs=3, ignore_eos=True)
+    )
     outs = drain(engine)["lp"]
     lps = [x for o in outs for x in (o.new_logprobs or [])]
     tops = [x for o in outs for x in (o.new_top_logprobs or [])]
@@ -152,8 +176,12 @@ def test_step_hook_sees_logits_hidden_and_tokens(engine: LLMEngine) -> None:
     seen: list[StepOutputs] = []
     engine.hook = seen.append
     try:
-        engine.add_request("h1", [3, 4, 5], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-        engine.add_request("h2", [6], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        engine.add_request(
+            "h1", [3, 4, 5], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        )
+        engine.add_request(
+            "h2", [6], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        )
         outs = drain(engine)
     finally:
         engine.hook = None
@@ -191,7 +219,9 @@ def test_add_request_from_another_thread_while_stepping(engine: LLMEngine) -> No
     t = threading.Thread(target=loop)
     t.start()
     for i in range(20):
-        engine.add_request(f"t{i}", [3 + i, 4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        engine.add_request(
+            f"t{i}", [3 + i, 4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        )
     stop.set()
     t.join(timeout=60)
     assert not t.is_alive()
@@ -207,7 +237,9 @@ def test_bf16_runs_and_mostly_agrees_with_fp32() -> None:
 
 
 def test_predicted_output_tokens_reach_the_snapshot(engine: LLMEngine) -> None:
-    engine.add_request("p", [3, 4, 5], SamplingParams(max_tokens=50, ignore_eos=True), predicted_output_tokens=42)
+    engine.add_request(
+        "p", [3, 4, 5], SamplingParams(max_tokens=50, ignore_eos=True), predicted_output_tokens=42
+    )
     engine.step()
     (counters,) = engine.snapshot().running
     assert counters.request_id == "p" and counters.predicted_output_tokens == 42

@@ -22,7 +22,9 @@ def make_engine(cfg, state, **limits) -> LLMEngine:  # type: ignore[no-untyped-d
     return LLMEngine(econf, model)
 
 
-def run_staggered(engine: LLMEngine, prompts: list[list[int]], arrive_at: list[int], n: int) -> list[list[int]]:
+def run_staggered(
+    engine: LLMEngine, prompts: list[list[int]], arrive_at: list[int], n: int
+) -> list[list[int]]:
     """Requests join at given step numbers (mid-way arrivals); greedy, EOS ignored."""
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     outs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
@@ -74,7 +76,10 @@ def test_smollm2_matches_hf_alone_and_batched(smollm2_state) -> None:  # type: i
     expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     del hf
 
-    engine = LLMEngine(EngineConfig(model="smollm2-135m", dtype="float32", num_kv_blocks=64, max_model_len=1024), model)
+    engine = LLMEngine(
+        EngineConfig(model="smollm2-135m", dtype="float32", num_kv_blocks=64, max_model_len=1024),
+        model,
+    )
     alone = run_staggered(engine, prompts[:1], [0], NEW_TOKENS)
     assert alone[0] == expected[0]
     batched = run_staggered(engine, prompts, [0, 2, 5], NEW_TOKENS)

@@ -22,13 +22,17 @@ def test_hf_directory_round_trip(tmp_path: Path, qk_norm: bool) -> None:
     cfg = random_config(qk_norm=qk_norm, tie_word_embeddings=qk_norm, head_dim=32)
     state = random_state_dict(cfg, seed=3)
     model = build_model(cfg, dict(state), torch.float32, torch.device("cpu"))
-    build_hf_twin(model).save_pretrained(tmp_path)  # config.json + model.safetensors, as a hub checkpoint
+    build_hf_twin(model).save_pretrained(
+        tmp_path
+    )  # config.json + model.safetensors, as a hub checkpoint
 
     assert resolve(str(tmp_path)).kind == "hf"
     cfg2, _ = load_hf_dir(tmp_path)
     assert cfg2.qk_norm == qk_norm and cfg2.head_dim == 32
     assert cfg2.tie_word_embeddings == cfg.tie_word_embeddings
-    engine = LLMEngine.create(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=32, max_model_len=256))
+    engine = LLMEngine.create(
+        EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=32, max_model_len=256)
+    )
     reference = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=32, max_model_len=256), model)
     prompt = [[5, 17, 300, 41]]
     assert engine.generate(prompt, GREEDY) == reference.generate(prompt, GREEDY)
@@ -52,8 +56,15 @@ def test_gguf_dequantization_matches_transformers(smollm2_state) -> None:  # typ
 
     _, ours = smollm2_state
     path = smollm2_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     theirs = hf.state_dict()
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
-                 "model.layers.29.mlp.down_proj.weight", "model.embed_tokens.weight", "model.norm.weight"):
+    for name in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.7.self_attn.k_proj.weight",
+        "model.layers.29.mlp.down_proj.weight",
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+    ):
         assert torch.allclose(ours[name].float(), theirs[name], atol=1e-6), name

@@ -196,7 +196,9 @@ def test_resume_respects_max_num_seqs() -> None:
 
 def test_preemption_victims_are_never_already_scheduled() -> None:
     """Victims come from the tail; none of them may already have a chunk in the batch."""
-    s = make_scheduler(max_num_seqs=8, max_num_batched_tokens=64, block_size=2, num_kv_blocks=12, max_model_len=24)
+    s = make_scheduler(
+        max_num_seqs=8, max_num_batched_tokens=64, block_size=2, num_kv_blocks=12, max_model_len=24
+    )
     for i in range(5):
         s.add(f"r{i}", 3, 20)
     for _ in range(60):
@@ -299,10 +301,14 @@ def test_full_context_request_runs_at_max_position() -> None:
     cfg = random_config(num_hidden_layers=1, max_position_embeddings=64)
     model = build_model(cfg, random_state_dict(cfg, seed=1), torch.float32, torch.device("cpu"))
     eng = LLMEngine(
-        EngineConfig(model="random-tiny", dtype="float32", num_kv_blocks=16, block_size=4, max_model_len=64),
+        EngineConfig(
+            model="random-tiny", dtype="float32", num_kv_blocks=16, block_size=4, max_model_len=64
+        ),
         model,
     )
-    eng.add_request("x", list(range(3, 63)), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    eng.add_request(
+        "x", list(range(3, 63)), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    )
     assert len(tokens(drain(eng)["x"])) == 4
     with pytest.raises(RequestError, match="maximum context length"):
         eng.add_request("y", list(range(3, 64)), SamplingParams(max_tokens=4))
@@ -324,7 +330,9 @@ def test_hook_not_called_when_nothing_sampled() -> None:
     eng = tiny_engine(max_num_batched_tokens=8)
     calls: list[int] = []
     eng.hook = lambda out: calls.append(len(out.request_ids))
-    eng.add_request("x", list(range(3, 23)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    eng.add_request(
+        "x", list(range(3, 23)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    )
     drain(eng)
     assert 0 not in calls
 
@@ -346,7 +354,9 @@ def forced_tokens(monkeypatch: pytest.MonkeyPatch, script: list[int]) -> None:
 
 
 @pytest.mark.parametrize("stop", ["END", "é!", "한국어"])
-def test_stop_string_found_whatever_its_tokenization(monkeypatch: pytest.MonkeyPatch, stop: str) -> None:
+def test_stop_string_found_whatever_its_tokenization(
+    monkeypatch: pytest.MonkeyPatch, stop: str
+) -> None:
     """FAILS for '한국어': the window is len(stop) + 4 *tokens*, but byte-level BPE can
     spend up to 4 tokens per character (here 3 characters are 8 tokens), so the
     window starts inside the stop string and the match is never seen."""
@@ -357,7 +367,11 @@ def test_stop_string_found_whatever_its_tokenization(monkeypatch: pytest.MonkeyP
     assert stop in tok.decode(answer)
     forced_tokens(monkeypatch, answer)
     eng = tiny_engine()
-    eng.add_request("s", [3, 4], SamplingParams(max_tokens=len(answer), temperature=0.0, stop=[stop], ignore_eos=True))
+    eng.add_request(
+        "s",
+        [3, 4],
+        SamplingParams(max_tokens=len(answer), temperature=0.0, stop=[stop], ignore_eos=True),
+    )
     out = drain(eng)["s"]
     assert out[-1].finish_reason == "stop"
     assert len(tokens(out)) < len(answer)
@@ -384,7 +398,9 @@ def test_top_p_top_k_support_matches_vllm() -> None:
 
 
 def test_penalties_use_output_tokens_only_and_openai_formula() -> None:
-    params = SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=1.0, max_tokens=4)
+    params = SamplingParams(
+        temperature=0.0, frequency_penalty=0.5, presence_penalty=1.0, max_tokens=4
+    )
     state = SamplingState.create(params)
     logits = torch.zeros(1, 10)
     logits[0, 5] = 1.9  # 1.9 - (2 * 0.5 + 1.0) = -0.1 < 0 once 5 was generated twice
@@ -421,8 +437,13 @@ def hf_llama3_inv_freq() -> torch.Tensor:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     hf = LlamaConfig(
-        hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
-        rope_theta=500000.0, rope_scaling=dict(LLAMA3), max_position_embeddings=131072,
+        hidden_size=256,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        rope_theta=500000.0,
+        rope_scaling=dict(LLAMA3),
+        max_position_embeddings=131072,
     )
     inv, scale = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
     assert scale == 1.0
@@ -430,8 +451,13 @@ def hf_llama3_inv_freq() -> torch.Tensor:
 
 
 def test_llama3_rope_formula_matches_hf() -> None:
-    cfg = random_config(head_dim=128, num_attention_heads=2, hidden_size=256,
-                        rope_theta=500000.0, rope_scaling=dict(LLAMA3))
+    cfg = random_config(
+        head_dim=128,
+        num_attention_heads=2,
+        hidden_size=256,
+        rope_theta=500000.0,
+        rope_scaling=dict(LLAMA3),
+    )
     torch.testing.assert_close(_rope_inv_freq(cfg), hf_llama3_inv_freq(), rtol=1e-6, atol=0)
 
 
@@ -445,12 +471,21 @@ def test_from_hf_reads_rope_parameters_written_by_transformers_v5() -> None:
     from transformers import LlamaConfig
 
     hf = LlamaConfig(
-        vocab_size=100, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=128,
-        rope_theta=500000.0, rope_scaling=dict(LLAMA3), max_position_embeddings=131072,
+        vocab_size=100,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        rope_theta=500000.0,
+        rope_scaling=dict(LLAMA3),
+        max_position_embeddings=131072,
     )
     on_disk = json.loads(hf.to_json_string())
-    assert on_disk.get("rope_scaling") is None and on_disk["rope_parameters"]["rope_type"] == "llama3"
+    assert (
+        on_disk.get("rope_scaling") is None and on_disk["rope_parameters"]["rope_type"] == "llama3"
+    )
     cfg = ModelConfig.from_hf(on_disk)
     assert cfg.rope_theta == 500000.0
     torch.testing.assert_close(_rope_inv_freq(cfg), hf_llama3_inv_freq(), rtol=1e-6, atol=0)
@@ -458,7 +493,11 @@ def test_from_hf_reads_rope_parameters_written_by_transformers_v5() -> None:
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.py LlamaModel.permute (n_head already the kv count for k)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 @pytest.mark.parametrize("heads,head_dim", [(4, 16), (2, 8), (3, 64)])
@@ -554,8 +593,18 @@ def test_cuda_sampling_penalties_and_logprobs() -> None:
     CPU count tensors against CUDA rows (penalties raise) and a CPU gather index
     (logprobs raise). Any non-greedy request would kill the step on CUDA."""
     eng = tiny_engine("cuda")
-    eng.add_request("t", [3, 4], SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True))
-    eng.add_request("p", [3, 4], SamplingParams(max_tokens=4, temperature=0.0, frequency_penalty=1.0, ignore_eos=True))
-    eng.add_request("l", [3, 4], SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, ignore_eos=True))
+    eng.add_request(
+        "t",
+        [3, 4],
+        SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True),
+    )
+    eng.add_request(
+        "p",
+        [3, 4],
+        SamplingParams(max_tokens=4, temperature=0.0, frequency_penalty=1.0, ignore_eos=True),
+    )
+    eng.add_request(
+        "l", [3, 4], SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, ignore_eos=True)
+    )
     outs = drain(eng)
     assert all(len(tokens(outs[r])) == 4 for r in "tpl")

@@ -152,9 +152,16 @@ async def start_worker(
     return worker, task
 
 
-async def start_stack(cluster: ClusterConfig, num_workers: int) -> Stack:
+async def start_stack(
+    cluster: ClusterConfig, num_workers: int, models: list[str] | None = None
+) -> Stack:
+    """Workers w0.. (serving `models[i]`, default random-tiny), the estimator and the gateway."""
     tasks: list[asyncio.Task] = []
-    started = await asyncio.gather(*(start_worker(cluster, f"w{i}") for i in range(num_workers)))
+    names = models or ["random-tiny"] * num_workers
+    assert len(names) == num_workers
+    started = await asyncio.gather(
+        *(start_worker(cluster, f"w{i}", names[i]) for i in range(num_workers))
+    )
     workers = [w for w, _ in started]
     tasks += [t for _, t in started]
     estimator = EstimatorService(cluster)
