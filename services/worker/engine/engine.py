@@ -13,7 +13,6 @@ scheduler is touched by one thread alone.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.worker.engine.config import EngineConfig
+from services.worker.engine.frontend import RequestInbox, generate_all, validate_request
 from services.worker.engine.loader import (
     build_model,
     load_gguf,
@@ -69,6 +69,9 @@ class Sequence:
         return self.token_ids[self.sched.num_prompt_tokens :]
 
 
+__all__ = ["LLMEngine", "RequestError"]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: CausalLM) -> None:
         self.config = config
@@ -79,12 +82,8 @@ class LLMEngine:
         self.vocab_size = model.config.vocab_size
         self.hook: StepHook | None = None
         self._seqs: dict[str, Sequence] = {}
-        self._live_ids: set[str] = set()  # inbox + scheduled, guarded by _lock
-        self._inbox: list[Sequence] = []
-        self._aborts: list[str] = []
-        self._resumes: list[Resume] = []
+        self._inbox = RequestInbox[Sequence]()
         self._handoffs: list[Handoff] = []
-        self._lock = threading.Lock()
         self._snapshot_version = 0
         self._snapshot = take_snapshot(self.scheduler, 0, time.time())
         self._samples: deque[BatchSample] = deque(maxlen=config.num_batch_samples)
@@ -140,20 +139,8 @@ class LLMEngine:
 
         predicted_output_tokens (the router's guess) only travels into snapshots.
         """
-        try:
-            params.validate()
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        n, limit = len(prompt_token_ids), self.config.max_model_len
-        if n == 0:
-            raise RequestError("the prompt is empty")
-        if n + params.max_tokens > limit:
-            raise RequestError(
-                f"this model's maximum context length is {limit} tokens; the request asks for "
-                f"{n + params.max_tokens} ({n} in the prompt, {params.max_tokens} for the answer)"
-            )
-        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise RequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        validate_request(prompt_token_ids, params, self.config.max_model_len, self.vocab_size)
+        n = len(prompt_token_ids)
         sched = SchedRequest(request_id, n, params.max_tokens, arrival_seq=-1)
         sched.predicted_output_tokens = predicted_output_tokens
         stop_ids = frozenset(params.stop_token_ids) | (
@@ -164,16 +151,11 @@ class LLMEngine:
         )
         if params.stop:
             self._load_detokenizer()  # here, not inside a step: keeps steps free of spikes
-        with self._lock:
-            if request_id in self._live_ids:
-                raise RequestError(f"duplicate request id {request_id!r}")
-            self._live_ids.add(request_id)
-            self._inbox.append(seq)
+        self._inbox.submit(request_id, seq)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request; its KV is freed at the start of the next step."""
-        with self._lock:
-            self._aborts.append(request_id)
+        self._inbox.abort(request_id)
 
     def resume_request(
         self, request_id: str, new_token_ids: list[int], *, finish_reason: str | None = None
@@ -185,8 +167,7 @@ class LLMEngine:
         only those tokens into its kept KV, unless finish_reason (or a stop condition
         met by the new tokens) ends it.
         """
-        with self._lock:
-            self._resumes.append(Resume(request_id, list(new_token_ids), finish_reason))
+        self._inbox.resume(Resume(request_id, list(new_token_ids), finish_reason))
 
     def pop_handoffs(self) -> list[Handoff]:
         """Requests parked by the route hook since the last call."""
@@ -194,8 +175,7 @@ class LLMEngine:
         return handoffs
 
     def has_unfinished(self) -> bool:
-        with self._lock:
-            return bool(self._seqs or self._inbox or self._aborts or self._resumes)
+        return self._inbox.has_live
 
     # ---- the loop (one thread) ---------------------------------------------------
 
@@ -247,20 +227,16 @@ class LLMEngine:
         return outputs
 
     def _take_inbox(self) -> list[RequestOutput]:
-        with self._lock:
-            new, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, []
-        for seq in new:
+        taken = self._inbox.take()
+        for seq in taken.new:
             rid = seq.sched.request_id
             old = seq.sched
             seq.sched = self.scheduler.add(
                 rid, old.num_prompt_tokens, old.max_tokens, old.predicted_output_tokens
             )
             self._seqs[rid] = seq
-        with self._lock:
-            resumes, self._resumes = self._resumes, []
-        outputs = [out for r in resumes if (out := self._apply_resume(r)) is not None]
-        for rid in aborts:
+        outputs = [out for r in taken.resumes if (out := self._apply_resume(r)) is not None]
+        for rid in taken.aborts:
             aborted = self._seqs.get(rid)
             if aborted is not None:
                 outputs.append(self._emit(aborted, FinishReason.ABORT))
@@ -362,8 +338,7 @@ class LLMEngine:
         if finish_reason is not None:
             self.scheduler.finish(seq.sched)
             del self._seqs[seq.sched.request_id]
-            with self._lock:
-                self._live_ids.discard(seq.sched.request_id)
+            self._inbox.release(seq.sched.request_id)
         return output
 
     # ---- observation -----------------------------------------------------------
@@ -383,19 +358,7 @@ class LLMEngine:
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
     ) -> list[list[int]]:
         """Run prompts to completion; returns each prompt's output token ids."""
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
-            self.add_request(rid, prompt, p)
-        results: dict[str, list[int]] = {rid: [] for rid in ids}
-        pending = set(ids)
-        while pending:
-            for out in self.step():
-                if out.request_id in results:
-                    results[out.request_id].extend(out.new_token_ids)
-                    if out.finished:
-                        pending.discard(out.request_id)
-        return [results[rid] for rid in ids]
+        return generate_all(self, prompts, params)
 
 
 def _with_layers(cfg: ModelConfig, num_layers: int) -> ModelConfig:

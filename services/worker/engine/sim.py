@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import math
 import random
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -56,7 +55,8 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import msgspec
 
 from services.estimator.sfs.batch_time import BatchTimeModel
-from services.worker.engine.outputs import FinishReason, RequestError, RequestOutput
+from services.worker.engine.frontend import RequestInbox, generate_all, validate_request
+from services.worker.engine.outputs import FinishReason, RequestOutput
 from shared.sampling import SamplingParams
 from shared.scheduling.request import SchedRequest
 from shared.scheduling.scheduler import Scheduler, SchedulerConfig
@@ -219,10 +219,7 @@ class SimEngine:
         self.stats = SimStats()
         self._model = model
         self._seqs: dict[str, SimSequence] = {}
-        self._inbox: list[SimSequence] = []
-        self._live_ids: set[str] = set()  # inbox + scheduled, guarded by _lock
-        self._aborts: list[str] = []
-        self._lock = threading.Lock()
+        self._inbox = RequestInbox[SimSequence]()
         self._snapshot_version = 0
         self._snapshot = self._take_snapshot()
         self._samples: deque[BatchSample] = deque(maxlen=config.num_batch_samples)
@@ -246,26 +243,10 @@ class SimEngine:
         predicted_output_tokens, when given, is the request's output length (capped by
         max_tokens) and travels into snapshots; else a length is drawn (module doc).
         """
-        try:
-            params.validate()
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        n, limit = len(prompt_token_ids), self.config.max_model_len
-        if n == 0:
-            raise RequestError("the prompt is empty")
-        if n + params.max_tokens > limit:
-            raise RequestError(
-                f"this model's maximum context length is {limit} tokens; the request asks for "
-                f"{n + params.max_tokens} ({n} in the prompt, {params.max_tokens} for the answer)"
-            )
-        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise RequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        validate_request(prompt_token_ids, params, self.config.max_model_len, self.vocab_size)
+        n = len(prompt_token_ids)
         seq = self._new_sequence(request_id, n, params, predicted_output_tokens)
-        with self._lock:
-            if request_id in self._live_ids:
-                raise RequestError(f"duplicate request id {request_id!r}")
-            self._live_ids.add(request_id)
-            self._inbox.append(seq)
+        self._inbox.submit(request_id, seq)
 
     def _new_sequence(
         self, request_id: str, num_prompt_tokens: int, params: SamplingParams, predicted: int | None
@@ -284,12 +265,10 @@ class SimEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request; its KV is freed at the start of the next step."""
-        with self._lock:
-            self._aborts.append(request_id)
+        self._inbox.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        with self._lock:
-            return bool(self._seqs or self._inbox or self._aborts)
+        return self._inbox.has_live
 
     def set_batch_time_model(self, model: BatchTimeModel) -> None:
         """Price the following steps with model (e.g. freshly fitted coefficients)."""
@@ -326,17 +305,15 @@ class SimEngine:
         return outputs
 
     def _take_inbox(self) -> list[RequestOutput]:
-        with self._lock:
-            new, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, []
-        for seq in new:
+        taken = self._inbox.take()
+        for seq in taken.new:
             old = seq.sched
             seq.sched = self.scheduler.add(
                 old.request_id, old.num_prompt_tokens, old.max_tokens, old.predicted_output_tokens
             )
             self._seqs[old.request_id] = seq
         outputs = []
-        for rid in aborts:
+        for rid in taken.aborts:
             aborted = self._seqs.get(rid)
             if aborted is not None:
                 outputs.append(self._emit(aborted, FinishReason.ABORT))
@@ -373,8 +350,7 @@ class SimEngine:
         if finish_reason is not None:
             self.scheduler.finish(seq.sched)
             del self._seqs[seq.sched.request_id]
-            with self._lock:
-                self._live_ids.discard(seq.sched.request_id)
+            self._inbox.release(seq.sched.request_id)
         return output
 
     def _count(self, modeled_s: float, measured_s: float) -> None:
@@ -422,16 +398,4 @@ class SimEngine:
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
     ) -> list[list[int]]:
         """Run prompts to completion; returns each prompt's (synthetic) output token ids."""
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
-            self.add_request(rid, prompt, p)
-        results: dict[str, list[int]] = {rid: [] for rid in ids}
-        pending = set(ids)
-        while pending:
-            for out in self.step():
-                if out.request_id in results:
-                    results[out.request_id].extend(out.new_token_ids)
-                    if out.finished:
-                        pending.discard(out.request_id)
-        return [results[rid] for rid in ids]
+        return generate_all(self, prompts, params)
