@@ -1,0 +1,181 @@
+"""What the estimator knows of each live instance, kept current off the decision path.
+
+    refresh loop (every snapshot_refresh_s):  snapshots of every live instance (one round
+        trip) -> a new version is decoded once, parsed once (SfsReplayer.prepare) and
+        reconciled with the ledger
+    fit loop (every fit_interval_s):  new batch samples -> OnlineBatchTimeFitter ->
+        on a refit: log MAPE, publish BatchTimeCalibration (the worker copies it into
+        its snapshots)
+    decision:  TTFT from the SFS replay on the cached snapshot while it is fresh,
+        else the LPS queue model (stale or missing snapshot)
+
+Times: snapshot ages use the store's wall time (`VersionedBlob.wall_time_s`, stamped
+by the writer with time.time()), so a sim worker on a virtual clock ages like any other.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from services.estimator.ledger import LedgerEntry
+from services.estimator.sfs.baselines import ArrivalRateEstimator, lps_ttft_s
+from services.estimator.sfs.batch_time import SIX_TERM, BatchTimeModel, raw_from_chunks
+from services.estimator.sfs.fit import FitResult, OnlineBatchTimeFitter
+from services.estimator.sfs.replay import OutputPolicy, Probe, SfsReplayer
+from shared.config import EstimatorConfig, ModelConfig
+from shared.messages.registry import WorkerInfo
+from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot
+
+TtftSource = Literal["sfs", "lps"]
+
+# Used only when an instance has no calibration at all (no snapshot coefficients, no
+# fit yet, none in the cluster file): a slow CPU-class guess, so unknown instances
+# look busy rather than free.
+FALLBACK_PREFILL_TPS = 1000.0  # tokens/s
+FALLBACK_DECODE_STEP_S = 0.05  # seconds
+
+
+@dataclass(frozen=True, slots=True)
+class TtftEstimate:
+    ttft_s: float  # seconds from now (inf: cannot serve)
+    source: TtftSource  # sfs: replayed on a fresh snapshot; lps: average-case queue model
+
+
+@dataclass(slots=True)
+class InstanceState:
+    """One live instance: its latest snapshot, its batch-time fit, its arrival rate."""
+
+    info: WorkerInfo
+    fitter: OnlineBatchTimeFitter
+    arrivals: ArrivalRateEstimator
+    config_model: BatchTimeModel | None  # from the cluster file (sim engines), if any
+    snapshot: WorkloadSnapshot | None = None  # latest one read, fresh or not
+    snapshot_key: tuple[int, float] = (-1, 0.0)  # (version, store wall time) of `snapshot`
+    snapshot_wall_time_s: float = 0.0  # store wall time of `snapshot`
+    last_sample_time_s: float = -math.inf  # newest batch sample fed to the fitter
+    mean_running: float = 0.0  # time-averaged concurrency from batch samples (LPS k)
+    last_fit: FitResult | None = None
+    visible: set[str] = field(default_factory=set)  # request ids `snapshot` shows
+
+    @property
+    def instance_id(self) -> str:
+        return self.info.instance_id
+
+    def is_fresh(self, now_s: float, max_age_s: float) -> bool:
+        return self.snapshot is not None and now_s - self.snapshot_wall_time_s <= max_age_s
+
+    def batch_time_model(self) -> BatchTimeModel | None:
+        """The snapshot's calibration, else the estimator's own fit, else the cluster file's."""
+        if self.snapshot is not None:
+            carried = BatchTimeModel.from_snapshot(self.snapshot)
+            if carried is not None:
+                return carried
+        return self.fitter.model or self.config_model
+
+    def add_samples(self, samples: Iterable[BatchSample]) -> FitResult | None:
+        new = [s for s in samples if s.wall_time_s > self.last_sample_time_s]
+        if not new:
+            return None
+        self.last_sample_time_s = max(s.wall_time_s for s in new)
+        mean_new = sum(s.num_running for s in new) / len(new)
+        if self.mean_running == 0:
+            self.mean_running = mean_new
+        else:
+            self.mean_running = 0.8 * self.mean_running + 0.2 * mean_new
+        fit = self.fitter.add(new)
+        if fit is not None:
+            self.last_fit = fit
+        return fit
+
+
+def create_instance_state(
+    info: WorkerInfo, model: ModelConfig | None, settings: EstimatorConfig
+) -> InstanceState:
+    config_model = None
+    if model is not None and model.batch_time_features and model.batch_time_coefs:
+        config_model = BatchTimeModel(model.batch_time_features, tuple(model.batch_time_coefs))
+    feature_set = config_model.feature_set if config_model is not None else SIX_TERM
+    fitter = OnlineBatchTimeFitter(
+        feature_set, refit_every=settings.fit_refit_every, min_samples=settings.fit_min_samples
+    )
+    return InstanceState(
+        info=info,
+        fitter=fitter,
+        arrivals=ArrivalRateEstimator(window_s=settings.arrival_window_s),
+        config_model=config_model,
+    )
+
+
+class LatencyEstimator:
+    """Predicted TTFT of a request on an instance: SFS replay or the LPS queue model."""
+
+    def __init__(self, settings: EstimatorConfig) -> None:
+        self.settings = settings
+        self.replayer = SfsReplayer(OutputPolicy(settings.default_output_tokens))
+
+    def forget(self, instance_id: str) -> None:
+        self.replayer.forget(instance_id)
+
+    def prepare(self, state: InstanceState) -> None:
+        """Parse a newly read snapshot now, so a decision only copies the parsed state."""
+        if state.snapshot is not None and state.batch_time_model() is not None:
+            try:
+                self.replayer.prepare(state.instance_id, state.snapshot)
+            except ValueError:  # an inconsistent snapshot: decisions use the queue model
+                self.replayer.forget(state.instance_id)
+
+    def ttft(
+        self,
+        state: InstanceState,
+        probe: Probe,
+        pending: list[LedgerEntry],
+        now_wall_s: float,
+        now_mono_s: float,
+    ) -> TtftEstimate:
+        model = state.batch_time_model()
+        snap = state.snapshot
+        if (
+            snap is not None
+            and model is not None
+            and state.is_fresh(now_wall_s, self.settings.snapshot_max_age_s)
+        ):
+            try:
+                est = self.replayer.estimate(state.instance_id, snap, probe, pending, model=model)
+            except ValueError:  # e.g. more KV held than the capacity: not replayable
+                pass
+            else:
+                return TtftEstimate(est.ttft_s, "sfs")
+        return TtftEstimate(self._lps_ttft_s(state, probe, model, now_mono_s), "lps")
+
+    def _lps_ttft_s(
+        self,
+        state: InstanceState,
+        probe: Probe,
+        model: BatchTimeModel | None,
+        now_mono_s: float,
+    ) -> float:
+        """LPS: W = rho^k / (mu - alpha) + prompt / theta_pre (baselines.lps_ttft_s).
+
+        k: the instance's time-averaged concurrency (batch samples), at least 1;
+        alpha: this estimator's dispatch rate to it (EWMA); mu = k / (service time of
+        one request at concurrency k) with the batch-time model: its prefill plus
+        predicted-output decode steps of a k-request batch.
+        """
+        k = max(1, round(state.mean_running))
+        prompt, out = probe.num_prompt_tokens, max(1, probe.predicted_output_tokens)
+        if model is None:
+            prefill_tps, step_s = FALLBACK_PREFILL_TPS, FALLBACK_DECODE_STEP_S
+        else:
+            budget = state.snapshot.max_num_batched_tokens if state.snapshot else prompt
+            chunk = max(1, min(prompt, budget))
+            prefill_s = max(1e-9, model.predict_raw(raw_from_chunks([(0, chunk, False)])))
+            prefill_tps = chunk / prefill_s
+            ctx = prompt + out // 2
+            step_s = max(1e-9, model.predict_raw(raw_from_chunks([(ctx, 1, True)] * k)))
+        service_s = prompt / prefill_tps + out * step_s
+        mu = k / service_s
+        alpha = state.arrivals.rate(now_mono_s)
+        return lps_ttft_s(alpha, mu, k, prompt, prefill_tps)

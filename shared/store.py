@@ -1,0 +1,161 @@
+"""Redis client wrapper: versioned atomic snapshots, batch samples, worker registry.
+
+Snapshot invariant: one HSET writes version, wall time and payload together
+inside MULTI/EXEC (with the TTL and the sample append), so a reader's HGETALL
+sees either the old snapshot or the new one, never a mix. There is one writer
+per instance (its worker), which keeps versions monotonic; readers compare the
+wall time against a staleness bound.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import cast
+
+import msgspec
+import redis.asyncio as redis
+
+from shared import keys
+from shared.messages import encode
+from shared.messages.registry import WORKER_INFO_DECODER, WorkerInfo
+
+
+class VersionedBlob(msgspec.Struct, frozen=True):
+    """A snapshot as stored: the payload is decoded by the caller."""
+
+    version: int  # writer's monotonic counter (the worker's iteration number)
+    wall_time_s: float  # writer's time.time() when it was taken
+    data: bytes  # msgpack-encoded WorkloadSnapshot
+
+    def age_s(self, now_s: float | None = None) -> float:
+        return (time.time() if now_s is None else now_s) - self.wall_time_s
+
+    def is_stale(self, max_age_s: float, now_s: float | None = None) -> bool:
+        return self.age_s(now_s) > max_age_s
+
+
+class Store:
+    """One Redis connection pool for one service process, scoped to a namespace."""
+
+    def __init__(self, url: str, namespace: str) -> None:
+        self.url = url
+        self.namespace = namespace
+        self._redis: redis.Redis | None = None
+
+    @property
+    def redis(self) -> redis.Redis:
+        assert self._redis is not None, "Store.connect() not called"
+        return self._redis
+
+    @property
+    def is_connected(self) -> bool:
+        return self._redis is not None
+
+    async def connect(self) -> None:
+        # Timeouts on every socket operation: a wedged connection must fail a
+        # command (the caller logs and retries), never hang a service or its shutdown.
+        self._redis = redis.Redis.from_url(
+            self.url, socket_connect_timeout=5.0, socket_timeout=5.0, health_check_interval=30
+        )
+        await self._redis.ping()
+
+    async def close(self) -> None:
+        r, self._redis = self._redis, None
+        if r is not None:
+            await r.aclose()
+
+    # -- snapshots and samples (written by a worker) -------------------------
+
+    async def write_snapshot(
+        self,
+        instance_id: str,
+        version: int,
+        data: bytes,
+        *,
+        ttl_s: float,
+        samples: list[bytes] = (),  # type: ignore[assignment]
+        max_samples: int = 10_000,
+    ) -> None:
+        """Atomically replace the instance's snapshot and append its new batch samples."""
+        key = keys.snapshot(self.namespace, instance_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(
+                key, mapping={"version": version, "wall_time_s": repr(time.time()), "data": data}
+            )
+            pipe.pexpire(key, int(ttl_s * 1000))
+            if samples:
+                skey = keys.batch_samples(self.namespace, instance_id)
+                pipe.rpush(skey, *samples)
+                pipe.ltrim(skey, -max_samples, -1)
+            await pipe.execute()
+
+    async def read_snapshots(self, instance_ids: list[str]) -> dict[str, VersionedBlob | None]:
+        """Latest snapshot per instance (None if it has none), in one round trip."""
+        if not instance_ids:
+            return {}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for iid in instance_ids:
+                pipe.hgetall(keys.snapshot(self.namespace, iid))
+            rows = await pipe.execute()
+        out: dict[str, VersionedBlob | None] = {}
+        for iid, row in zip(instance_ids, rows, strict=True):
+            if not row:
+                out[iid] = None
+                continue
+            out[iid] = VersionedBlob(int(row[b"version"]), float(row[b"wall_time_s"]), row[b"data"])
+        return out
+
+    async def read_samples(self, instance_id: str, count: int = 1000) -> list[bytes]:
+        """The newest `count` batch samples of an instance, oldest first."""
+        key = keys.batch_samples(self.namespace, instance_id)
+        return cast(list[bytes], await self.redis.lrange(key, -count, -1))
+
+    # -- batch-time calibration (written by the estimator, read by the worker) --
+
+    async def write_calibration(self, instance_id: str, data: bytes, *, ttl_s: float) -> None:
+        """Replace an instance's fitted batch-time model (msgpack BatchTimeCalibration)."""
+        await self.redis.set(
+            keys.calibration(self.namespace, instance_id), data, px=int(ttl_s * 1000)
+        )
+
+    async def read_calibrations(self, instance_ids: list[str]) -> dict[str, bytes | None]:
+        """Each instance's fitted batch-time model (None if none), in one round trip."""
+        if not instance_ids:
+            return {}
+        blobs = await self.redis.mget([keys.calibration(self.namespace, i) for i in instance_ids])
+        return {i: cast(bytes | None, b) for i, b in zip(instance_ids, blobs, strict=True)}
+
+    # -- worker registry ----------------------------------------------------
+
+    async def register(self, info: WorkerInfo, *, ttl_s: float) -> None:
+        """Write (or renew) a worker's registration; it expires after `ttl_s` without renewal."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(
+                keys.worker(self.namespace, info.instance_id), encode(info), px=int(ttl_s * 1000)
+            )
+            pipe.sadd(keys.workers(self.namespace), info.instance_id)
+            await pipe.execute()
+
+    async def deregister(self, instance_id: str) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(keys.worker(self.namespace, instance_id))
+            pipe.srem(keys.workers(self.namespace), instance_id)
+            await pipe.execute()
+
+    async def live_workers(self) -> list[WorkerInfo]:
+        """Every registered worker whose registration has not expired (expired ids are pruned)."""
+        members = cast(set[bytes], await self.redis.smembers(keys.workers(self.namespace)))
+        ids = sorted(i.decode() for i in members)
+        if not ids:
+            return []
+        blobs = await self.redis.mget([keys.worker(self.namespace, i) for i in ids])
+        live: list[WorkerInfo] = []
+        gone: list[str] = []
+        for iid, blob in zip(ids, blobs, strict=True):
+            if blob is None:
+                gone.append(iid)
+            else:
+                live.append(WORKER_INFO_DECODER.decode(cast(bytes, blob)))
+        if gone:
+            await self.redis.srem(keys.workers(self.namespace), *gone)
+        return live

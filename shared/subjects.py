@@ -1,0 +1,43 @@
+"""Every NATS subject Baton uses, built in one place.
+
+All subjects start with the deployment namespace so that two stacks can share one
+NATS server. Services never format a subject string themselves.
+
+    {ns}.worker.{instance_id}.in      SubmitRequest | AbortRequest    gateway -> worker
+    {ns}.gateway.{gateway_id}.in      DeltaBatch                      worker -> gateway
+    {ns}.estimator.route              RouteRequest -> RouteReply      gateway -> estimator (request/reply)
+    {ns}.estimator.events             RequestDoneEvent                gateway -> every estimator
+"""
+
+from __future__ import annotations
+
+import re
+
+# NATS tokens are separated by dots; ids become single tokens, so they must not
+# contain dots, spaces or wildcards.
+_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+ESTIMATOR_QUEUE_GROUP = "estimator"
+
+
+def check_token(value: str) -> str:
+    """Return `value` if it is usable as one subject token, else raise ValueError."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{value!r} is not a valid subject token (letters, digits, '_' and '-')")
+    return value
+
+
+def worker_inbox(namespace: str, instance_id: str) -> str:
+    return f"{check_token(namespace)}.worker.{check_token(instance_id)}.in"
+
+
+def gateway_inbox(namespace: str, gateway_id: str) -> str:
+    return f"{check_token(namespace)}.gateway.{check_token(gateway_id)}.in"
+
+
+def estimator_route(namespace: str) -> str:
+    return f"{check_token(namespace)}.estimator.route"
+
+
+def estimator_events(namespace: str) -> str:
+    return f"{check_token(namespace)}.estimator.events"
