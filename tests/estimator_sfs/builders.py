@@ -3,31 +3,18 @@
 from __future__ import annotations
 
 import random
+from functools import partial
 
 from services.estimator.sfs.batch_time import SIX_TERM, BatchTimeModel
-from shared.scheduling.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from shared.scheduling.scheduler import ScheduledBatch, Scheduler
+from tests.scheduling import builders as scheduling_builders
 
 # Coefficients large enough that every term moves the sum (seconds per unit).
 MODEL = BatchTimeModel(SIX_TERM, (1e-2, 2e-4, 3e-6, 5e-4, 2e-5, 1e-7))
 
 
-def make_scheduler(
-    *,
-    max_num_seqs: int = 8,
-    max_num_batched_tokens: int = 32,
-    block_size: int = 4,
-    num_kv_blocks: int = 64,
-    max_model_len: int = 128,
-) -> Scheduler:
-    return Scheduler(
-        SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            max_model_len=max_model_len,
-        )
-    )
+# The scheduling tests' builder with a smaller default budget (callers may override).
+make_scheduler = partial(scheduling_builders.make_scheduler, max_num_batched_tokens=32)
 
 
 def step(s: Scheduler) -> ScheduledBatch:
