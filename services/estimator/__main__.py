@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
 import sys
 
 from shared.config import ConfigError, load_cluster
 from shared.logging import configure_logging
+from shared.runtime import run_service
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,20 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("bad_config", error=str(exc))
         return 2
 
-    async def run() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, service.request_stop)
-        await service.run()
-
-    try:
-        import uvloop
-
-        uvloop.run(run())
-    except Exception:
-        log.exception("estimator_failed")
-        return 1
-    return 0
+    return run_service(service, "estimator")
 
 
 if __name__ == "__main__":

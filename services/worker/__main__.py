@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
-import signal
 import sys
 
 from shared.config import ConfigError, Env, load_cluster
 from shared.logging import configure_logging
+from shared.runtime import run_service
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,20 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(0.001)
     service = WorkerService(cfg)
 
-    async def run() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, service.request_stop)
-        await service.run()
-
-    try:
-        import uvloop
-
-        uvloop.run(run())
-    except Exception:
-        log.exception("worker_failed")
-        return 1
-    return 0
+    return run_service(service, "worker")
 
 
 if __name__ == "__main__":
