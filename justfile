@@ -46,3 +46,7 @@ bench-gateway *args:
 # cost of one SFS routing decision (3 and 13 instances)
 bench-sfs-decision *args:
     ./baton python scripts/bench_sfs_decision.py "$@"
+
+# per-step decode latency of the model family as served by the engine
+family-latency *args:
+    ./baton python scripts/family_latency.py "$@"

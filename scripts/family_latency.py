@@ -1,0 +1,70 @@
+"""Per-step decode latency of the SmolLM2 family as served by Baton's engine.
+
+The engines take turns step by step, so background load hits them alike; prints
+the median decode step at each batch size and the ratio to the first model.
+
+    python scripts/family_latency.py [--models ...] [--batches 1 8] [--steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import LLMEngine
+from shared.sampling import SamplingParams
+
+
+def decode_steps(engines: dict[str, LLMEngine], batch: int, prompt_len: int, steps: int) -> dict[str, float]:
+    """Median decode-step seconds per engine with `batch` running requests."""
+    params = SamplingParams(max_tokens=steps + 4, ignore_eos=True, temperature=0.0)
+    for engine in engines.values():
+        for i in range(batch):
+            engine.add_request(f"b{batch}-{i}", list(range(100, 100 + prompt_len)), params)
+        engine.step()  # prefill (with the first token)
+        engine.step()  # warm-up decode
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(steps):
+        for name, engine in engines.items():
+            t0 = time.perf_counter()
+            engine.step()
+            times[name].append(time.perf_counter() - t0)
+    for engine in engines.values():
+        while engine.has_unfinished():
+            engine.step()
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "smollm2-medium", "smollm2-small"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    engines = {
+        name: LLMEngine.create(EngineConfig(model=name, dtype=args.dtype, max_num_seqs=max(args.batches)))
+        for name in args.models
+    }
+    results = {b: decode_steps(engines, b, args.prompt_len, args.steps) for b in args.batches}
+    base = args.models[0]
+    print(f"| model | {' | '.join(f'decode step b{b}' for b in args.batches)} |")
+    print(f"|---|{'---|' * len(args.batches)}")
+    for name in args.models:
+        cells = [f"{results[b][name] * 1000:.1f} ms ({results[b][name] / results[b][base]:.2f}x)" for b in args.batches]
+        print(f"| {name} | {' | '.join(cells)} |")
+
+
+if __name__ == "__main__":
+    main()
