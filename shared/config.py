@@ -119,9 +119,8 @@ class GatewayConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     max_in_flight: int = 256  # requests admitted at once; past it: 429
     route_timeout_s: float = 2.0  # seconds to wait for the estimator
     route_single_locally: bool = True  # skip the estimator when one live instance serves the model
-    event_timeout_s: float = (
-        300.0  # seconds without any event from the worker before a request fails
-    )
+    # seconds without any event from the worker before a request fails
+    event_timeout_s: float = 300.0
     retry_after_s: int = 1  # seconds, the Retry-After header on 429/503
     registry_refresh_s: float = 0.5  # seconds between reads of the worker registry
     default_completion_max_tokens: int = 16  # /v1/completions default (OpenAI's)

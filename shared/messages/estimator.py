@@ -12,9 +12,8 @@ class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: str  # the name the client asked for: a real model or a routing preset
     num_prompt_tokens: int  # tokens, after the chat template
     max_tokens: int  # output tokens at most
-    ttft_target_ms: float | None = (
-        None  # the client's TTFT target (x-slo-ttft-ms); None: default rule
-    )
+    # the client's TTFT target (x-slo-ttft-ms); None: default rule
+    ttft_target_ms: float | None = None
     task: str | None = None  # task name for the quality table (x-baton-task); None: "default"
     policy: str | None = None  # overrides the preset's policy (x-baton-policy); None: the preset's
     predicted_output_tokens: int | None = None  # tokens, when a predictor upstream knows

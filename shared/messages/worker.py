@@ -15,9 +15,8 @@ class SubmitRequest(msgspec.Struct, tag="submit", frozen=True, kw_only=True):
     params: SamplingParams  # decoding settings, validated by the gateway
     reply_to: str  # subject of the owning gateway's inbox
     arrival_time_s: float  # gateway wall clock (time.time()) when the HTTP request arrived
-    predicted_output_tokens: int | None = (
-        None  # tokens, the router's length prediction (snapshots carry it)
-    )
+    # tokens, the router's length prediction (snapshots carry it)
+    predicted_output_tokens: int | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True, kw_only=True):
