@@ -22,6 +22,7 @@ from shared.logging import get_logger
 from shared.messages import encode
 
 T = TypeVar("T")
+R = TypeVar("R")
 log = get_logger(component="bus")
 
 # Generous buffers: a gateway inbox receives one message per worker iteration
@@ -75,20 +76,37 @@ class Bus:
         """Call `handler(decoded)` for every message; decode errors are logged and dropped."""
 
         async def on_msg(msg: Msg) -> None:
-            try:
-                decoded = decoder.decode(msg.data)
-            except msgspec.DecodeError as exc:
-                log.warning("bad_message", subject=subject, error=str(exc))
-                return
-            try:
-                await handler(decoded)
-            except Exception:
-                log.exception("handler_failed", subject=subject)
+            await self._decode_and_call(subject, decoder, handler, msg)
 
+        return await self._subscribe_cb(subject, queue, on_msg)
+
+    async def _decode_and_call(
+        self,
+        subject: str,
+        decoder: msgspec.msgpack.Decoder[T],
+        handler: Callable[[T], Awaitable[R]],
+        msg: Msg,
+    ) -> R | None:
+        """Decode msg and run handler on it; a bad message or a failing handler is
+        logged and yields None, so one poison message never stops a subscription."""
+        try:
+            decoded = decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            log.warning("bad_message", subject=subject, error=str(exc))
+            return None
+        try:
+            return await handler(decoded)
+        except Exception:
+            log.exception("handler_failed", subject=subject)
+            return None
+
+    async def _subscribe_cb(
+        self, subject: str, queue: str, cb: Callable[[Msg], Awaitable[None]]
+    ) -> Subscription:
         return await self.nc.subscribe(
             subject,
             queue=queue,
-            cb=on_msg,
+            cb=cb,
             pending_msgs_limit=_PENDING_MSGS,
             pending_bytes_limit=_PENDING_BYTES,
         )
@@ -101,29 +119,15 @@ class Bus:
         *,
         queue: str = "",
     ) -> Subscription:
-        """Answer requests on `subject` with `handler`'s reply."""
+        """Answer requests on `subject` with `handler`'s reply (decoding and errors as in
+        `subscribe`: a bad message or a failing handler gets no reply)."""
 
         async def on_msg(msg: Msg) -> None:
-            try:
-                decoded = decoder.decode(msg.data)
-            except msgspec.DecodeError as exc:
-                log.warning("bad_request", subject=subject, error=str(exc))
-                return
-            try:
-                reply = await handler(decoded)
-            except Exception:
-                log.exception("handler_failed", subject=subject)
-                return
-            if msg.reply:
+            reply = await self._decode_and_call(subject, decoder, handler, msg)
+            if reply is not None and msg.reply:
                 await self.nc.publish(msg.reply, encode(reply))
 
-        return await self.nc.subscribe(
-            subject,
-            queue=queue,
-            cb=on_msg,
-            pending_msgs_limit=_PENDING_MSGS,
-            pending_bytes_limit=_PENDING_BYTES,
-        )
+        return await self._subscribe_cb(subject, queue, on_msg)
 
     async def request(
         self,
