@@ -11,6 +11,7 @@ never at import time.
     [gateway]    host, port, max_in_flight, ...
     [estimator]  policy, snapshot_max_age_s, ...
     [worker]     heartbeat_interval_s, heartbeat_ttl_s, drain_timeout_s, ...
+    [batcher]    hold_timeout_ms, publish_interval_s, max_n, min_*, half_life_s
     [models.<name>]     engine, dtype, device, tokenizer, price_*_per_mtok
     [[instances]]       model, replicas, max_num_seqs, max_model_len, ...
     [presets.<name>]    models, policy
@@ -159,6 +160,18 @@ class WorkerConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     max_batch_samples: int = 10_000  # samples kept per instance in Redis
 
 
+class BatcherConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    hold_timeout_ms: float = 20.0  # ms an idle model holds its oldest ready request at most
+    publish_interval_s: float = 5.0  # seconds between recomputes and publications of the tables
+    max_n: int = 16  # tables cover concurrency N = 1..max_n (workers clamp larger N)
+    min_tokens: int = 2000  # entry-model tokens (decayed) before p is trusted
+    min_handoffs: int = 20  # hand-offs each way (decayed) before p and tokens/visit are trusted
+    min_step_samples: int = 50  # step samples per model (decayed) before its latency fit is used
+    half_life_s: float = 60.0  # seconds; older statistics weigh half as much per half life
+    # recompute only when p, tokens/visit or a fitted step time moved by this fraction
+    recompute_rel_change: float = 0.05
+
+
 class ModelConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     engine: EngineKind = "torch"  # torch: real forward | sim: scheduler + batch-time model
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
@@ -217,6 +230,7 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     gateway: GatewayConfig = GatewayConfig()
     estimator: EstimatorConfig = EstimatorConfig()
     worker: WorkerConfig = WorkerConfig()
+    batcher: BatcherConfig = BatcherConfig()
     models: dict[str, ModelConfig] = {}
     instances: list[InstanceConfig] = []
     presets: dict[str, PresetConfig] = {}
@@ -264,6 +278,11 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
                 raise ConfigError(f"preset {name!r}: lambda and delta must be >= 0")
         if self.estimator.lambda_ < 0 or self.estimator.delta < 0:
             raise ConfigError("[estimator] lambda and delta must be >= 0")
+        b = self.batcher
+        if not 1 <= b.max_n <= 20:  # a table costs ~N^5 (16: ~10 s on one core, 20: ~40 s)
+            raise ConfigError(f"[batcher] max_n must be in 1..20, got {b.max_n}")
+        if b.hold_timeout_ms <= 0 or b.publish_interval_s <= 0 or b.half_life_s <= 0:
+            raise ConfigError("[batcher] hold_timeout_ms, publish_interval_s, half_life_s must be > 0")
         if not 0 < self.gateway.port < 65536:
             raise ConfigError(f"gateway port out of range: {self.gateway.port}")
 

@@ -5,6 +5,7 @@
 {ns}:snapshot:{instance_id}     HASH {version, wall_time_s, data}: the latest WorkloadSnapshot
 {ns}:samples:{instance_id}      LIST of BatchSample (msgpack), newest last, capped
 {ns}:calibration:{instance_id}  BatchTimeCalibration (msgpack): the estimator's fitted batch-time model
+{ns}:batch_tables:{preset}      BatchTables (msgpack): the batcher's latest B* tables for a preset
 """
 
 from __future__ import annotations
@@ -30,3 +31,7 @@ def batch_samples(namespace: str, instance_id: str) -> str:
 
 def calibration(namespace: str, instance_id: str) -> str:
     return f"{check_token(namespace)}:calibration:{check_token(instance_id)}"
+
+
+def batch_tables(namespace: str, preset: str) -> str:
+    return f"{check_token(namespace)}:batch_tables:{check_token(preset)}"

@@ -7,6 +7,8 @@ NATS server. Services never format a subject string themselves.
     {ns}.gateway.{gateway_id}.in      DeltaBatch                      worker -> gateway
     {ns}.estimator.route              RouteRequest -> RouteReply      gateway -> estimator (request/reply)
     {ns}.estimator.events             RequestDoneEvent                gateway -> every estimator
+    {ns}.batcher.stats                RoutingStats                    worker -> batcher
+    {ns}.batcher.tables               BatchTables                     batcher -> every worker
 """
 
 from __future__ import annotations
@@ -41,3 +43,11 @@ def estimator_route(namespace: str) -> str:
 
 def estimator_events(namespace: str) -> str:
     return f"{check_token(namespace)}.estimator.events"
+
+
+def batcher_stats(namespace: str) -> str:
+    return f"{check_token(namespace)}.batcher.stats"
+
+
+def batcher_tables(namespace: str) -> str:
+    return f"{check_token(namespace)}.batcher.tables"

@@ -4,6 +4,7 @@
 - `gateway`:   worker -> gateway (token deltas and failures, batched per engine iteration)
 - `estimator`: gateway -> estimator (route request/reply, request-done events)
 - `registry`:  worker -> Redis -> gateway/estimator (registration and heartbeat)
+- `batcher`:   worker -> batcher (routing statistics), batcher -> workers (B* tables)
 
 All are msgspec Structs encoded as msgpack; each module builds its decoders once.
 """
