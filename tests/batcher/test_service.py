@@ -1,0 +1,145 @@
+"""The batcher service on real NATS and Redis: stats in, tables out."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from services.batcher.dtmc import AffineLatency, best_b, is_deadlock_free
+from services.batcher.service import BatcherService
+from shared import keys, subjects
+from shared.bus import Bus
+from shared.config import ClusterConfig, parse_cluster
+from shared.messages.batcher import BATCH_TABLES_DECODER, BatchTables, RoutingStats
+
+MAX_N = 6
+SMALL = AffineLatency(0.010, 0.001)  # s, the workers' "measured" steps below
+LARGE = AffineLatency(0.050, 0.0005)
+
+
+def cluster(nats_url: str, redis_url: str, namespace: str) -> ClusterConfig:
+    return parse_cluster(
+        f"""
+namespace = "{namespace}"
+nats_url = "{nats_url}"
+redis_url = "{redis_url}"
+[batcher]
+publish_interval_s = 0.1
+max_n = {MAX_N}
+min_tokens = 1000
+min_handoffs = 50
+min_step_samples = 40
+hold_timeout_ms = 15.0
+""",
+        environ={},
+    )
+
+
+def report(model_index: int, tokens: int, handoffs: int, latency: AffineLatency) -> RoutingStats:
+    sizes = [1 + i % MAX_N for i in range(60)]
+    return RoutingStats(
+        instance_id=f"w{model_index}",
+        preset="duo",
+        models=["small", "large"],
+        model_index=model_index,
+        window_s=1.0,
+        num_tokens=tokens,
+        num_handoffs=handoffs,
+        step_batch_sizes=sizes,
+        step_seconds=[latency(b) for b in sizes],
+        num_active=4,
+    )
+
+
+class Tables:
+    """Every BatchTables seen on the bus, with a way to wait for one that matches."""
+
+    def __init__(self) -> None:
+        self.seen: list[BatchTables] = []
+        self._new = asyncio.Event()
+
+    async def on(self, tables: BatchTables) -> None:
+        self.seen.append(tables)
+        self._new.set()
+
+    async def wait_for(self, pred, timeout_s: float = 30.0) -> BatchTables:  # type: ignore[no-untyped-def]
+        async def loop() -> BatchTables:
+            while True:
+                for t in self.seen:
+                    if pred(t):
+                        return t
+                self._new.clear()
+                await self._new.wait()
+
+        return await asyncio.wait_for(loop(), timeout_s)
+
+
+@pytest_asyncio.fixture
+async def stack(nats_url: str, redis_url: str) -> AsyncIterator[tuple[ClusterConfig, Bus, Tables]]:
+    cfg = cluster(nats_url, redis_url, f"b{uuid.uuid4().hex[:8]}")
+    bus = Bus(nats_url, "test")
+    await bus.connect()
+    tables = Tables()
+    await bus.subscribe(subjects.batcher_tables(cfg.namespace), BATCH_TABLES_DECODER, tables.on)
+    yield cfg, bus, tables
+    await bus.close()
+
+
+async def run_service(cfg: ClusterConfig) -> tuple[BatcherService, asyncio.Task[None]]:
+    service = BatcherService(cfg)
+    task = asyncio.create_task(service.run())
+    while not service.bus.is_connected or not service.store.is_connected:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # subscription flushed in start()
+    return service, task
+
+
+async def stop(service: BatcherService, task: asyncio.Task[None]) -> None:
+    service.request_stop()
+    await asyncio.wait_for(task, 10)
+
+
+async def test_all_ones_first_then_the_chain_table(stack) -> None:  # type: ignore[no-untyped-def]
+    cfg, bus, tables = stack
+    service, task = await run_service(cfg)
+    try:
+        stats_subject = subjects.batcher_stats(cfg.namespace)
+        # 1. A few samples: the eager all-ones table.
+        await bus.publish(stats_subject, report(0, 200, 20, SMALL))
+        eager = await tables.wait_for(lambda t: t.preset == "duo")
+        assert not eager.is_estimated and eager.b == [[1] * MAX_N, [1] * MAX_N]
+        assert eager.hold_timeout_ms == 15.0 and eager.models == ["small", "large"]
+        # 2. A bad report is rejected, not folded in.
+        await bus.publish(stats_subject, report(5, 10, 1, SMALL))
+        # 3. Enough samples: p = 0.1, one token per visit at L.
+        for _ in range(5):
+            await bus.publish(stats_subject, report(0, 1000, 100, SMALL))
+            await bus.publish(stats_subject, report(1, 100, 100, LARGE))
+        est = await tables.wait_for(lambda t: t.is_estimated)
+        assert est.version > eager.version
+        assert est.p == pytest.approx(0.1, rel=0.02) and est.tokens_per_visit == pytest.approx(1.0)
+        assert est.step_intercept_s == pytest.approx([0.010, 0.050], rel=1e-3)
+        expected = best_b(MAX_N, est.p, SMALL, LARGE, est.tokens_per_visit)
+        assert est.b == [expected.b_small, expected.b_large]
+        assert is_deadlock_free(est.b[0], est.b[1])
+        assert est.b != eager.b  # this case holds L for more than one (a real change)
+        assert service.num_rejected == 1
+        # 4. Redis holds the newest table for a restarted worker.
+        blob = await service.store.redis.get(keys.batch_tables(cfg.namespace, "duo"))
+        stored = BATCH_TABLES_DECODER.decode(blob)
+        assert stored.is_estimated and stored.version >= est.version
+        assert stored.b_for(1, 100) == est.b[1][-1]  # N past the table clamps to its end
+    finally:
+        await stop(service, task)
+    # 5. A restarted batcher continues the version (workers ignore older versions).
+    service, task = await run_service(cfg)
+    try:
+        await bus.publish(subjects.batcher_stats(cfg.namespace), report(0, 10, 1, SMALL))
+        again = await tables.wait_for(lambda t: t.version > stored.version)
+        assert not again.is_estimated
+    finally:
+        await stop(service, task)
