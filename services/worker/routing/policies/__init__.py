@@ -1,0 +1,59 @@
+"""The five token-level routing policies and the factory the runtime builds them with.
+
+    r2r       learned divergence router on the small model; the large one rewrites
+    citer     learned confidence router (MLP on the hidden state)
+    co-llm    learned deferral score (Co-LLM's latent-variable objective)
+    r-stitch  normalized-entropy switching both ways
+    me        2-3 models, the next writer drawn by ensemble weights x confidence
+
+Trained routers and calibrated thresholds live in `models/routers/`
+(`just routers`); docs/token-routing.md, section "Policies", says how.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from services.worker.routing.api import TokenPolicy
+from services.worker.routing.policies.citer import CiterPolicy
+from services.worker.routing.policies.co_llm import CoLLMPolicy
+from services.worker.routing.policies.me import MEPolicy
+from services.worker.routing.policies.r2r import R2RPolicy
+from services.worker.routing.policies.r_stitch import RStitchPolicy
+
+TOKEN_POLICIES: dict[str, type[TokenPolicy]] = {
+    p.name: p for p in (R2RPolicy, CiterPolicy, CoLLMPolicy, RStitchPolicy, MEPolicy)
+}
+
+DEFAULT_ARTIFACTS_DIR = Path(__file__).resolve().parents[4] / "models" / "routers"
+
+
+def create_token_policy(
+    name: str,
+    models: list[str],
+    model_index: int,
+    args: Mapping[str, float | str],
+    artifacts_dir: Path = DEFAULT_ARTIFACTS_DIR,
+) -> TokenPolicy:
+    """Build the policy `name` for the worker serving models[model_index] of a preset."""
+    cls = TOKEN_POLICIES.get(name)
+    if cls is None:
+        raise ValueError(
+            f"unknown token policy {name!r}: use one of {', '.join(sorted(TOKEN_POLICIES))}"
+        )
+    if not 0 <= model_index < len(models):
+        raise ValueError(f"model_index {model_index} outside the preset's {len(models)} models")
+    return cls(models, model_index, args, artifacts_dir)
+
+
+__all__ = [
+    "DEFAULT_ARTIFACTS_DIR",
+    "TOKEN_POLICIES",
+    "CiterPolicy",
+    "CoLLMPolicy",
+    "MEPolicy",
+    "R2RPolicy",
+    "RStitchPolicy",
+    "create_token_policy",
+]
