@@ -29,6 +29,8 @@ class EngineConfig:
     threads: int = 1
     seed: int = 0  # seed of random-weight models
     num_batch_samples: int = 4096  # batch-time samples kept until popped
+    # CPU bf16: pre-pack linear weights for oneDNN once (cpu_kernels.py; same outputs).
+    pack_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

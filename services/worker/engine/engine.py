@@ -124,6 +124,8 @@ class LLMEngine:
         cfg = dataclasses.replace(cfg, max_position_embeddings=config.max_model_len)
         model = build_model(cfg, state, config.torch_dtype, torch.device(config.device))
         del state
+        if config.pack_weights:
+            model.pack_for_cpu(batch_hint=config.max_num_seqs)
         return cls(config, model)
 
     # ---- requests (any thread) -------------------------------------------------

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker.engine.cpu_kernels import PackedLinear, can_pack, pack_linears
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -353,6 +355,21 @@ class CausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
+        self.packed_head: nn.Module | None = None  # set by pack_for_cpu
+
+    def pack_for_cpu(self, batch_hint: int) -> bool:
+        """Pre-pack every linear and the LM head for oneDNN (CPU bf16 only; see
+        cpu_kernels.py). Returns whether it packed. Serving only: afterwards the
+        state dict lacks the linear weights."""
+        weight = self.embed_tokens.weight
+        if not can_pack(weight.device, weight.dtype):
+            return False
+        pack_linears(self.layers, batch_hint)
+        # The (often tied) LM head gets its own packed copy; the embedding keeps the
+        # plain table for its row gathers.
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.packed_head = PackedLinear(head, None, batch_hint)
+        return True
 
     @torch.inference_mode()
     def forward(
@@ -375,6 +392,8 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, vocab] for the given hidden states."""
+        if self.packed_head is not None:
+            return self.packed_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
