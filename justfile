@@ -50,3 +50,7 @@ bench-sfs-decision *args:
 # per-step decode latency of the model family as served by the engine
 family-latency *args:
     ./baton python scripts/family_latency.py "$@"
+
+# the DTMC's predicted throughput vs a measured run for B = 1..N
+check-dtmc *args:
+    ./baton python scripts/check_dtmc.py "$@"

@@ -15,7 +15,9 @@ ready at m and waiting; a_S + w_S + a_L + w_L = N, and an idle model holds fewer
 than B_m (else it would have started). Events are step completions; the chain
 below is the embedded jump chain at those events. The race between two running
 steps is decided as if step durations were memoryless with mean t_m(b) (the one
-approximation; services/batcher/simulate.py measures its error).
+approximation; services/batcher/simulate.py measures its error). Colocated models
+slow each other down: a step may take a longer "overlapped" time while the other
+model is mid-step too (state-dependent rates; default: no interference).
 """
 
 from __future__ import annotations
@@ -118,11 +120,16 @@ def solve_chain(
     step_latency_s_large: StepLatency,
     tokens_per_visit_large: float = 1.0,
     rewrite_fraction: float = 0.0,
+    *,
+    overlap_latency_s_small: StepLatency | None = None,
+    overlap_latency_s_large: StepLatency | None = None,
 ) -> ChainSolution:
     """Stationary distribution of the embedded chain and the renewal-reward throughput.
 
     rewrite_fraction: share of S's hand-offs whose just-sampled S token is taken back
     (R2R-style rewrite) and so does not count as output.
+    overlap_latency_s_*: a model's step time while the other model is also mid-step
+    (colocated models share cores or a GPU); None: the same as alone.
     """
     n = num_active
     if n < 1:
@@ -135,6 +142,8 @@ def solve_chain(
     _check_probs(p, tokens_per_visit_large, rewrite_fraction)
     t_s = latency_table(step_latency_s_small, n)
     t_l = latency_table(step_latency_s_large, n)
+    o_s = t_s if overlap_latency_s_small is None else latency_table(overlap_latency_s_small, n)
+    o_l = t_l if overlap_latency_s_large is None else latency_table(overlap_latency_s_large, n)
     q = 1.0 / tokens_per_visit_large
 
     # 1. Enumerate tangible states; index them by (a_S, a_L, k = a_L + w_L).
@@ -164,9 +173,12 @@ def solve_chain(
         assert np.all(idx >= 0)
         return idx
 
-    # 2. Event rates: each running step completes at rate 1 / t_m(a_m) (memoryless race).
-    rate_s = np.where(a_s > 0, 1.0 / t_s[np.maximum(a_s, 1) - 1], 0.0)
-    rate_l = np.where(a_l > 0, 1.0 / t_l[np.maximum(a_l, 1) - 1], 0.0)
+    # 2. Event rates: each running step completes at rate 1 / t_m(a_m) (memoryless race),
+    #    at its overlapped time when the other model is mid-step too.
+    both = (a_s > 0) & (a_l > 0)
+    b_s, b_l = np.maximum(a_s, 1) - 1, np.maximum(a_l, 1) - 1
+    rate_s = np.where(a_s > 0, 1.0 / np.where(both, o_s[b_s], t_s[b_s]), 0.0)
+    rate_l = np.where(a_l > 0, 1.0 / np.where(both, o_l[b_l], t_l[b_l]), 0.0)
     total = rate_s + rate_l
     assert np.all(total > 0)
 
@@ -226,6 +238,9 @@ def predicted_throughput(
     step_latency_s_large: StepLatency,
     tokens_per_visit_large: float = 1.0,
     rewrite_fraction: float = 0.0,
+    *,
+    overlap_latency_s_small: StepLatency | None = None,
+    overlap_latency_s_large: StepLatency | None = None,
 ) -> float:
     """Output tokens per second the chain predicts for (N, B_S, B_L)."""
     return solve_chain(
@@ -237,6 +252,8 @@ def predicted_throughput(
         step_latency_s_large,
         tokens_per_visit_large,
         rewrite_fraction,
+        overlap_latency_s_small=overlap_latency_s_small,
+        overlap_latency_s_large=overlap_latency_s_large,
     ).throughput_tok_s
 
 
@@ -269,6 +286,8 @@ def best_pair(
     tokens_per_visit_large: float = 1.0,
     rewrite_fraction: float = 0.0,
     *,
+    overlap_latency_s_small: StepLatency | None = None,
+    overlap_latency_s_large: StepLatency | None = None,
     rel_tol: float = 1e-9,
 ) -> BestPair:
     """Search every feasible pair; ties (within rel_tol) go to the smaller B_S + B_L
@@ -282,6 +301,8 @@ def best_pair(
             th = predicted_throughput(
                 n, b_s, b_l, p, step_latency_s_small, step_latency_s_large,
                 tokens_per_visit_large, rewrite_fraction,
+                overlap_latency_s_small=overlap_latency_s_small,
+                overlap_latency_s_large=overlap_latency_s_large,
             )  # fmt: skip
             if (b_s, b_l) == (1, 1):
                 eager = th
@@ -298,14 +319,36 @@ def best_b(
     step_latency_s_large: StepLatency,
     tokens_per_visit_large: float = 1.0,
     rewrite_fraction: float = 0.0,
+    *,
+    overlap_latency_s_small: StepLatency | None = None,
+    overlap_latency_s_large: StepLatency | None = None,
 ) -> BTable:
     """B*(N) per model for N = 1..max_active (deadlock-free by construction)."""
     if max_active < 1:
         raise ValueError(f"max N must be >= 1, got {max_active}")
     t_s = latency_table(step_latency_s_small, max_active)
     t_l = latency_table(step_latency_s_large, max_active)
+    o_s = (
+        None
+        if overlap_latency_s_small is None
+        else latency_table(overlap_latency_s_small, max_active)
+    )
+    o_l = (
+        None
+        if overlap_latency_s_large is None
+        else latency_table(overlap_latency_s_large, max_active)
+    )
     pairs = [
-        best_pair(n, p, t_s, t_l, tokens_per_visit_large, rewrite_fraction)
+        best_pair(
+            n,
+            p,
+            t_s,
+            t_l,
+            tokens_per_visit_large,
+            rewrite_fraction,
+            overlap_latency_s_small=o_s,
+            overlap_latency_s_large=o_l,
+        )
         for n in range(1, max_active + 1)
     ]
     table = BTable(

@@ -7,7 +7,8 @@ ready, a step takes every ready request. Two duration laws:
     "exponential"    the chain's assumption: its prediction is exact, the sim checks it
     "deterministic"  t_m(b) exactly, as real steps are: measures the chain's error
 
-Optionally a hold timeout: an idle model that holds fewer than B_m starts anyway
+Colocated models may slow each other: a step runs at its "overlapped" speed while
+the other model is mid-step (the chain's state-dependent rates). Optionally a hold timeout: an idle model that holds fewer than B_m starts anyway
 once its oldest ready request has waited hold_timeout_s (the runtime's safety net).
 Pure Python + numpy; no I/O.
 """
@@ -39,12 +40,16 @@ class SimResult:
 class _Model:
     """One model's step loop: ready requests (their arrival times) and the step in flight."""
 
-    def __init__(self, latency: np.ndarray, hold: int) -> None:
-        self.latency = latency
+    def __init__(self, solo: np.ndarray, overlap: np.ndarray, hold: int) -> None:
+        self.solo, self.overlap = solo, overlap  # seconds per step at batch b (index b-1)
         self.hold = hold
         self.ready: deque[float] = deque()  # arrival time of each ready request, oldest first
         self.batch = 0  # requests in the step in flight (0 = idle)
-        self.done_at = math.inf  # completion time of the step in flight
+        self.work_left = 0.0  # of the step in flight, in units of one whole step
+
+    def speed(self, other_busy: bool) -> float:
+        """Steps per second now: the step slows down while the other model steps too."""
+        return 1.0 / float((self.overlap if other_busy else self.solo)[self.batch - 1])
 
 
 def simulate(
@@ -57,29 +62,31 @@ def simulate(
     tokens_per_visit_large: float = 1.0,
     rewrite_fraction: float = 0.0,
     *,
+    overlap_latency_s_small: StepLatency | None = None,
+    overlap_latency_s_large: StepLatency | None = None,
     durations: DurationLaw = "deterministic",
     num_steps: int = 100_000,
     warmup_steps: int = 2_000,
     hold_timeout_s: float | None = None,
     seed: int = 0,
 ) -> SimResult:
-    """Run until num_steps step completions (both models); measure after warmup_steps."""
+    """Run until num_steps events; measure after warmup_steps. A step is an amount of
+    work (1, or Exp(1) for memoryless steps) done at speed 1 / t_m(b), or 1 / overlapped
+    t_m(b) while the other model is mid-step."""
     n = num_active
     if not is_feasible(n, b_small, b_large) and hold_timeout_s is None:
         raise ValueError(f"({b_small}, {b_large}) can deadlock at N = {n} without a hold timeout")
     rng = np.random.default_rng(seed)
     q = 1.0 / tokens_per_visit_large
-    small = _Model(latency_table(step_latency_s_small, n), b_small)
-    large = _Model(latency_table(step_latency_s_large, n), b_large)
+    t_s, t_l = latency_table(step_latency_s_small, n), latency_table(step_latency_s_large, n)
+    o_s = t_s if overlap_latency_s_small is None else latency_table(overlap_latency_s_small, n)
+    o_l = t_l if overlap_latency_s_large is None else latency_table(overlap_latency_s_large, n)
+    small, large = _Model(t_s, o_s, b_small), _Model(t_l, o_l, b_large)
     small.ready.extend([0.0] * n)  # every request starts at the entry model
     now = 0.0
     num_timeouts = 0
     counted = {"tokens": 0, "small": 0, "large": 0}
     t_measure = 0.0
-
-    def duration(model: _Model, batch: int) -> float:
-        mean = float(model.latency[batch - 1])
-        return float(rng.exponential(mean)) if durations == "exponential" else mean
 
     def try_start(model: _Model) -> None:
         nonlocal num_timeouts
@@ -90,7 +97,12 @@ def simulate(
             num_timeouts += len(model.ready) < model.hold
             model.batch = len(model.ready)
             model.ready.clear()
-            model.done_at = now + duration(model, model.batch)
+            model.work_left = float(rng.exponential()) if durations == "exponential" else 1.0
+
+    def done_at(model: _Model, other: _Model) -> float:
+        if not model.batch:
+            return math.inf
+        return now + model.work_left / model.speed(other.batch > 0)
 
     def timeout_at(model: _Model) -> float:
         if hold_timeout_s is None or model.batch or not model.ready:
@@ -101,22 +113,28 @@ def simulate(
     for step in range(num_steps):
         if step == warmup_steps:
             t_measure, counted = now, {"tokens": 0, "small": 0, "large": 0}
-        # 1. Next event: a step completion, else a hold timeout.
-        events = (small.done_at, large.done_at, timeout_at(small), timeout_at(large))
-        nxt = min(events)
+        # 1. Next event: a step completion, else a hold timeout; advance both steps to it.
+        ends = (done_at(small, large), done_at(large, small))
+        nxt = min(*ends, timeout_at(small), timeout_at(large))
         assert nxt < math.inf, "deadlock: both models hold and no timeout is set"
+        speeds = (
+            small.speed(large.batch > 0) if small.batch else 0.0,
+            large.speed(small.batch > 0) if large.batch else 0.0,
+        )
+        small.work_left -= speeds[0] * (nxt - now)
+        large.work_left -= speeds[1] * (nxt - now)
         now = nxt
         # 2. Complete the step (or fire the timeout) and move requests.
-        if small.done_at == nxt:
-            batch, small.batch, small.done_at = small.batch, 0, math.inf
+        if ends[0] == nxt:
+            batch, small.batch = small.batch, 0
             sent = int(rng.binomial(batch, p))
             kept_back = int(rng.binomial(sent, rewrite_fraction)) if sent else 0
             counted["tokens"] += batch - kept_back
             counted["small"] += 1
             large.ready.extend([now] * sent)
             small.ready.extend([now] * (batch - sent))
-        elif large.done_at == nxt:
-            batch, large.batch, large.done_at = large.batch, 0, math.inf
+        elif ends[1] == nxt:
+            batch, large.batch = large.batch, 0
             back = int(rng.binomial(batch, q))
             counted["tokens"] += batch
             counted["large"] += 1

@@ -104,14 +104,29 @@ CASES = [  # N, B_S, B_L, p, small, large, tokens per visit, rewrite fraction
 ]
 
 
+SLOWED = (AffineLatency(0.015, 0.003), AffineLatency(0.070, 0.001))  # s, while both step
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_chain_equals_simulation_under_its_assumption(case: tuple) -> None:  # type: ignore[type-arg]
-    """With memoryless step times the chain is exact: the sim must agree within noise."""
+@pytest.mark.parametrize("colocated", [False, True])
+def test_chain_equals_simulation_under_its_assumption(case: tuple, colocated: bool) -> None:  # type: ignore[type-arg]
+    """With memoryless step times the chain is exact: the sim must agree within noise
+    (also when each model's step slows down while the other one steps)."""
     n, b_s, b_l, p, small, large, m, rho = case
-    chain = solve_chain(n, b_s, b_l, p, small, large, m, rho)
+    over = dict(zip(("overlap_latency_s_small", "overlap_latency_s_large"), SLOWED, strict=True))
+    kw = over if colocated else {}
+    chain = solve_chain(n, b_s, b_l, p, small, large, m, rho, **kw)  # type: ignore[arg-type]
     sim = simulate(
-        n, b_s, b_l, p, small, large, m, rho, durations="exponential", num_steps=200_000, seed=11
-    )
+        n, b_s, b_l, p, small, large, m, rho, durations="exponential", num_steps=200_000,
+        seed=11, **kw,  # type: ignore[arg-type]
+    )  # fmt: skip
+    if colocated:  # slower than the same system uncontended, unless B_L = N: then the
+        # models strictly alternate and never step at the same time
+        alone = solve_chain(n, b_s, b_l, p, small, large, m, rho).throughput_tok_s
+        if b_l == n:
+            assert chain.throughput_tok_s == pytest.approx(alone, rel=1e-9)
+        else:
+            assert chain.throughput_tok_s < alone
     assert sim.throughput_tok_s == pytest.approx(chain.throughput_tok_s, rel=0.015)
     sim_steps = (sim.num_small_steps / sim.elapsed_s, sim.num_large_steps / sim.elapsed_s)
     assert sim_steps[0] == pytest.approx(chain.small_steps_per_s, rel=0.02)

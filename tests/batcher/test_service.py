@@ -130,6 +130,7 @@ async def test_all_ones_first_then_the_chain_table(stack) -> None:  # type: igno
         assert service.num_rejected == 1
         # 4. Redis holds the newest table for a restarted worker.
         blob = await service.store.redis.get(keys.batch_tables(cfg.namespace, "duo"))
+        assert isinstance(blob, bytes)
         stored = BATCH_TABLES_DECODER.decode(blob)
         assert stored.is_estimated and stored.version >= est.version
         assert stored.b_for(1, 100) == est.b[1][-1]  # N past the table clamps to its end
