@@ -43,7 +43,7 @@ class BatchTables(msgspec.Struct, frozen=True, kw_only=True):
         float  # ms; an idle model steps anyway once its oldest ready request waited this
     )
     is_estimated: bool  # False: the all-ones default (eager async) while samples are too few
-    published_at_s: float  # batcher wall clock (time.time())
+    published_at_s: float  # batcher wall clock (time.time()) when this version was made
     # The estimates the tables came from (absent while is_estimated is False):
     p: float | None = None  # hand-offs per entry-model token
     tokens_per_visit: float | None = None  # tokens the large model writes per visit
