@@ -36,12 +36,11 @@ class BatchTables(msgspec.Struct, frozen=True, kw_only=True):
     """B*(N) per model of one preset, and the hold timeout that backs them up."""
 
     preset: str  # routing preset name
-    version: int  # increases with every publication for this preset (also across restarts)
+    version: int  # increases whenever the table changes (also across batcher restarts)
     models: list[str]  # the preset's models in order (index 0 = entry model)
     b: list[list[int]]  # b[m][N-1]: B of model m at concurrency N = 1..len; clamp N to len
-    hold_timeout_ms: (
-        float  # ms; an idle model steps anyway once its oldest ready request waited this
-    )
+    # ms; an idle model steps anyway once its oldest ready request waited this
+    hold_timeout_ms: float
     is_estimated: bool  # False: the all-ones default (eager async) while samples are too few
     published_at_s: float  # batcher wall clock (time.time()) when this version was made
     # The estimates the tables came from (absent while is_estimated is False):
