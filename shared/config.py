@@ -149,6 +149,9 @@ class EstimatorConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields
     fit_refit_every: int = 256  # new samples per instance before a refit
     fit_min_samples: int = 64  # samples before the first fit of an instance
     default_output_tokens: int = 128  # predicted output of a request without a prediction
+    # Directory of the output-length and quality predictors (docs/predictors.md), relative
+    # to the repository root; "" disables them (quality table and default length only).
+    predictors: str = "models/predictors"
     arrival_window_s: float = 1.0  # LPS fallback: EWMA window of the per-instance arrival rate
 
 

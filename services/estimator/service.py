@@ -3,9 +3,13 @@
     route request -> candidates (live, non-draining instances of the model or preset)
                   -> their cached snapshots (read and parsed by the refresh loop,
                      `instances.py`), stale ones dropped
-                  -> scores for utility policies: accuracy (quality table), cost
-                     (prices x prompt + predicted output), TTFT (SFS replay on a
-                     fresh snapshot with the ledger as pending, else LPS queue model)
+                  -> predictions per candidate model from the prompt's token ids
+                     (`predictors.py`: output length and quality; none without ids
+                     or files, or for models the predictor does not know)
+                  -> scores for utility policies: accuracy (predicted quality when
+                     every candidate has one, else the quality table), cost (prices x
+                     prompt + predicted output), TTFT (SFS replay on a fresh snapshot
+                     with the ledger as pending, else LPS queue model)
                   -> policy.choose -> ledger.add -> reply
 
 Background: the refresh loop reads every snapshot each `snapshot_refresh_s`, parses
@@ -30,6 +34,7 @@ import msgspec
 from services.estimator.instances import InstanceState, LatencyEstimator, create_instance_state
 from services.estimator.ledger import Ledger, LedgerEntry
 from services.estimator.policies import InstanceView, Policy, Scores, create_policy
+from services.estimator.predictors import Prediction, Predictors
 from services.estimator.sfs.replay import Probe
 from shared import subjects
 from shared.bus import Bus
@@ -45,6 +50,7 @@ from shared.messages.estimator import (
 )
 from shared.messages.registry import WorkerInfo, departed
 from shared.messages.worker import BatchTimeCalibration
+from shared.model_store import REPO_ROOT
 from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot
 from shared.store import Store
 
@@ -74,6 +80,7 @@ class EstimatorService:
         self._override_policies: dict[tuple[str, str], Policy] = {}  # (model, name) -> policy
         self.workers: dict[str, WorkerInfo] = {}
         self.instances: dict[str, InstanceState] = {}
+        self.predictors: Predictors | None = None  # loaded in start()
         self._stop = asyncio.Event()
         self._loops: list[asyncio.Task[None]] = []
         self.num_decisions = 0
@@ -91,6 +98,8 @@ class EstimatorService:
         self._stop.set()
 
     async def start(self) -> None:
+        if self.settings.predictors:  # a relative path is the repository's
+            self.predictors = Predictors.load(REPO_ROOT / self.settings.predictors)
         await self.bus.connect()
         await self.store.connect()
         await self._refresh_workers()
@@ -115,7 +124,10 @@ class EstimatorService:
             ),
         ]
         log.info(
-            "estimator_ready", policy=self._default_policy.name, live_workers=len(self.workers)
+            "estimator_ready",
+            policy=self._default_policy.name,
+            live_workers=len(self.workers),
+            predictors=self.predictors is not None,
         )
 
     async def run(self) -> None:
@@ -282,14 +294,10 @@ class EstimatorService:
             policy = self.policy_for(request)
         except ValueError as exc:
             return RouteReply(request_id=request.request_id, error=str(exc))
-        predicted = request.predicted_output_tokens
-        num_output = (
-            predicted
-            if predicted is not None
-            else min(request.max_tokens, self.settings.default_output_tokens)
-        )
-        views = self._views(request, states, policy, max(1, num_output))
+        predictions = self._predict(request, models)
+        views = self._views(request, states, policy, predictions)
         chosen = policy.choose(request, views)
+        predicted = self._predicted_output(request, chosen.info.model, predictions)
         now_mono = time.monotonic()
         self.ledger.add(
             LedgerEntry(
@@ -315,29 +323,55 @@ class EstimatorService:
             decision_ms=(time.perf_counter() - t0) * 1000.0,
         )
 
+    def _predict(self, request: RouteRequest, models: set[str]) -> dict[str, Prediction]:
+        """Length and quality per candidate model the predictor knows (~tens of µs)."""
+        if self.predictors is None or request.prompt_token_ids is None:
+            return {}
+        return self.predictors.predict(request.prompt_token_ids, request.task, sorted(models))
+
+    def _predicted_output(
+        self, request: RouteRequest, model: str, predictions: dict[str, Prediction]
+    ) -> int | None:
+        """Output tokens assumed for `model`: the request's own figure, else the
+        predictor's (at most max_tokens), else None (the default length applies)."""
+        if request.predicted_output_tokens is not None:
+            return request.predicted_output_tokens
+        p = predictions.get(model)
+        return None if p is None else min(request.max_tokens, p.output_tokens)
+
     def _views(
         self,
         request: RouteRequest,
         states: list[InstanceState],
         policy: Policy,
-        num_output: int,
+        predictions: dict[str, Prediction],
     ) -> list[InstanceView]:
         now_wall, now_mono = time.time(), time.monotonic()
         max_age_s = self.settings.snapshot_max_age_s
-        probe = Probe(request.num_prompt_tokens, num_output, request.max_tokens)
+        default_output = min(request.max_tokens, self.settings.default_output_tokens)
+        # Predicted quality and the quality table are different scales: use the
+        # predictions only when every candidate has one.
+        use_quality = bool(predictions) and all(s.info.model in predictions for s in states)
         views: list[InstanceView] = []
         for state in states:
             fresh = state.snapshot if state.is_fresh(now_wall, max_age_s) else None
             pending = self.ledger.pending(state.instance_id)
             scores = None
             if policy.needs_scores:
-                model = self.cluster.models[state.info.model]
+                name = state.info.model
+                model = self.cluster.models[name]
+                predicted = self._predicted_output(request, name, predictions)
+                num_output = max(1, default_output if predicted is None else predicted)
                 ttft_s, source = math.nan, ""
                 if policy.needs_ttft:
+                    probe = Probe(request.num_prompt_tokens, num_output, request.max_tokens)
                     est = self.latency.ttft(state, probe, pending, now_wall, now_mono)
                     ttft_s, source = est.ttft_s, est.source
+                accuracy = (
+                    predictions[name].quality if use_quality else model.accuracy(request.task)
+                )
                 scores = Scores(
-                    accuracy=model.accuracy(request.task),
+                    accuracy=accuracy,
                     cost=model.cost(request.num_prompt_tokens, num_output),
                     ttft_s=ttft_s,
                     ttft_source=source,

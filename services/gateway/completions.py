@@ -229,6 +229,7 @@ async def handle(
                 ttft_target_ms=p.ttft_target_ms,
                 task=p.task,
                 policy=p.policy,
+                prompt_token_ids=p.prompt_token_ids,
             )
         )
         router_overhead_ms = (time.perf_counter() - t_route) * 1000.0

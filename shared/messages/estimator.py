@@ -17,6 +17,9 @@ class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
     task: str | None = None  # task name for the quality table (x-baton-task); None: "default"
     policy: str | None = None  # overrides the preset's policy (x-baton-policy); None: the preset's
     predicted_output_tokens: int | None = None  # tokens, when a predictor upstream knows
+    # token ids of the prompt after the chat template: the length/quality predictors'
+    # features (docs/predictors.md); None: not sent (the quality table and default apply)
+    prompt_token_ids: list[int] | None = None
 
 
 class RouteReply(msgspec.Struct, frozen=True, kw_only=True):
