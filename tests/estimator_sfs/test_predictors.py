@@ -21,6 +21,7 @@ from services.estimator.predictors import (
     QUALITY_FILE,
     FeatureSpec,
     Predictors,
+    TreeEnsemble,
 )
 
 SPEC = FeatureSpec(num_buckets=16, tasks=("alpaca", "aime"), models=("big", "small"))
@@ -143,6 +144,34 @@ def test_predictions_are_clipped_to_their_ranges(tmp_path: Path) -> None:
     p = pred.predict(list(range(50)), None, ["big", "small"])
     assert p["big"].quality == 1.0 and p["small"].quality == 0.0
     assert p["big"].output_tokens == 256 and p["small"].output_tokens == 1
+
+
+@pytest.mark.parametrize(
+    ("objective", "depth"), [("reg:squarederror", 6), ("reg:absoluteerror", 3)]
+)
+def test_numpy_tree_walk_equals_xgboost(objective: str, depth: int) -> None:
+    rng = np.random.default_rng(1)
+    x = rng.random((400, 12), dtype=np.float32)
+    x[:, 3] = rng.integers(0, 2, 400)  # one-hot-like column: thresholds between 0 and 1
+    y = 50 * x[:, 0] + 20 * (x[:, 3] > 0) + rng.normal(0, 1, 400)
+    params = {"objective": objective, "max_depth": depth, "eta": 0.2, "nthread": 1}
+    booster = xgb.train(params, xgb.DMatrix(x, label=y), 80)
+    trees = TreeEnsemble(booster)
+    assert trees.depth <= depth and trees.num_features == 12
+    probe = rng.random((64, 12), dtype=np.float32)
+    probe[:, 3] = rng.integers(0, 2, 64)
+    np.testing.assert_allclose(trees.predict(probe), booster.inplace_predict(probe), rtol=1e-5)
+
+
+def test_tree_walk_refuses_link_functions() -> None:
+    x = np.random.default_rng(2).random((50, 3), dtype=np.float32)
+    booster = xgb.train(
+        {"objective": "binary:logistic", "nthread": 1},
+        xgb.DMatrix(x, label=(x[:, 0] > 0.5).astype(float)),
+        3,
+    )
+    with pytest.raises(ValueError, match="link"):
+        TreeEnsemble(booster)
 
 
 # ---- loading falls back cleanly ------------------------------------------------------
