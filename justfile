@@ -54,3 +54,7 @@ family-latency *args:
 # the DTMC's predicted throughput vs a measured run for B = 1..N
 check-dtmc *args:
     ./baton python scripts/check_dtmc.py "$@"
+
+# SFS: TTFT prediction error, OnTimeUtility vs rate on the simulated cluster, delta frontier, decision cost
+bench-sfs *args:
+    ./baton python scripts/bench_sfs.py "$@"
