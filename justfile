@@ -55,14 +55,10 @@ family-latency *args:
 check-dtmc *args:
     ./baton python scripts/check_dtmc.py "$@"
 
-# train the output-length and quality predictors (xgboost) from the models' own labels
-predictors *args:
-    ./baton python scripts/train_predictors.py "$@"
-
 # SFS: TTFT prediction error, OnTimeUtility vs rate on the simulated cluster, delta frontier, decision cost
 bench-sfs *args:
     ./baton python scripts/bench_sfs.py "$@"
 
-# train the token-level routers (R2R, CITER, Co-LLM) from the family's own labels
-routers *args:
-    ./baton python scripts/train_routers.py "$@"
+# train the output-length and quality predictors (xgboost) from the models' own labels
+predictors *args:
+    ./baton python scripts/train_predictors.py "$@"
