@@ -55,10 +55,10 @@ family-latency *args:
 check-dtmc *args:
     ./baton python scripts/check_dtmc.py "$@"
 
-# SFS: TTFT prediction error, OnTimeUtility vs rate on the simulated cluster, delta frontier, decision cost
-bench-sfs *args:
-    ./baton python scripts/bench_sfs.py "$@"
-
 # train the output-length and quality predictors (xgboost) from the models' own labels
 predictors *args:
     ./baton python scripts/train_predictors.py "$@"
+
+# SFS: TTFT prediction error, OnTimeUtility vs rate on the simulated cluster, delta frontier, decision cost
+bench-sfs *args:
+    ./baton python scripts/bench_sfs.py "$@"
