@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from services.worker.engine.delta import FORMAT, DeltaFile, apply_delta, read_delta, save_delta
+from services.worker.engine.model import VOCAB_KEEP_KEY
 
 HIDDEN, INTER, KV, LAYERS, VOCAB = 8, 12, 4, 5, 16
 
@@ -155,3 +156,50 @@ def test_save_rejects_bad_lora_shapes(tmp_path: Path) -> None:
         save_delta(
             tmp_path / "d.safetensors", [0], {"w": (torch.ones(2, 3), torch.ones(4, 5))}, {}, ""
         )
+
+
+def test_vocab_keep_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "d.safetensors"
+    keep = torch.tensor([9, 2, 14, 5])
+    save_delta(path, [0, 1], {}, {}, "trimmed", vocab_keep=keep)
+    delta = read_delta(path)
+    assert delta.vocab_keep is not None and delta.vocab_keep.dtype == torch.int32
+    assert delta.vocab_keep.tolist() == [2, 5, 9, 14]  # stored sorted
+    student = apply_delta(tiny_base(), delta)
+    assert student[VOCAB_KEEP_KEY].tolist() == [2, 5, 9, 14]
+    assert len(student) == 1 + 2 + 2 * 9
+
+
+def test_without_vocab_keep_nothing_changes(tmp_path: Path) -> None:
+    path = tmp_path / "d.safetensors"
+    save_delta(path, [0, 1], {}, {}, "full head")
+    delta = read_delta(path)
+    assert delta.vocab_keep is None
+    assert VOCAB_KEEP_KEY not in apply_delta(tiny_base(), delta)
+
+
+def test_an_old_file_without_vocab_keep_still_loads(tmp_path: Path) -> None:
+    # Written the way baton-delta-v1 files were before vocab_keep existed.
+    path = tmp_path / "old.safetensors"
+    norm = torch.randn(HIDDEN)
+    save_file(
+        {"full.model.norm.weight": norm},
+        str(path),
+        metadata={"format": FORMAT, "base": "smollm2-135m", "layers": "[0, 4]", "note": "old"},
+    )
+    delta = read_delta(path)
+    assert (delta.layers, delta.vocab_keep) == ([0, 4], None)
+    assert torch.equal(apply_delta(tiny_base(), delta)["model.norm.weight"], norm)
+
+
+def test_bad_vocab_keep_is_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "d.safetensors"
+    with pytest.raises(ValueError, match="integer"):
+        save_delta(path, [0], {}, {}, "", vocab_keep=torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="unique"):
+        save_delta(path, [0], {}, {}, "", vocab_keep=torch.tensor([3, 3]))
+    with pytest.raises(ValueError, match="unique and non-negative"):
+        save_delta(path, [0], {}, {}, "", vocab_keep=torch.tensor([-1, 3]))
+    save_delta(path, [0], {}, {}, "", vocab_keep=torch.tensor([3, VOCAB]))
+    with pytest.raises(ValueError, match="vocabulary"):
+        apply_delta(tiny_base(), read_delta(path))

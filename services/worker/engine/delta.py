@@ -14,7 +14,11 @@ File layout (safetensors, format ``baton-delta-v1``):
   ``lora_a.<param>`` ``[r, in]`` and ``lora_b.<param>`` ``[out, r]`` are merged
   as ``W += lora_b @ lora_a`` (any LoRA scaling is already folded into
   ``lora_b``); ``full.<param>`` replaces the base tensor. Anything not named
-  stays as in the base.
+  stays as in the base;
+* optional tensor ``vocab_keep`` (int32 ``[K]``, sorted, unique token ids): a
+  trimmed-vocabulary LM head. The student computes logits only for these rows of
+  the (tied) head; every other token gets probability 0 (see
+  ``CausalLM.set_vocab_keep``). Files without it use the full vocabulary.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from services.worker.engine.model import VOCAB_KEEP_KEY
 
 FORMAT = "baton-delta-v1"
 DEFAULT_BASE = "smollm2-135m"
@@ -44,6 +50,7 @@ class DeltaFile:
     lora: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     full: dict[str, torch.Tensor] = field(default_factory=dict)
     note: str = ""
+    vocab_keep: torch.Tensor | None = None  # int32 [K] kept token ids (trimmed head), or None
 
 
 def save_delta(
@@ -54,6 +61,7 @@ def save_delta(
     note: str,
     base: str = DEFAULT_BASE,
     dtype: torch.dtype = torch.bfloat16,
+    vocab_keep: torch.Tensor | None = None,
 ) -> None:
     """Write a delta file.
 
@@ -65,7 +73,9 @@ def save_delta(
         full: student parameter name -> replacement tensor.
         note: free-form description of how the delta was trained.
         base: name of the base model.
-        dtype: storage dtype of the tensors.
+        dtype: storage dtype of the tensors (``vocab_keep`` is always int32).
+        vocab_keep: token ids the student's LM head keeps (trimmed vocabulary), or
+            None for the full vocabulary; stored sorted.
     """
     if overlap := set(lora) & set(full):
         raise ValueError(f"parameters both in lora and full: {sorted(overlap)}")
@@ -77,6 +87,8 @@ def save_delta(
         tensors[_LORA_B + name] = _store(b, dtype)
     for name, t in full.items():
         tensors[_FULL + name] = _store(t, dtype)
+    if vocab_keep is not None:
+        tensors[VOCAB_KEEP_KEY] = _check_vocab_keep(str(path), vocab_keep).sort().values
     metadata = {
         "format": FORMAT,
         "base": base,
@@ -102,7 +114,22 @@ def read_delta(path: str | Path) -> DeltaFile:
         raise ValueError(f"{path}: 'layers' is not JSON: {meta['layers']!r}") from e
     if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
         raise ValueError(f"{path}: 'layers' must be a list of ints, got {layers!r}")
-    return _parse_tensors(str(path), meta["base"], layers, tensors, meta.get("note", ""))
+    keep = tensors.pop(VOCAB_KEEP_KEY, None)
+    delta = _parse_tensors(str(path), meta["base"], layers, tensors, meta.get("note", ""))
+    delta.vocab_keep = None if keep is None else _check_vocab_keep(str(path), keep)
+    return delta
+
+
+def _check_vocab_keep(where: str, ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` as int32 after checking it is a non-empty 1-D set of non-negative ids."""
+    if ids.ndim != 1 or ids.numel() == 0 or ids.is_floating_point() or ids.is_complex():
+        raise ValueError(
+            f"{where}: vocab_keep must be a non-empty 1-D integer tensor, got "
+            f"{ids.dtype} {tuple(ids.shape)}"
+        )
+    if int(ids.min()) < 0 or ids.unique().numel() != ids.numel():
+        raise ValueError(f"{where}: vocab_keep ids must be unique and non-negative")
+    return ids.detach().to("cpu", torch.int32).contiguous()
 
 
 def _parse_tensors(
@@ -132,7 +159,9 @@ def apply_delta(base_state: dict[str, torch.Tensor], delta: DeltaFile) -> dict[s
     Base layer ``delta.layers[j]`` becomes student layer ``j``; all non-layer
     tensors (embedding, final norm, an untied ``lm_head`` if present) are
     carried over. LoRA deltas are merged and replacements applied in fp32; each
-    result keeps the dtype of the base tensor it updates.
+    result keeps the dtype of the base tensor it updates. A trimmed head's kept
+    ids travel as the int32 entry ``vocab_keep`` (``VOCAB_KEEP_KEY``), which
+    ``CausalLM.load_hf_state_dict`` understands (plain HF models do not).
 
     Raises:
         ValueError: if a kept layer is missing from the base, or a delta names a
@@ -157,6 +186,12 @@ def apply_delta(base_state: dict[str, torch.Tensor], delta: DeltaFile) -> dict[s
         if t.shape != w.shape:
             raise ValueError(f"{name}: replacement {tuple(t.shape)} != base {tuple(w.shape)}")
         student[name] = t.float().to(w.dtype)
+    if delta.vocab_keep is not None:
+        emb = student.get("model.embed_tokens.weight")
+        vocab = emb.shape[0] if emb is not None else None
+        if vocab is not None and int(delta.vocab_keep.max()) >= vocab:
+            raise ValueError(f"vocab_keep holds ids >= the base's vocabulary ({vocab})")
+        student[VOCAB_KEEP_KEY] = delta.vocab_keep.clone()
     return student
 
 

@@ -208,7 +208,8 @@ def build_model(
     """Instantiate a CausalLM in dtype on device and load state (HF names) into it.
 
     Consumes state: tensors are cast one by one and dropped, so peak memory stays
-    near one copy of the weights in the source dtype.
+    near one copy of the weights in the source dtype. Integer tensors (a trimmed
+    head's kept ids) keep their dtype.
     """
     with torch.device("meta"):
         model = CausalLM(cfg)
@@ -218,6 +219,7 @@ def build_model(
     model.rotary = type(model.rotary)(cfg).to(device)
     cast = {}
     for name in list(state):
-        cast[name] = state.pop(name).to(device=device, dtype=dtype)
+        t = state.pop(name)
+        cast[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
     model.load_hf_state_dict(cast)
     return model.eval()

@@ -21,6 +21,14 @@ from torch import nn
 
 from services.worker.engine.cpu_kernels import PackedLinear, can_pack, pack_linears
 
+# A trimmed-vocabulary head (CausalLM.set_vocab_keep): the state-dict entry holding the
+# kept token ids, and the logit every other token gets. Finite on purpose: softmax still
+# gives those tokens probability exactly 0 in fp32 (exp underflows), but p * log p stays
+# 0 instead of 0 * -inf = NaN in entropy-style reads of the logits, and it survives
+# temperature scaling by 1e-8 without overflowing.
+VOCAB_KEEP_KEY = "vocab_keep"
+TRIMMED_LOGIT = -1e30
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -356,6 +364,25 @@ class CausalLM(nn.Module):
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         self.packed_head: nn.Module | None = None  # set by pack_for_cpu
+        # Trimmed head (set_vocab_keep): kept ids [K] (int64, sorted) and their head rows.
+        self.vocab_keep: torch.Tensor | None = None
+        self.kept_head: torch.Tensor | None = None
+
+    def set_vocab_keep(self, ids: torch.Tensor) -> None:
+        """Restrict the LM head to the token ids in `ids` (a trimmed vocabulary, as
+        speculative-decoding drafters use): logits are computed for those rows only and
+        every other token gets TRIMMED_LOGIT. The config's EOS/EOT ids are always kept,
+        so a request can still end. Call after the weights are loaded."""
+        vocab = self.config.vocab_size
+        if ids.ndim != 1 or ids.numel() == 0 or ids.is_floating_point():
+            raise ValueError(f"vocab_keep must be a non-empty 1-D integer tensor, got {ids.dtype}")
+        keep = torch.cat([ids.long().cpu(), torch.tensor(self.config.eos_token_ids).long()])
+        keep = keep.unique(sorted=True)
+        if int(keep.min()) < 0 or int(keep.max()) >= vocab:
+            raise ValueError(f"vocab_keep ids must lie in [0, {vocab})")
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.vocab_keep = keep.to(weight.device)
+        self.kept_head = weight.detach().index_select(0, self.vocab_keep).contiguous()
 
     def pack_for_cpu(self, batch_hint: int) -> bool:
         """Pre-pack every linear and the LM head for oneDNN (CPU bf16 only; see
@@ -368,7 +395,10 @@ class CausalLM(nn.Module):
         # The (often tied) LM head gets its own packed copy; the embedding keeps the
         # plain table for its row gathers.
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.packed_head = PackedLinear(head, None, batch_hint)
+        # A trimmed head packs only its kept rows.
+        self.packed_head = PackedLinear(
+            head if self.kept_head is None else self.kept_head, None, batch_hint
+        )
         return True
 
     @torch.inference_mode()
@@ -391,11 +421,19 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [N, vocab] for the given hidden states."""
+        """fp32 logits [N, vocab] for the given hidden states (TRIMMED_LOGIT outside a
+        trimmed head's kept ids)."""
         if self.packed_head is not None:
-            return self.packed_head(hidden).float()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+            logits = self.packed_head(hidden).float()
+        elif self.kept_head is not None:
+            logits = F.linear(hidden, self.kept_head).float()
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden, weight).float()
+        if self.vocab_keep is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.config.vocab_size), TRIMMED_LOGIT)
+        return full.index_copy_(1, self.vocab_keep, logits)
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load weights named as in HF Llama/Qwen3 checkpoints, fusing q/k/v and gate/up."""
@@ -405,6 +443,7 @@ class CausalLM(nn.Module):
             if key.endswith("rotary_emb.inv_freq"):
                 continue
             own[key] = t
+        keep = own.pop(VOCAB_KEEP_KEY, None)
         if "lm_head.weight" in own and self.lm_head is None:
             tied = own.pop("lm_head.weight")
             if not torch.equal(tied, own["embed_tokens.weight"]):
@@ -424,9 +463,12 @@ class CausalLM(nn.Module):
             raise ValueError(
                 f"checkpoint mismatch: missing={missing[:5]} unexpected={unexpected[:5]}"
             )
+        if keep is not None:
+            self.set_vocab_keep(keep)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Weights in HF names (q/k/v and gate/up split): feeds HF models in tests."""
+        """Weights in HF names (q/k/v and gate/up split): feeds HF models in tests.
+        A trimmed head's kept ids are not an HF weight and are left out (`vocab_keep`)."""
         cfg = self.config
         out: dict[str, torch.Tensor] = {}
         for key, t in self.state_dict().items():
