@@ -37,7 +37,9 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
@@ -52,11 +54,19 @@ from transformers import (
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from services.worker.engine.delta import DeltaFile, apply_delta, save_delta  # noqa: E402
+from services.worker.engine.delta import (  # noqa: E402
+    DeltaFile,
+    apply_delta,
+    read_delta,
+    save_delta,
+)
+from services.worker.engine.model import TRIMMED_LOGIT, VOCAB_KEEP_KEY  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BASE_NAME = "smollm2-135m"
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "alpaca_5000_random.json"
+DEFAULT_PROMPTS = (
+    Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "alpaca_5000_random.json"
+)
 TRAIN_RANGE = (0, 4000)
 VAL_RANGE = (4000, 4500)
 HELDOUT_START = 4500
@@ -74,16 +84,23 @@ class StudentSpec:
     lr: float
     steps: int
     minutes: float
+    vocab: int = 0  # trimmed LM head: keep this many token ids (0 = full vocabulary)
+    # "cached": teacher top-k from the cached corpus; "online": teacher run on each batch.
+    teacher: str = "cached"
 
 
 SPECS: dict[str, StudentSpec] = {
+    # Continued (--init-from) from the first 10-layer build (commit 3dd7b32, full head,
+    # cached top-32 targets, lr 5e-3, 36 min): see docs/models.md.
     "smollm2-small": StudentSpec(
         "smollm2-small",
         (0, 1, 2, 3, 24, 25, 26, 27, 28, 29),
         rank=32,
-        lr=5e-3,
-        steps=560,
-        minutes=36.0,
+        lr=3e-3,
+        steps=900,
+        minutes=60.0,
+        vocab=12288,
+        teacher="online",
     ),
     "smollm2-medium": StudentSpec(
         "smollm2-medium",
@@ -132,7 +149,12 @@ def load_base(
 def make_model(
     config: LlamaConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
 ) -> LlamaForCausalLM:
-    """Instantiate a Llama model with as many layers as ``state`` holds."""
+    """Instantiate a Llama model with as many layers as ``state`` holds.
+
+    A ``vocab_keep`` entry (a delta's trimmed head) becomes a :class:`TrimmedHead`.
+    """
+    state = dict(state)
+    keep = state.pop(VOCAB_KEEP_KEY, None)
     n_layers = 1 + max(int(k.split(".")[2]) for k in state if k.startswith("model.layers."))
     cfg = LlamaConfig.from_dict({**config.to_dict(), "num_hidden_layers": n_layers})
     model = LlamaForCausalLM(cfg)
@@ -140,7 +162,43 @@ def make_model(
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
         raise ValueError(f"state mismatch: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
+    if keep is not None:
+        model.lm_head = TrimmedHead(model.model.embed_tokens.weight, keep)
     return model.to(dtype).eval()  # type: ignore[arg-type]
+
+
+class TrimmedHead(nn.Module):
+    """The tied LM head restricted to kept token ids (frozen).
+
+    ``forward`` returns full-vocabulary logits with ``TRIMMED_LOGIT`` outside the
+    kept ids, as the engine's ``CausalLM.compute_logits`` does, so evaluation code
+    sees the usual shape; ``compact`` returns only the ``[..., K]`` kept logits
+    (what training uses).
+    """
+
+    def __init__(self, embedding: torch.Tensor, keep: torch.Tensor) -> None:
+        super().__init__()
+        keep = keep.long().unique(sorted=True)
+        self.vocab_size = embedding.shape[0]
+        self.register_buffer("keep", keep)
+        self.register_buffer("weight", embedding.detach().index_select(0, keep).clone())
+        # Vocabulary id -> row in ``weight`` (-1: not kept).
+        slot = torch.full((self.vocab_size,), -1, dtype=torch.long)
+        slot[keep] = torch.arange(len(keep))
+        self.register_buffer("slot", slot)
+
+    keep: torch.Tensor
+    weight: torch.Tensor
+    slot: torch.Tensor
+
+    def compact(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of the kept ids only, ``[..., K]``."""
+        return F.linear(x, self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kept = self.compact(x)
+        full = kept.new_full((*kept.shape[:-1], self.vocab_size), TRIMMED_LOGIT)
+        return full.index_copy_(-1, self.keep, kept)
 
 
 def student_from_base(
@@ -356,6 +414,39 @@ def agreement(model: LlamaForCausalLM, seqs: list[Sequence], ref: list[torch.Ten
     return hits / sum(len(r) for r in ref)
 
 
+# ----------------------------------------------------------------------------- vocabulary
+
+
+def token_ranking(seqs: list[Sequence], vocab_size: int) -> torch.Tensor:
+    """All token ids, most useful first for a trimmed head (FR-Spec style: by frequency).
+
+    Ranked by how often the token occurs in the sequences' answers, then by how often
+    in their prompts, then by the lower id (BPE merges made early are the frequent
+    ones). Answer-token frequency stands in for the teacher's argmax frequency, which
+    would need a teacher pass over the whole training range; ``coverage`` then
+    measures the result against the teacher's real argmaxes on validation answers.
+    """
+    answer = np.zeros(vocab_size, dtype=np.int64)
+    prompt = np.zeros(vocab_size, dtype=np.int64)
+    for s in seqs:
+        np.add.at(answer, np.asarray(s.ids[s.start :], dtype=np.int64), 1)
+        np.add.at(prompt, np.asarray(s.ids[: s.start], dtype=np.int64), 1)
+    # np.lexsort sorts by its last key first: answer count, prompt count, id.
+    order = np.lexsort((np.arange(vocab_size), -prompt, -answer))
+    return torch.from_numpy(order)
+
+
+def kept_vocab(ranking: torch.Tensor, k: int, always: list[int]) -> torch.Tensor:
+    """The ``k`` best-ranked ids plus ``always`` (special tokens: EOS/EOT must stay), sorted int32."""
+    return torch.cat([ranking[:k], torch.tensor(always)]).unique(sorted=True).to(torch.int32)
+
+
+def coverage(keep: torch.Tensor, ref: list[torch.Tensor]) -> float:
+    """Fraction of the positions in ``ref`` (teacher argmaxes) whose token is kept."""
+    flat = torch.cat(ref).long()
+    return float(torch.isin(flat, keep.long()).float().mean())
+
+
 # ----------------------------------------------------------------------------- training
 
 
@@ -407,27 +498,147 @@ def norm_params(model: LlamaForCausalLM) -> dict[str, nn.Parameter]:
     return out
 
 
-def distill_loss(
-    model: LlamaForCausalLM, corpus: Corpus, chunk: list[int]
-) -> tuple[torch.Tensor, float]:
-    """Cross-entropy of the student against the teacher's top-k, mean over answer positions.
+def padded_ids(seqs: list[Sequence]) -> torch.Tensor:
+    """Right-padded token ids ``[B, T]`` (causal: padding is never attended)."""
+    width = max(len(s.ids) for s in seqs)
+    return torch.tensor([s.ids + [0] * (width - len(s.ids)) for s in seqs])
 
-    Returns the loss and the fraction of positions where the student's argmax is
-    the teacher's.
+
+@torch.no_grad()
+def teacher_probs(teacher: LlamaForCausalLM, head: nn.Module, seqs: list[Sequence]) -> torch.Tensor:
+    """The teacher's softmax ``[N, V']`` at every answer position of ``seqs`` over the
+    vocabulary of ``head`` (the student's frozen head: the same tied embedding)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rows = answer_rows(teacher.model(input_ids=padded_ids(seqs), use_cache=False), seqs)
+        logits = head.compact(rows) if isinstance(head, TrimmedHead) else head(rows)
+    return torch.softmax(logits.float(), -1)
+
+
+class SharedTargets:
+    """Online teacher targets split with a helper process (``--teacher-worker``).
+
+    Both processes walk the same batch sequence; whoever first creates
+    ``<step>.claim`` (O_EXCL) computes that step's teacher softmax, and the helper
+    leaves it as ``<step>.pt`` for the trainer. The teacher pass costs about as much
+    as the student's forward and backward, so this nearly halves a step on a
+    machine with a spare core.
+    """
+
+    def __init__(self, root: Path, lookahead: int = 6) -> None:
+        self.root = root
+        self.lookahead = lookahead  # most finished steps the helper keeps waiting
+        root.mkdir(parents=True, exist_ok=True)
+
+    def reset(self) -> None:
+        """Trainer, at start: drop anything left by an earlier run, then say go."""
+        for f in self.root.iterdir():
+            f.unlink()
+        (self.root / "start").touch()
+
+    def claim(self, step: int) -> bool:
+        try:
+            os.close(os.open(self.root / f"{step}.claim", os.O_CREAT | os.O_EXCL))
+            return True
+        except FileExistsError:
+            return False
+
+    def put(self, step: int, probs: torch.Tensor) -> None:
+        tmp = self.root / f"{step}.tmp"
+        torch.save(probs.half(), tmp)
+        os.replace(tmp, self.root / f"{step}.pt")
+
+    def take(self, step: int, timeout_s: float = 600.0) -> torch.Tensor | None:
+        """The helper's targets for ``step`` (waits for them); None if it never delivers."""
+        path, t0 = self.root / f"{step}.pt", time.time()
+        while not path.exists():
+            if time.time() - t0 > timeout_s or (self.root / "helper-exited").exists():
+                return None
+            time.sleep(0.05)
+        probs = torch.load(path).float()
+        path.unlink()
+        return probs
+
+    def waiting(self) -> int:
+        return sum(1 for _ in self.root.glob("*.pt"))
+
+    def done(self) -> bool:
+        return (self.root / "done").exists()
+
+
+def teacher_worker(
+    teacher: LlamaForCausalLM,
+    head: nn.Module,
+    corpus: Corpus,
+    spec: StudentSpec,
+    shared: SharedTargets,
+    args: argparse.Namespace,
+) -> None:
+    """Helper process: compute the teacher targets of the steps it claims."""
+    while not (shared.root / "start").exists():
+        time.sleep(0.5)
+    rng = random.Random(args.seed)
+    done = 0
+    try:
+        for step, chunk in enumerate(train_batches(corpus, args.batch_tokens, rng), start=1):
+            if step > spec.steps or shared.done():
+                break
+            while shared.waiting() >= shared.lookahead and not shared.done():
+                time.sleep(0.2)
+            if shared.claim(step):
+                shared.put(step, teacher_probs(teacher, head, [corpus.seqs[i] for i in chunk]))
+                done += 1
+    finally:
+        (shared.root / "helper-exited").touch()
+    print(f"teacher worker: computed {done} steps' targets")
+
+
+def distill_loss(
+    model: LlamaForCausalLM,
+    corpus: Corpus,
+    chunk: list[int],
+    teacher: LlamaForCausalLM | None = None,
+    t_probs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, float]:
+    """Cross-entropy of the student against the teacher, mean over answer positions.
+
+    With ``teacher`` (online distillation) the teacher runs on the same batch and
+    the target is its whole softmax over the student's vocabulary (the kept ids of
+    a :class:`TrimmedHead`: the teacher's distribution renormalised over them,
+    so the loss is the forward KL there up to a constant). Without it the targets
+    are the corpus's cached teacher top-k; with a trimmed head the student's softmax
+    runs over the kept ids and top-k entries outside them are dropped (the student
+    cannot predict them). ``t_probs``: the online targets, already computed (by a
+    helper process). Returns the loss and the fraction of positions where the
+    student's argmax is the teacher's.
     """
     seqs = [corpus.seqs[i] for i in chunk]
-    width = max(len(s.ids) for s in seqs)
-    ids = torch.tensor([s.ids + [0] * (width - len(s.ids)) for s in seqs])
+    head = model.lm_head
+    if teacher is not None and t_probs is None:
+        t_probs = teacher_probs(teacher, head, seqs)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
-        rows = torch.cat([hidden[r, s.start - 1 : len(s.ids) - 1] for r, s in enumerate(seqs)])
-        logits = model.lm_head(rows)
+        rows = answer_rows(model.model(input_ids=padded_ids(seqs), use_cache=False), seqs)
+        logits = head.compact(rows) if isinstance(head, TrimmedHead) else head(rows)
     logp = torch.log_softmax(logits.float(), -1)
-    t_logp = torch.cat([corpus.targets[i][0] for i in chunk]).float()
+    if t_probs is not None:
+        loss = -(t_probs * logp).sum(-1).mean()
+        return loss, (logp.argmax(-1) == t_probs.argmax(-1)).float().mean().item()
+    t_p = torch.cat([corpus.targets[i][0] for i in chunk]).float().exp()
     t_idx = torch.cat([corpus.targets[i][1] for i in chunk]).long()
-    loss = -(t_logp.exp() * logp.gather(-1, t_idx)).sum(-1).mean()
+    if isinstance(head, TrimmedHead):
+        pos = head.slot[t_idx]  # -1 where the teacher's token is not kept: weight 0
+        t_p = t_p * (pos >= 0)
+        loss = -(t_p * logp.gather(-1, pos.clamp(min=0))).sum(-1).mean()
+        acc = (head.keep[logp.argmax(-1)] == t_idx[:, 0]).float().mean().item()
+        return loss, acc
+    loss = -(t_p * logp.gather(-1, t_idx)).sum(-1).mean()
     acc = (logp.argmax(-1) == t_idx[:, 0]).float().mean().item()
     return loss, acc
+
+
+def answer_rows(out: object, seqs: list[Sequence]) -> torch.Tensor:
+    """Hidden states ``[N, hidden]`` that predict each answer token, sequence by sequence."""
+    hidden = out.last_hidden_state  # type: ignore[attr-defined]
+    return torch.cat([hidden[r, s.start - 1 : len(s.ids) - 1] for r, s in enumerate(seqs)])
 
 
 def lr_at(progress: float, peak: float, warmup: float = 0.03) -> float:
@@ -463,8 +674,11 @@ def train(
     val: tuple[list[Sequence], list[torch.Tensor]],
     spec: StudentSpec,
     args: argparse.Namespace,
+    teacher: LlamaForCausalLM | None = None,
+    shared: SharedTargets | None = None,
 ) -> TrainResult:
-    """Distill ``model`` (already wrapped with LoRA) on ``corpus``.
+    """Distill ``model`` (already wrapped with LoRA) on ``corpus`` (its cached teacher
+    targets, or ``teacher`` run on each batch, some batches by a helper via ``shared``).
 
     The schedule runs over ``spec.steps`` steps; if ``spec.minutes`` runs out
     first, progress follows the clock instead, so the run still ends on a
@@ -484,7 +698,10 @@ def train(
         for g in opt.param_groups:
             g["lr"] = lr_at(progress, spec.lr)
         model.train()
-        loss, acc = distill_loss(model, corpus, chunk)
+        t_probs = None
+        if teacher is not None and shared is not None and not shared.claim(step + 1):
+            t_probs = shared.take(step + 1)  # None if the helper died: compute it here
+        loss, acc = distill_loss(model, corpus, chunk, teacher, t_probs)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -504,6 +721,8 @@ def train(
                 f"train-acc {acc_ema:.3f} val-agree {history[-1][3]:.3f}"
             )
     bar.close()
+    if shared is not None:
+        (shared.root / "done").touch()
     seconds = time.time() - t0
     val_agree = validate(model, val)
     history.append((step, seconds, ema, val_agree))
@@ -517,13 +736,39 @@ def validate(model: LlamaForCausalLM, val: tuple[list[Sequence], list[torch.Tens
         return agreement(model, *val)
 
 
-def export_delta(
-    model: LlamaForCausalLM, loras: dict[str, LoRALinear], spec: StudentSpec, path: Path, note: str
+def init_from_delta(
+    model: LlamaForCausalLM, loras: dict[str, LoRALinear], delta: DeltaFile, layers: list[int]
 ) -> None:
-    """Save the trained LoRA factors and RMSNorm weights as a delta file."""
+    """Continue training a student from a delta of the same layout: its LoRA factors
+    and RMSNorm weights become the starting values (its vocab_keep is not used)."""
+    if delta.layers != layers:
+        raise SystemExit(f"--init-from keeps layers {delta.layers}, this student {layers}")
+    norms = norm_params(model)
+    if set(delta.lora) != set(loras) or set(delta.full) != set(norms):
+        raise SystemExit("--init-from: its LoRA / norm parameters differ from this student's")
+    with torch.no_grad():
+        for name, m in loras.items():
+            a, b = delta.lora[name]
+            if a.shape != m.a.shape:
+                raise SystemExit(f"--init-from: {name} has rank {a.shape[0]}, not {m.a.shape[0]}")
+            m.a.copy_(a.float())
+            m.b.copy_(b.float() / m.scale)  # stored with the scaling folded in
+        for name, p in norms.items():
+            p.copy_(delta.full[name].float())
+
+
+def export_delta(
+    model: LlamaForCausalLM,
+    loras: dict[str, LoRALinear],
+    spec: StudentSpec,
+    path: Path,
+    note: str,
+    vocab_keep: torch.Tensor | None,
+) -> None:
+    """Save the trained LoRA factors, RMSNorm weights and kept vocabulary as a delta file."""
     lora = {name: m.factors() for name, m in loras.items()}
     full = {name: p.detach().clone() for name, p in norm_params(model).items()}
-    save_delta(path, list(spec.layers), lora, full, note)
+    save_delta(path, list(spec.layers), lora, full, note, vocab_keep=vocab_keep)
 
 
 def build_student(
@@ -533,19 +778,41 @@ def build_student(
     corpus: Corpus,
     val: tuple[list[Sequence], list[torch.Tensor]],
     args: argparse.Namespace,
+    vocab_keep: torch.Tensor | None,
+    teacher: LlamaForCausalLM | None,
 ) -> TrainResult:
     """Train one student and write ``<out-dir>/<name>.safetensors``."""
     torch.manual_seed(args.seed)
-    model = student_from_base(config, base, DeltaFile(BASE_NAME, list(spec.layers)), torch.float32)
-    start = validate(model, val)
+    delta = DeltaFile(BASE_NAME, list(spec.layers), vocab_keep=vocab_keep)
+    model = student_from_base(config, base, delta, torch.float32)
     loras = add_lora(model, spec.rank, alpha=spec.rank)
-    result = train(model, corpus, val, spec, args)
+    init = read_delta(args.init_from) if args.init_from is not None else None
+    if init is not None:
+        init_from_delta(model, loras, init, list(spec.layers))
+    start = validate(model, val)
+    shared = None
+    if teacher is not None and args.teacher_dir is not None:
+        shared = SharedTargets(args.teacher_dir)
+        shared.reset()
+    result = train(model, corpus, val, spec, args, teacher, shared)
     note = (
         f"LoRA r={spec.rank} on all linears of kept layers + full RMSNorms; AdamW lr {spec.lr} "
         f"(warmup 3%, cosine to 10%), {result.steps} steps of ~{args.batch_tokens} padded tokens, "
         f"{result.tokens} tokens, {result.seconds:.0f} s on 1 CPU thread (bf16 autocast), seed {args.seed}; "
-        f"data: {corpus.source}; loss: CE vs teacher top-{args.top_k} probs (T=1); "
-        f"val agreement (alpaca[4000:{4000 + args.n_val}] references) {start:.3f} -> {result.val_agreement:.3f}. "
+        f"data: {corpus.source}; loss: "
+        + (
+            "CE vs the teacher's softmax (T=1, teacher run on each batch)"
+            if teacher is not None
+            else f"CE vs teacher top-{args.top_k} probs (T=1)"
+        )
+        + (
+            f" over a trimmed head of {len(vocab_keep)} token ids (val argmax coverage "
+            f"{coverage(vocab_keep, val[1]):.4f}); "
+            if vocab_keep is not None
+            else "; "
+        )
+        + (f"continued from {args.init_from.name} ({init.note}); " if init is not None else "")
+        + f"val agreement (alpaca[4000:{4000 + args.n_val}] references) {start:.3f} -> {result.val_agreement:.3f}. "
         f"Schedule: step budget {spec.steps}, time cap {spec.minutes:g} min; "
         + (
             "the cap hit first, so the lr schedule followed the clock."
@@ -554,7 +821,7 @@ def build_student(
         )
     )
     path = args.out_dir / f"{spec.name}.safetensors"
-    export_delta(model, loras, spec, path, note)
+    export_delta(model, loras, spec, path, note, vocab_keep)
     print(f"{spec.name}: {note}\n-> {path} ({path.stat().st_size / 1e6:.1f} MB)")
     return result
 
@@ -593,7 +860,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: per spec)")
     p.add_argument("--rank", type=int, default=None, help="LoRA rank (default: per spec)")
     p.add_argument(
+        "--vocab",
+        type=int,
+        default=None,
+        help="trimmed LM head size, token ids kept (0 = full vocabulary; default: per spec)",
+    )
+    p.add_argument(
         "--layers", type=str, default=None, help="JSON list of kept layers (one model only)"
+    )
+    p.add_argument(
+        "--teacher",
+        choices=["cached", "online"],
+        default=None,
+        help="distillation targets: cached corpus top-k, or the teacher run on each batch "
+        "(default: per spec)",
+    )
+    p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="start from this delta's LoRA factors and norms (same layers and rank)",
+    )
+    p.add_argument(
+        "--teacher-dir",
+        type=Path,
+        default=None,
+        help="share online teacher targets with a --teacher-worker process through this folder",
+    )
+    p.add_argument(
+        "--teacher-worker",
+        action="store_true",
+        help="run only as the helper that computes online teacher targets (same other options)",
     )
     p.add_argument("--batch-tokens", type=int, default=1024, help="padded tokens per training step")
     p.add_argument("--n-ref", type=int, default=2000, help="train prompts with reference answers")
@@ -615,17 +912,49 @@ def main(argv: list[str] | None = None) -> None:
     random.seed(args.seed)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     base, config, tok = load_base(args.cache_dir)
-    corpus = load_or_build_corpus(base, config, tok, args)
-    n_tok = sum(len(t[1]) for t in corpus.targets)
-    print(f"corpus: {len(corpus.seqs)} sequences, {n_tok} answer tokens ({corpus.source})")
+    specs = [spec_with_overrides(SPECS[name], args) for name in args.models]
+    prompts = load_prompts(args.prompts)
+    lo, hi = TRAIN_RANGE
+    ref_seqs = [reference_sequence(tok, prompts[i], args.max_len) for i in range(lo, hi)]
+    refs = Corpus(
+        [s for s in ref_seqs if len(s.ids) > s.start],  # prompts cut by max_len have no answer
+        [],
+        f"alpaca[{lo}:{hi}] reference answers",
+    )
+    cached: Corpus | None = None
+    if args.corpus_only or any(s.teacher == "cached" for s in specs):
+        cached = load_or_build_corpus(base, config, tok, args)
+        n_tok = sum(len(t[1]) for t in cached.targets)
+        print(f"corpus: {len(cached.seqs)} sequences, {n_tok} answer tokens ({cached.source})")
     if args.corpus_only:
         return
     teacher = make_model(config, base, torch.bfloat16)
-    val = validation_set(teacher, tok, load_prompts(args.prompts), args.n_val, args.max_len)
-    del teacher
-    for name in args.models:
-        spec = spec_with_overrides(SPECS[name], args)
-        result = build_student(spec, base, config, corpus, val, args)
+    ranking = token_ranking(refs.seqs, config.vocab_size)
+    special = sorted(int(i) for i in tok.all_special_ids)
+    if args.teacher_worker:
+        if args.teacher_dir is None or len(specs) != 1 or specs[0].teacher != "online":
+            raise SystemExit("--teacher-worker needs --teacher-dir and one online-teacher model")
+        spec = specs[0]
+        emb = teacher.model.embed_tokens.weight
+        head = TrimmedHead(emb, kept_vocab(ranking, spec.vocab, special)) if spec.vocab else None
+        head = head.to(torch.bfloat16) if head is not None else teacher.lm_head
+        teacher_worker(teacher, head, refs, spec, SharedTargets(args.teacher_dir), args)
+        return
+    val = validation_set(teacher, tok, prompts, args.n_val, args.max_len)
+    print("trimmed head: coverage of train answer tokens / of the teacher's validation argmaxes")
+    answers = [torch.tensor(s.ids[s.start :]) for s in refs.seqs]
+    for k in (4096, 8192, 12288, 16384, 24576):
+        ids = kept_vocab(ranking, k, special)
+        print(f"  K={k}: {coverage(ids, answers):.4f} / {coverage(ids, val[1]):.4f}")
+    for spec in specs:
+        name = spec.name
+        keep = kept_vocab(ranking, spec.vocab, special) if spec.vocab else None
+        online = spec.teacher == "online"
+        corpus = refs if online else cached
+        assert corpus is not None
+        result = build_student(
+            spec, base, config, corpus, val, args, keep, teacher if online else None
+        )
         history = args.cache_dir / f"history_{name}.json"
         history.write_text(json.dumps(result.history))
 
@@ -639,6 +968,8 @@ def spec_with_overrides(spec: StudentSpec, args: argparse.Namespace) -> StudentS
         lr=args.lr or spec.lr,
         steps=args.steps or spec.steps,
         minutes=args.minutes or spec.minutes,
+        vocab=spec.vocab if args.vocab is None else args.vocab,
+        teacher=args.teacher or spec.teacher,
     )
 
 

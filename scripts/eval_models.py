@@ -4,7 +4,11 @@ For the full model and each ``<models-dir>/<name>.safetensors`` delta:
 
 * agreement: fraction of reference-answer positions (teacher forced: chat prompt
   + alpaca reference answer) where the model's argmax equals the full model's;
-* perplexity of the reference answers;
+* perplexity of the reference answers (for a student with a trimmed LM head,
+  over the positions whose reference token it keeps: it gives the others
+  probability 0; ``ref_coverage`` says how many those are);
+* ``argmax_coverage``: fraction of the full model's argmaxes inside a trimmed
+  head's kept ids, the ceiling on that student's agreement;
 * per-step decode latency at batch 1 and 8 (bf16, 1 thread, context ~128,
   manual KV-cache loop, the models taking turns step by step, median over steps).
 
@@ -30,6 +34,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import DynamicCache, LlamaForCausalLM
 
@@ -41,6 +46,7 @@ from build_models import (
     REPO,
     SPECS,
     Sequence,
+    TrimmedHead,
     batches,
     forward_logits,
     load_base,
@@ -66,28 +72,36 @@ class Row:
     rel_b1: float = 1.0
     rel_b8: float = 1.0
     file_mb: float = 0.0
+    vocab: int = 0  # ids its LM head scores (the full vocabulary unless trimmed)
+    ref_coverage: float = 1.0  # reference-answer tokens inside the kept ids
+    argmax_coverage: float = 1.0  # full model's argmax tokens inside the kept ids
     note: str = ""
 
 
 @torch.inference_mode()
 def answer_stats(
     model: LlamaForCausalLM, seqs: list[Sequence], ref: list[torch.Tensor] | None
-) -> tuple[list[torch.Tensor], float, float]:
-    """Argmax per answer position, agreement with ``ref`` (1.0 if None), reference perplexity."""
+) -> tuple[list[torch.Tensor], float, float, float]:
+    """Argmax per answer position, agreement with ``ref`` (1.0 if None), reference
+    perplexity (over the positions whose reference token the model can emit) and the
+    fraction of such positions."""
+    keep = model.lm_head.keep if isinstance(model.lm_head, TrimmedHead) else None
     argmax: list[torch.Tensor] = []
-    nll, count, hits = 0.0, 0, 0
+    nll, count, scored, hits = 0.0, 0, 0, 0
     for chunk in batches(seqs, 8):
         logits = forward_logits(model, chunk).float()
         for r, s in enumerate(chunk):
             lg = logits[r, s.start - 1 : len(s.ids) - 1]
             gold = torch.tensor(s.ids[s.start :])
-            nll += torch.nn.functional.cross_entropy(lg, gold, reduction="sum").item()
+            ok = torch.ones_like(gold, dtype=torch.bool) if keep is None else torch.isin(gold, keep)
+            nll += F.cross_entropy(lg[ok], gold[ok], reduction="sum").item()
             count += len(gold)
+            scored += int(ok.sum())
             argmax.append(lg.argmax(-1))
     if ref is not None:
         hits = sum(int((a == b).sum()) for a, b in zip(argmax, ref, strict=True))
     agree = 1.0 if ref is None else hits / count
-    return argmax, agree, math.exp(nll / count)
+    return argmax, agree, math.exp(nll / scored), scored / count
 
 
 @torch.inference_mode()
@@ -153,13 +167,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def markdown(rows: list[Row]) -> str:
     """The results as a markdown table."""
     lines = [
-        "| model | layers | decode b1 ms (rel) | decode b8 ms (rel) | agreement | ref. ppl | file MB |",
-        "|---|---|---|---|---|---|---|",
+        "| model | layers | vocab | decode b1 ms (rel) | decode b8 ms (rel) | agreement "
+        "| argmax coverage | ref. ppl | ref. coverage | file MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.name} | {len(r.layers)} | {r.ms_b1:.1f} ({r.rel_b1:.2f}x) | {r.ms_b8:.1f} ({r.rel_b8:.2f}x) "
-            f"| {r.agreement:.3f} | {r.perplexity:.2f} | {r.file_mb:.1f} |"
+            f"| {r.name} | {len(r.layers)} | {r.vocab} | {r.ms_b1:.1f} ({r.rel_b1:.2f}x) "
+            f"| {r.ms_b8:.1f} ({r.rel_b8:.2f}x) | {r.agreement:.3f} | {r.argmax_coverage:.4f} "
+            f"| {r.perplexity:.2f} | {r.ref_coverage:.4f} | {r.file_mb:.1f} |"
         )
     return "\n".join(lines)
 
@@ -189,12 +205,29 @@ def main(argv: list[str] | None = None) -> None:
             if delta
             else make_model(config, base)
         )
-        argmax, agree, ppl = answer_stats(model, seqs, ref)
+        argmax, agree, ppl, ref_cov = answer_stats(model, seqs, ref)
         ref = argmax if ref is None else ref
         loaded.append(model)
         size = path.stat().st_size / 1e6 if path else 0.0
+        head = model.lm_head
         rows.append(
-            Row(name, layers, agree, ppl, 0.0, 0.0, file_mb=size, note=delta.note if delta else "")
+            Row(
+                name,
+                layers,
+                agree,
+                ppl,
+                0.0,
+                0.0,
+                file_mb=size,
+                vocab=len(head.keep) if isinstance(head, TrimmedHead) else config.vocab_size,
+                ref_coverage=ref_cov,
+                argmax_coverage=(
+                    float(torch.isin(torch.cat(ref), head.keep).float().mean())
+                    if isinstance(head, TrimmedHead)
+                    else 1.0
+                ),
+                note=delta.note if delta else "",
+            )
         )
     if not args.no_latency:
         for r, (b1, b8) in zip(rows, latency(loaded, args), strict=True):
