@@ -12,7 +12,8 @@ cost, and the fidelity of the simulated engine. Every part side by side in one r
      services/estimator/sfs/evaluation.py), SFS as the estimator service computes it
      (from the snapshot's time), and the throughput estimator. Actual TTFT = add_request
      to the step that returns the request's first token. Batch-time model: fitted on a
-     warm-up of request bursts, refitted online as the estimator does.
+     warm-up of request bursts, refitted online as the estimator does; the throughput
+     baseline's profile is re-measured on the same window at every refit.
   2. OnTimeUtility vs arrival rate on configs/sim-sfs.toml (Qwen3 0.6B/8B/32B, H100
      coefficients) in a discrete-event simulation (services/estimator/sfs/cluster_sim.py):
      SimEngines on one virtual clock, the estimator's policies and LatencyEstimator
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import json
@@ -337,7 +339,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
     fitter.add(warm_samples)
     warm_fit = fitter.refit()
     model = warm_fit.model
-    profile = profile_throughput(warm_samples)
+    profile = warm_profile = profile_throughput(warm_samples)
     print(
         f"[1] warm-up fit ({len(warm_samples)} batches, {args.feature_set}): MAPE "
         f"{warm_fit.mape_inliers:.1%} inliers, {warm_fit.mape_all:.1%} all, "
@@ -371,6 +373,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
     bar = tqdm(total=len(plan), desc="[1] replay", unit="req")
     refits = 0
     replay_samples: list[BatchSample] = []
+    recent: deque[BatchSample] = deque(warm_samples, maxlen=args.fit_window)
     for i, r in enumerate(plan):
         due = t_replay + r.offset_s * scale
         delay = due - clock()
@@ -379,8 +382,12 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         # online refit, as the estimator's fit loop does (between decisions here)
         new = runner.take_samples()
         replay_samples.extend(new)
+        recent.extend(new)
         if new and fitter.add(new) is not None and args.fit == "online":
             model = fitter.model or model
+            # the baseline is re-profiled on the same window: both track the machine alike
+            with contextlib.suppress(ValueError):
+                profile = profile_throughput(list(recent))
             refits += 1
         rid = f"m{i}"
         pred_out = max(
@@ -492,6 +499,10 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
             "online_refits": refits,
             "warmup_coefs": list(warm_fit.model.coefs),
             "final_coefs": list(final_fit.model.coefs),
+        },
+        "throughput_profile_warmup": {
+            "prefill_tps": warm_profile.prefill_tps,
+            "mean_decode_step_s": warm_profile.mean_decode_step_s,
         },
         "throughput_profile": {
             "prefill_tps": profile.prefill_tps,
