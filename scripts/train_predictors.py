@@ -18,14 +18,15 @@ reports are cut (at a token boundary) to fit; the counts are printed and kept in
 meta.json. Labels are cached under .cache/predictors/ (per model and setting), so a
 rerun only trains.
 
-Training: prompts are split by prompt (per task 60/20/20 train/val/test, seeded; a
-prompt's rows for every model stay in one split). One booster per target with the model
-as a one-hot feature: the models share the prompt's difficulty, so they learn from each
-other's rows, and one call predicts every candidate. Train rows appear twice, with and
-without the task hint, so a request without x-baton-task is in distribution. Depth and
-objective are chosen on val (early stopping), then the booster is refit on train+val with
-the chosen rounds; test rows are never trained on. Writes models/predictors/{length,
-quality}.ubj and meta.json (feature spec, label settings, test metrics vs baselines).
+Training: prompts are split by prompt (per task 20% test, the rest in 4 folds, seeded by
+--split-seed; a prompt's rows for every model stay together). One booster per target with
+the model as a one-hot feature: the models share the prompt's difficulty, so they learn
+from each other's rows, and one call predicts every candidate. Dev rows appear twice,
+with and without the task hint, so a request without x-baton-task is in distribution.
+Objective, depth, leaf size and whether to use the bag of tokens are chosen by 4-fold
+cross-validation (by prompt, early stopping), then the booster is refit on all dev rows;
+test rows are never trained on. Writes models/predictors/{length,quality}.ubj and
+meta.json (feature spec, label settings, test metrics vs baselines, predict() timing).
 
     OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python scripts/train_predictors.py
 """
@@ -80,7 +81,8 @@ DEFAULT_COUNTS = "alpaca=90,hotpotqa=12,writingprompts=24,govreport=0,aime=16"
 ALPACA_HELDOUT_START = 4500  # scripts/build_models.py distilled on alpaca[0:4500]
 LONG_PROMPT_TOKENS = 512  # prompts longer than this are answered in their own batches
 LONG_CONCURRENCY = 6  # ... of at most this many
-SPLIT = (0.6, 0.2, 0.2)  # train, val, test shares of each task's prompts
+TEST_SHARE = 0.2  # of each task's prompts, held out; the rest is cut into folds
+NUM_FOLDS = 4  # cross-validation folds (by prompt) that choose the hyperparameters
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,15 +350,14 @@ def cache_path(args: argparse.Namespace, model: str) -> Path:
 
 
 def split_keys(items: list[Item], seed: int) -> dict[str, str]:
-    """key -> "train" | "val" | "test", per task, by prompt."""
+    """key -> "test" | "fold<i>", per task and by prompt (every fold holds every task)."""
     out: dict[str, str] = {}
     for task in TASKS:
         keys = sorted(it.key for it in items if it.task == task)
         random.Random(f"{seed}/split/{task}").shuffle(keys)
-        n_test = round(SPLIT[2] * len(keys))
-        n_val = round(SPLIT[1] * len(keys))
+        n_test = round(TEST_SHARE * len(keys))
         for i, k in enumerate(keys):
-            out[k] = "test" if i < n_test else "val" if i < n_test + n_val else "train"
+            out[k] = "test" if i < n_test else f"fold{(i - n_test) % NUM_FOLDS}"
     return out
 
 
@@ -389,44 +390,67 @@ def stack(a: Matrix, b: Matrix) -> Matrix:
     return Matrix(*(np.concatenate([getattr(a, f), getattr(b, f)]) for f in Matrix.__annotations__))
 
 
+def without_bag(x: np.ndarray, spec: FeatureSpec) -> np.ndarray:
+    """x with the bag-of-tokens columns zeroed: a booster trained on it never splits on them."""
+    out = x.copy()
+    out[:, 1 : 1 + spec.num_buckets] = 0.0
+    return out
+
+
 def fit_booster(
-    train: Matrix, val: Matrix, target: str, seed: int
+    dev: Matrix, folds: np.ndarray, target: str, spec: FeatureSpec, seed: int
 ) -> tuple[xgb.Booster, dict[str, Any]]:
-    """Depth and objective chosen on val (MAE, early stopping); refit on train+val."""
+    """Hyperparameters chosen by cross-validation over the dev prompts (mean held-out MAE
+    over the folds, early stopping in each); refit on all dev rows with the folds' mean
+    number of rounds. Test rows are never seen here.
+
+    Also chosen: whether to use the hashed bag of tokens at all. With ~100 dev prompts and
+    noisy labels the bag can overfit; without it the booster has the prompt length, the
+    task hint and the model. The saved booster reads the full row either way.
+    """
     objectives = (
         ["reg:squarederror", "reg:absoluteerror"] if target == "length" else ["reg:squarederror"]
     )
-    best: tuple[float, dict[str, Any], int] | None = None
-    dtrain = xgb.DMatrix(train.x, label=getattr(train, target))
-    dval = xgb.DMatrix(val.x, label=getattr(val, target))
-    for objective in objectives:
-        for depth in (2, 3, 4, 6):
+    # A leaf of min_child_weight 4 can hold one prompt (its rows with and without the
+    # hint, of two models); 16 needs several.
+    grid = [(o, d, w) for o in objectives for d in (2, 3, 4) for w in (4, 16)]
+    y = getattr(dev, target)
+    best: tuple[float, dict[str, Any], int, bool] | None = None
+    for use_bag in (True, False):
+        x = dev.x if use_bag else without_bag(dev.x, spec)
+        for objective, depth, min_child_weight in grid:
             params = {
                 "objective": objective,
                 "eval_metric": "mae",
                 "max_depth": depth,
                 "eta": 0.05,
                 "subsample": 0.8,
-                "colsample_bytree": 0.5,
-                "min_child_weight": 2,
+                "min_child_weight": min_child_weight,
                 "nthread": 1,
                 "seed": seed,
             }
-            b = xgb.train(
-                params,
-                dtrain,
-                2000,
-                evals=[(dval, "val")],
-                early_stopping_rounds=50,
-                verbose_eval=False,
-            )
-            if best is None or b.best_score < best[0]:
-                best = (float(b.best_score), params, b.best_iteration + 1)
+            maes, rounds = [], []
+            for fold in np.unique(folds):
+                tr, va = folds != fold, folds == fold
+                b = xgb.train(
+                    params,
+                    xgb.DMatrix(x[tr], label=y[tr]),
+                    2000,
+                    evals=[(xgb.DMatrix(x[va], label=y[va]), "val")],
+                    early_stopping_rounds=50,
+                    verbose_eval=False,
+                )
+                maes.append(float(b.best_score))
+                rounds.append(b.best_iteration + 1)
+            score = float(np.mean(maes))
+            if best is None or score < best[0]:
+                best = (score, params, round(float(np.mean(rounds))), use_bag)
     assert best is not None
-    val_mae, params, rounds = best
-    both = stack(train, val)
-    final = xgb.train(params, xgb.DMatrix(both.x, label=getattr(both, target)), rounds)
-    return final, {**params, "rounds": rounds, "val_mae": round(val_mae, 5)}
+    cv_mae, params, num_rounds, use_bag = best
+    x = dev.x if use_bag else without_bag(dev.x, spec)
+    final = xgb.train(params, xgb.DMatrix(x, label=y), num_rounds)
+    info = {**params, "rounds": num_rounds, "bag_of_tokens": use_bag, "cv_mae": round(cv_mae, 5)}
+    return final, info
 
 
 def rank(a: np.ndarray) -> np.ndarray:
@@ -601,7 +625,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--dtype", default="bfloat16", help="engine dtype (as served)")
     p.add_argument("--buckets", type=int, default=256, help="hashed bag-of-tokens buckets")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="prompt selection and xgboost seed")
+    p.add_argument(
+        "--split-seed", type=int, default=0, help="test/fold split seed (labels stay cached)"
+    )
     p.add_argument("--labels-only", action="store_true", help="compute the labels, do not train")
     return p.parse_args(argv)
 
@@ -628,17 +655,23 @@ def main(argv: list[str] | None = None) -> None:
 
     spec = FeatureSpec(args.buckets, tuple(TASKS), tuple(args.models))
     by_key = {it.key: it for it in items}
-    split = split_keys(items, args.seed)
-    parts = {s: [lb for lb in labels if split[lb.key] == s] for s in ("train", "val", "test")}
-    hinted = {s: matrix(spec, by_key, rows, hint=True) for s, rows in parts.items()}
-    blind = {s: matrix(spec, by_key, rows, hint=False) for s, rows in parts.items()}
-    train, val = stack(hinted["train"], blind["train"]), stack(hinted["val"], blind["val"])
+    split = split_keys(items, args.split_seed)
+    dev_rows = [lb for lb in labels if split[lb.key] != "test"]
+    test_rows = [lb for lb in labels if split[lb.key] == "test"]
+    # Dev rows twice, with and without the task hint; the fold goes with the prompt.
+    dev = stack(
+        matrix(spec, by_key, dev_rows, hint=True), matrix(spec, by_key, dev_rows, hint=False)
+    )
+    folds = np.array([split[k] for k in dev.key])
     boosters: dict[str, xgb.Booster] = {}
     training: dict[str, Any] = {}
-    for target in ("length", "quality"):
-        boosters[target], training[target] = fit_booster(train, val, target, args.seed)
+    for target in tqdm(("length", "quality"), desc="cross-validated fits", leave=False):
+        boosters[target], training[target] = fit_booster(dev, folds, target, spec, args.seed)
     metrics = evaluate(
-        boosters, stack(hinted["train"], hinted["val"]), hinted["test"], blind["test"]
+        boosters,
+        matrix(spec, by_key, dev_rows, hint=True),
+        matrix(spec, by_key, test_rows, hint=True),
+        matrix(spec, by_key, test_rows, hint=False),
     )
     print(markdown(metrics))
 
@@ -661,11 +694,16 @@ def main(argv: list[str] | None = None) -> None:
             "selection": selection,
             "summary": summary,
         },
-        "split": {s: len({lb.key for lb in rows}) for s, rows in parts.items()},
+        "split": {
+            "dev_prompts": len({lb.key for lb in dev_rows}),
+            "folds": NUM_FOLDS,
+            "test_prompts": len({lb.key for lb in test_rows}),
+            "split_seed": args.split_seed,
+        },
         "training": training,
         "test_metrics": metrics,
         "command": "python scripts/train_predictors.py " + " ".join(argv or sys.argv[1:]),
-        "label_seconds": round(label_s, 1),
+        "label_seconds_this_run": round(label_s, 1),  # ~0 when every label was cached
         "xgboost": xgb.__version__,
     }
     (args.out / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
