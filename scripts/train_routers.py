@@ -48,6 +48,7 @@ from services.worker.routing.policies.r_stitch import normalized_entropy  # noqa
 from services.worker.routing.policies.routers import (  # noqa: E402
     RouterNet,
     RouterSpec,
+    model_digest,
     save_router,
     topk_logprobs,
 )
@@ -184,35 +185,55 @@ def model_fingerprint(model: str) -> str:
     return ":".join(parts)
 
 
+CACHE_BLOCK = 100  # prompts per cache file: a larger --train reuses the blocks it has
+
+
 def cached_views(
     args: argparse.Namespace, split: str, seqs: list[Sequence]
 ) -> tuple[ModelView, ModelView]:
-    """(small, large) views of one split, from .cache/routers/ when the inputs match."""
-    key = json.dumps(
-        [
-            split,
-            model_fingerprint(args.small),
-            model_fingerprint(args.large),
-            args.dtype,
-            args.topk,
-            [s.ids for s in seqs],
-        ]
-    )
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    path = args.cache_dir / f"features-{split}-{digest}.pt"
-    if path.is_file():
-        small, large = torch.load(path, weights_only=False)
-        return small, large
-    views = []
-    for model, keep in ((args.small, True), (args.large, False)):
-        engine = create_engine(model, args.dtype)
-        views.append(model_view(engine, seqs, keep, args.topk, f"{split} {model}"))
-        del engine
-    args.cache_dir.mkdir(parents=True, exist_ok=True)
-    torch.save((views[0], views[1]), path)
-    # Read back: plain tensors (not inference-mode ones), the same as a cache hit.
-    small, large = torch.load(path, weights_only=False)
-    return small, large
+    """(small, large) views of one split, from .cache/routers/ where the inputs match
+    (model files, dtype, top-k and the token ids of each block of prompts)."""
+    blocks = [seqs[b : b + CACHE_BLOCK] for b in range(0, len(seqs), CACHE_BLOCK)]
+    paths = []
+    for b, block in enumerate(blocks):
+        key = json.dumps(
+            [
+                model_fingerprint(args.small),
+                model_fingerprint(args.large),
+                args.dtype,
+                args.topk,
+                [s.ids for s in block],
+            ]
+        )
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        paths.append(args.cache_dir / f"features-{split}-{b * CACHE_BLOCK}-{digest}.pt")
+    missing = [b for b, path in enumerate(paths) if args.refresh or not path.is_file()]
+    if missing:
+        computed: dict[int, list[ModelView]] = {b: [] for b in missing}
+        for model, keep in ((args.small, True), (args.large, False)):
+            engine = create_engine(model, args.dtype)
+            for b in tqdm(missing, desc=f"{split} {model} (blocks of {CACHE_BLOCK})"):
+                computed[b].append(model_view(engine, blocks[b], keep, args.topk, f"block {b}"))
+            del engine
+        args.cache_dir.mkdir(parents=True, exist_ok=True)
+        for b, views in computed.items():
+            raw = [{k: v for k, v in vars(view).items() if v is not None} for view in views]
+            torch.save(raw, paths[b])
+    # Always read back: plain tensors (not inference-mode ones), the same on a cache hit.
+    loaded = [[ModelView(**raw) for raw in torch.load(path, weights_only=True)] for path in paths]
+    return concat_views([pair[0] for pair in loaded]), concat_views([pair[1] for pair in loaded])
+
+
+def concat_views(views: list[ModelView]) -> ModelView:
+    """One view of several blocks, in order."""
+
+    def cat(name: str) -> torch.Tensor | None:
+        parts = [getattr(v, name) for v in views]
+        return None if parts[0] is None else torch.cat(parts)
+
+    argmax, logp_ref, entropy = cat("argmax"), cat("logp_ref"), cat("entropy")
+    assert argmax is not None and logp_ref is not None and entropy is not None
+    return ModelView(argmax, logp_ref, entropy, cat("hidden"), cat("topk"))
 
 
 def features(small: ModelView, large: ModelView) -> Features:
@@ -279,6 +300,19 @@ def routing_metrics(route: torch.Tensor, f: Features) -> dict[str, float]:
         "agreement_random_same_share": 1.0
         - float(div.float().mean()) * (1.0 - float(route.float().mean())),
     }
+
+
+SHARES = (0.2, 0.4, 0.6, 0.8)  # routed shares of the operating-point table
+
+
+def operating_points(score: torch.Tensor, f: Features, sign: float) -> list[dict[str, float]]:
+    """Routing the rows with the highest `score` at each share in SHARES; `threshold` is
+    in the router's own scale (sign -1: the router routes below it, as CITER does)."""
+    points = []
+    for share in SHARES:
+        t = threshold_for_share(score, share, route_below=False)
+        points.append({"threshold": sign * t, **routing_metrics(score > t, f)})
+    return points
 
 
 @torch.no_grad()
@@ -362,6 +396,50 @@ def serving_check(
     }
 
 
+SMALL_STEP_B8_MS = 33.2  # smollm2-small's engine decode step at batch 8 (docs/models.md)
+
+
+def bench_policies(args: argparse.Namespace, batch: int = 8) -> dict[str, float]:
+    """Median microseconds of one route() call per policy at `batch` rows, on the side
+    that does the work (the small model's; ME on its first model)."""
+    import statistics
+
+    from services.worker.routing.api import RouteBatch, RouteState
+    from services.worker.routing.policies import create_token_policy
+
+    g = torch.Generator().manual_seed(args.seed)
+    vocab, hidden_size = 49152, 576
+    logits = 3.0 * torch.randn(batch, vocab, generator=g)
+    hidden = torch.randn(batch, hidden_size, generator=g).to(torch.bfloat16)
+    states = [RouteState(f"bench-{i}", 0, 100, num_output_tokens=20) for i in range(batch)]
+    route_batch = RouteBatch(states, logits.argmax(-1), logits, hidden)
+    medium = "smollm2-medium"
+    presets = {
+        "r2r": [args.small, args.large],
+        "citer": [args.small, args.large],
+        "co-llm": [args.small, args.large],
+        "r-stitch": [args.small, args.large],
+        "me": [args.small, medium, args.large],
+    }
+    result = {}
+    for name, models in tqdm(presets.items(), desc="bench", leave=False):
+        policy = create_token_policy(name, models, 0, {}, args.out)
+        for _ in range(20):  # warm-up
+            policy.route(route_batch)
+        times = []
+        for _ in range(args.bench):
+            t0 = time.perf_counter()
+            policy.route(route_batch)
+            times.append(time.perf_counter() - t0)
+        result[name] = statistics.median(times) * 1e6
+    print(f"\nroute() at batch {batch}, median of {args.bench} calls, 1 thread:")
+    print("| policy | route µs | anchor: small b8 decode step | ratio |")
+    print("|---|---|---|---|")
+    for name, us in result.items():
+        print(f"| {name} | {us:.0f} | {SMALL_STEP_B8_MS} ms | {us / 1000 / SMALL_STEP_B8_MS:.3f} |")
+    return result
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -370,7 +448,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--large", default="smollm2-135m", help="the model whose argmax is the label")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="as served")
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
-    p.add_argument("--train", type=int, default=800, help="training prompts, from index 0")
+    p.add_argument("--train", type=int, default=1600, help="training prompts, from index 0")
     p.add_argument("--val", type=int, default=200, help="validation prompts, from index 4000")
     p.add_argument("--max-answer", type=int, default=96, help="answer tokens per prompt at most")
     p.add_argument("--topk", type=int, default=32, help="top-k log-probabilities (R2R input)")
@@ -378,8 +456,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--recall", type=float, default=PAPER["r2r"], help="R2R's min recall")
     p.add_argument("--check", type=int, default=16, help="positions of the serving check (0: skip)")
+    p.add_argument(
+        "--bench", type=int, default=200, help="route() calls timed per policy (0: skip)"
+    )
+    p.add_argument("--bench-only", action="store_true", help="only time the policies in --out")
     p.add_argument("--out", type=Path, default=REPO / "models" / "routers")
     p.add_argument("--cache-dir", type=Path, default=REPO / ".cache" / "routers")
+    p.add_argument(
+        "--refresh", action="store_true", help="recompute the cached features (model code changed)"
+    )
     args = p.parse_args(argv)
     if not 0 < args.train <= TRAIN_RANGE[1] - TRAIN_RANGE[0]:
         p.error(f"--train must be in 1..{TRAIN_RANGE[1] - TRAIN_RANGE[0]}")
@@ -392,11 +477,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 SPECS: dict[str, dict[str, Any]] = {
     # R2R's HiddenStatesTokenLMHeadLogitsClassifier, 2 x 256 instead of 6 x 1024.
-    "r2r": dict(inputs=("hidden", "token", "topk"), widths=(256, 256), token_dim=32, dropout=0.1),
+    "r2r": dict(inputs=("hidden", "token", "topk"), widths=(256, 256), token_dim=32, dropout=0.3),
     # CITER's ConfidenceModel is an MLP on the hidden state.
-    "citer": dict(inputs=("hidden",), widths=(256, 256), dropout=0.1),
+    "citer": dict(inputs=("hidden",), widths=(256, 256), dropout=0.3),
     # Co-LLM's deferral is one extra logit, a linear head on the hidden state.
     "co-llm": dict(inputs=("hidden",), widths=()),
+}
+# Chosen on the validation loss of the 800-prompt run (docs/token-routing.md): the
+# MLPs overfit within 1-2 epochs at lr 1e-3 without weight decay.
+FIT: dict[str, dict[str, float]] = {
+    "r2r": dict(lr=3e-4, weight_decay=1e-2),
+    "citer": dict(lr=3e-4, weight_decay=1e-2),
+    "co-llm": dict(lr=1e-2, weight_decay=0.0),
 }
 OBJECTIVE = {"r2r": "diverges", "citer": "acceptable", "co-llm": "deferral"}
 PREDICTS = {
@@ -409,6 +501,9 @@ PREDICTS = {
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
+    if args.bench_only:
+        bench_policies(args)
+        return
     t_start = time.perf_counter()
     prompts = json.loads(args.prompts.read_text())
     train_seqs = sequences(prompts, TRAIN_RANGE[0], TRAIN_RANGE[0] + args.train, args.max_answer)
@@ -432,7 +527,6 @@ def main(argv: list[str] | None = None) -> None:
     del engine
     nets: dict[str, RouterNet] = {}
     fits: dict[str, Any] = {}
-    cfg = FitConfig(epochs=args.epochs, seed=args.seed)
     for name in tqdm(SPECS, desc="routers"):
         spec = RouterSpec(
             hidden_size=hidden_size,
@@ -443,6 +537,12 @@ def main(argv: list[str] | None = None) -> None:
         torch.manual_seed(args.seed)
         nets[name] = RouterNet(spec)
         t0 = time.perf_counter()
+        cfg = FitConfig(
+            epochs=args.epochs,
+            seed=args.seed,
+            lr=FIT[name]["lr"],
+            weight_decay=FIT[name]["weight_decay"],
+        )
         fits[name] = fit_router(nets[name], OBJECTIVE[name], train, val, cfg, embedding, name)
         fits[name].seconds = time.perf_counter() - t0
 
@@ -479,6 +579,8 @@ def main(argv: list[str] | None = None) -> None:
         if name != "r2r":
             paper = routing_metrics(routes[name](p, PAPER[name]), val)
             metrics["at_paper_threshold"] = {"threshold": PAPER[name], **paper}
+        sign = -1.0 if name == "citer" else 1.0
+        metrics["operating_points"] = operating_points(sign * p, val, sign)
         report[name] = metrics
         save_router(
             args.out,
@@ -488,6 +590,7 @@ def main(argv: list[str] | None = None) -> None:
                 "policy": name,
                 "predicts": PREDICTS[name],
                 "small_model": args.small,
+                "small_model_digest": model_digest(args.small),
                 "large_model": args.large,
                 "dtype": args.dtype,
                 "threshold": t,
@@ -503,6 +606,7 @@ def main(argv: list[str] | None = None) -> None:
                     "train_positions": len(train),
                     "val_positions": len(val),
                     "epochs": args.epochs,
+                    **FIT[name],
                     "best_epoch": fits[name].best_epoch,
                     "val_losses": fits[name].val_losses,
                     "seed": args.seed,
@@ -553,9 +657,24 @@ def main(argv: list[str] | None = None) -> None:
         f"| r-stitch | - | {tau:.4f} | {share:.3f} (large share) | - | - | - |"
         f"  (paper tau 0.03: large share {paper_share:.3f})"
     )
+    # No learned router: the small model's own top-1 probability (low -> route).
+    baseline = -val.topk[:, 0]
+    print(f"confidence baseline (small top-1 prob) AUC vs divergence: {roc_auc(baseline, div):.3f}")
+    base_points = operating_points(baseline, val, -1.0)
+    print("\nagreement with the large model's argmax after routing, by routed share:")
+    print("| routed share | r2r | citer | co-llm | top-1 prob baseline | random |")
+    print("|---|---|---|---|---|---|")
+    for i, share in enumerate(SHARES):
+        cells = [f"{report[n]['operating_points'][i]['agreement_after_routing']:.3f}" for n in nets]
+        print(
+            f"| {share:.1f} | {' | '.join(cells)} | {base_points[i]['agreement_after_routing']:.3f} "
+            f"| {base_points[i]['agreement_random_same_share']:.3f} |"
+        )
     if check:
         print(f"serving check: {json.dumps(check)}")
     print(f"total {total:.0f} s (features {t_features:.0f} s); wrote {args.out}")
+    if args.bench:
+        bench_policies(args)
     if not math.isfinite(report["r2r"]["val_auc"]):
         raise SystemExit("validation has no divergent or no agreeing token: AUC undefined")
 

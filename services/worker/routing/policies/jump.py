@@ -18,7 +18,12 @@ import torch
 
 from services.worker.routing.api import STAY, RouteBatch, TokenPolicy, hand_after, hand_rewrite
 from services.worker.routing.policies.args import check_keys, float_arg
-from services.worker.routing.policies.routers import RouterNet, load_router, load_router_meta
+from services.worker.routing.policies.routers import (
+    RouterNet,
+    load_router,
+    load_router_meta,
+    model_digest,
+)
 
 SMALL, LARGE = 0, 1  # indices in the preset's `models`
 
@@ -43,6 +48,16 @@ class OneTokenJumpPolicy(TokenPolicy):
                 f"policy {self.name!r}: the router in {artifacts_dir} was trained on "
                 f"{meta['small_model']!r}, which must be the preset's first model "
                 f"(got {models[SMALL]!r})"
+            )
+        trained_on = meta.get("small_model_digest")
+        if (
+            trained_on is not None
+            and model_index == SMALL
+            and model_digest(models[SMALL]) != trained_on
+        ):
+            raise ValueError(
+                f"policy {self.name!r}: the router in {artifacts_dir} was trained on other "
+                f"weights of {models[SMALL]!r}: retrain it with `just routers`"
             )
         self.meta: dict[str, Any] = meta
         self.threshold = float_arg(

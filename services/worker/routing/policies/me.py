@@ -65,11 +65,11 @@ class MEPolicy(TokenPolicy):
         evidence = (1.0 - c).expand(-1, len(self.weights)).clone()
         evidence[:, self.model_index] = c.squeeze(1)
         post = self.weights.unsqueeze(0) * evidence
-        # All mass on a zero-weight current model with c = 1 cannot happen unless
-        # w_i = 0 and c = 1: then the others share by weight.
+        # The sum is 0 only if the current model has weight 0 and c = 1 (or every
+        # other weight is 0 and c = 0): then the prior decides alone.
         norm = post.sum(dim=1, keepdim=True)
-        fallback = self.weights.unsqueeze(0).expand_as(post)
-        return torch.where(norm > 0, post / norm.clamp_min(1e-30), fallback)
+        prior = self.weights.unsqueeze(0).expand_as(post)
+        return torch.where(norm > 0, post / norm.clamp_min(1e-30), prior)
 
     def route(self, batch: RouteBatch) -> list[int]:
         with torch.inference_mode():
