@@ -62,3 +62,7 @@ predictors *args:
 # SFS: TTFT prediction error, OnTimeUtility vs rate on the simulated cluster, delta frontier, decision cost
 bench-sfs *args:
     ./baton python scripts/bench_sfs.py "$@"
+
+# train the token-level routers (R2R, CITER, Co-LLM) from the family's own labels
+routers *args:
+    ./baton python scripts/train_routers.py "$@"
