@@ -447,21 +447,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--small", default="smollm2-small", help="the model the routers read")
     p.add_argument("--large", default="smollm2-135m", help="the model whose argmax is the label")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="as served")
-    p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
+    p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="alpaca JSON list")
     p.add_argument("--train", type=int, default=1600, help="training prompts, from index 0")
     p.add_argument("--val", type=int, default=200, help="validation prompts, from index 4000")
     p.add_argument("--max-answer", type=int, default=96, help="answer tokens per prompt at most")
     p.add_argument("--topk", type=int, default=32, help="top-k log-probabilities (R2R input)")
-    p.add_argument("--epochs", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=8, help="passes over the training rows")
+    p.add_argument("--seed", type=int, default=0, help="init, shuffling and bench seed")
     p.add_argument("--recall", type=float, default=PAPER["r2r"], help="R2R's min recall")
     p.add_argument("--check", type=int, default=16, help="positions of the serving check (0: skip)")
     p.add_argument(
         "--bench", type=int, default=200, help="route() calls timed per policy (0: skip)"
     )
     p.add_argument("--bench-only", action="store_true", help="only time the policies in --out")
-    p.add_argument("--out", type=Path, default=REPO / "models" / "routers")
-    p.add_argument("--cache-dir", type=Path, default=REPO / ".cache" / "routers")
+    p.add_argument(
+        "--out", type=Path, default=REPO / "models" / "routers", help="router files go here"
+    )
+    p.add_argument(
+        "--cache-dir", type=Path, default=REPO / ".cache" / "routers", help="feature cache"
+    )
     p.add_argument(
         "--refresh", action="store_true", help="recompute the cached features (model code changed)"
     )
