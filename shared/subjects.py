@@ -9,6 +9,8 @@ NATS server. Services never format a subject string themselves.
     {ns}.estimator.events             RequestDoneEvent                gateway -> every estimator
     {ns}.batcher.stats                RoutingStats                    worker -> batcher
     {ns}.batcher.tables               BatchTables                     batcher -> every worker
+    {ns}.relay.in                     PeerReq | PeerRelease           worker -> relay (queue group)
+    {ns}.worker.{instance_id}.peer    PeerReq | PeerRelease           relay -> worker
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import re
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
 
 ESTIMATOR_QUEUE_GROUP = "estimator"
+RELAY_QUEUE_GROUP = "relay"
 
 
 def check_token(value: str) -> str:
@@ -51,3 +54,11 @@ def batcher_stats(namespace: str) -> str:
 
 def batcher_tables(namespace: str) -> str:
     return f"{check_token(namespace)}.batcher.tables"
+
+
+def relay_inbox(namespace: str) -> str:
+    return f"{check_token(namespace)}.relay.in"
+
+
+def worker_peer(namespace: str, instance_id: str) -> str:
+    return f"{check_token(namespace)}.worker.{check_token(instance_id)}.peer"

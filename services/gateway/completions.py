@@ -236,8 +236,14 @@ async def handle(
         service.metrics.router_overhead_s.labels(reply.policy or "").observe(
             router_overhead_ms / 1000.0
         )
+        preset = service.cluster.presets.get(p.body.model)
         stream = await service.submit(
-            reply, p.request_id, p.prompt_token_ids, p.params, p.arrival_time_s
+            reply,
+            p.request_id,
+            p.prompt_token_ids,
+            p.params,
+            p.arrival_time_s,
+            preset=p.body.model if preset is not None and preset.is_token_level else None,
         )
     except BaseException:
         service.release()

@@ -40,6 +40,7 @@ class Generation:
         skip = set() if eos is None or p.params.ignore_eos else {eos}
         self.text = TextStream(p.tokenizer, p.params.stop, skip)
         self.num_prompt_tokens = len(p.prompt_token_ids)
+        self.tokens_by_model: dict[str, int] | None = None  # token-level presets, at the end
         self.finish_reason: str | None = None
         self.is_finished = False  # the answer is complete (the client got or gets all of it)
         self.is_engine_done = False  # the worker sends nothing more: no abort needed
@@ -73,6 +74,8 @@ class Generation:
                 raise failure(event)
             assert isinstance(event, TokenDelta)
             self.num_prompt_tokens = event.num_prompt_tokens
+            if event.tokens_by_model is not None:
+                self.tokens_by_model = event.tokens_by_model
             text, ids, lps = self.text.add(event.position, event.token_ids, event.logprobs)
             self._observe(len(ids))
             if event.finish_reason is not None and not self.text.assembler.has_gap:
@@ -105,12 +108,27 @@ class Generation:
     def num_output_tokens(self) -> int:
         return len(self.text.assembler.token_ids)
 
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage object; token-level presets add the tokens each model wrote."""
+        out = usage(self.num_prompt_tokens, self.num_output_tokens)
+        if self.tokens_by_model is not None:
+            out["tokens_by_model"] = dict(self.tokens_by_model)
+        return out
+
     def baton_summary(self) -> dict[str, Any]:
-        """The `baton` object: routing facts plus the request's cost at the model's prices."""
-        served = self.service.cluster.models.get(self.baton.get("model") or self.model)
+        """The `baton` object: routing facts plus the request's cost at the models' prices
+        (per model that wrote tokens, for token-level presets)."""
+        models = self.service.cluster.models
         cost = None
-        if served is not None:
-            cost = served.cost(self.num_prompt_tokens, self.num_output_tokens)
+        if self.tokens_by_model is not None:
+            entry = models.get(self.baton.get("model") or self.model)
+            cost = (entry.cost(self.num_prompt_tokens, 0) if entry is not None else 0.0) + sum(
+                models[m].cost(0, n) for m, n in self.tokens_by_model.items() if m in models
+            )
+        else:
+            served = models.get(self.baton.get("model") or self.model)
+            if served is not None:
+                cost = served.cost(self.num_prompt_tokens, self.num_output_tokens)
         return {**self.baton, "cost": cost}
 
     def _logprobs(self, ids: list[int], lps: list[float]) -> Any:
@@ -158,7 +176,7 @@ class Generation:
             "created": self.created,
             "model": self.model,
             "choices": [choice],
-            "usage": usage(self.num_prompt_tokens, self.num_output_tokens),
+            "usage": self.usage(),
             "baton": self.baton_summary(),
         }
 
@@ -218,7 +236,7 @@ class Generation:
                     {
                         **head,
                         "choices": [],
-                        "usage": usage(self.num_prompt_tokens, self.num_output_tokens),
+                        "usage": self.usage(),
                         "baton": self.baton_summary(),
                     }
                 )

@@ -242,6 +242,7 @@ class GatewayService:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time_s: float,
+        preset: str | None = None,
     ) -> RequestStream:
         assert reply.instance_id is not None and reply.inbox is not None
         stream = self.streams.open(request_id, reply.instance_id)
@@ -252,6 +253,7 @@ class GatewayService:
             reply_to=self.inbox_subject,
             arrival_time_s=arrival_time_s,
             predicted_output_tokens=reply.predicted_output_tokens,
+            preset=preset,
         )
         await self.bus.publish(reply.inbox, msg)
         return stream

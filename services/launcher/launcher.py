@@ -2,12 +2,13 @@
 
 1. infrastructure: NATS (JetStream) and Redis, started from local binaries
    only when nothing answers at the cluster file's URLs
-2. services: estimator, one worker per instance replica, gateway, each
+2. services: estimator, relay and batcher (when a preset routes per token), one
+   worker per instance replica, gateway, each
    `python -m services.<name>` in its own process group, logging JSON lines
    to logs/<name>.log
 3. wait until the gateway's /health is ready, print the URL and a curl example
 4. supervise: a child that exits stops the deployment (nothing fails silently)
-5. Ctrl-C / SIGTERM: stop gateway, workers (they drain), estimator, then the
+5. Ctrl-C / SIGTERM: stop gateway, workers (they drain), estimator/relay/batcher, then the
    servers started in step 1; every step bounded, stragglers SIGKILLed
 """
 
@@ -143,6 +144,11 @@ class Launcher:
         self.children.append(
             Child("estimator", [*py, "services.estimator"], self.log_dir / "estimator.log")
         )
+        if self.cluster.token_presets():  # token-level routing: hand-offs and B* tables
+            for name in ("relay", "batcher"):
+                self.children.append(
+                    Child(name, [*py, f"services.{name}"], self.log_dir / f"{name}.log")
+                )
         for inst in self.cluster.instances:
             is_torch = self.cluster.models[inst.model].engine == "torch"
             problem = _model_problem(inst.model) if is_torch else None  # sim models load nothing
@@ -235,10 +241,13 @@ class Launcher:
         self._stopping = True
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not orphan anything
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        order = [c for c in self.children if c.name == "gateway"]
-        order += [c for c in self.children if c.name.startswith("worker")]
-        order += [c for c in self.children if c.name == "estimator"]
-        for group in (order[:1], order[1:-1], order[-1:]):
+        back = ("estimator", "relay", "batcher")
+        tiers = [
+            [c for c in self.children if c.name == "gateway"],
+            [c for c in self.children if c.name.startswith("worker")],
+            [c for c in self.children if c.name in back],
+        ]
+        for group in tiers:
             for child in group:  # SIGTERM a whole tier at once, then wait for each
                 if child.process is not None and child.process.poll() is None:
                     with contextlib.suppress(ProcessLookupError):

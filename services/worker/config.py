@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from shared.config import ClusterConfig, ConfigError, Env, InstanceConfig, ModelConfig
+from shared.config import (
+    ClusterConfig,
+    ConfigError,
+    Env,
+    InstanceConfig,
+    ModelConfig,
+    PresetConfig,
+    RelayConfig,
+)
 
 if TYPE_CHECKING:
     from services.worker.engine.config import EngineConfig
@@ -27,6 +35,9 @@ class WorkerServiceConfig:
     drain_timeout_s: float
     snapshot_ttl_s: float
     max_batch_samples: int
+    # The token-level presets this model takes part in (services/worker/routing/).
+    token_presets: dict[str, PresetConfig] = field(default_factory=dict)
+    relay: RelayConfig = field(default_factory=lambda: RelayConfig())
 
     @classmethod
     def from_cluster(
@@ -49,6 +60,10 @@ class WorkerServiceConfig:
             drain_timeout_s=cluster.worker.drain_timeout_s,
             snapshot_ttl_s=cluster.worker.snapshot_ttl_s,
             max_batch_samples=cluster.worker.max_batch_samples,
+            token_presets={
+                n: p for n, p in cluster.token_presets().items() if model in p.models
+            },
+            relay=cluster.relay,
         )
 
     def engine_config(self) -> EngineConfig:

@@ -24,6 +24,8 @@ from typing import Any
 import msgspec
 
 from services.worker.config import WorkerServiceConfig, create_engine
+from services.worker.routing.link import RoutingLink
+from services.worker.routing.runtime import Outbox, TokenRouting
 from shared import subjects
 from shared.bus import Bus
 from shared.logging import get_logger
@@ -71,6 +73,9 @@ class WorkerService:
         # heartbeat; copied into every snapshot (the engine's own, if any, otherwise).
         self.calibration: BatchTimeCalibration | None = None
         self.ready = asyncio.Event()  # set once the engine is loaded and the inbox subscribed
+        # Token-level routing (only when a token-level preset names this model).
+        self.routing: TokenRouting | None = None
+        self._link: RoutingLink | None = None
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -93,12 +98,35 @@ class WorkerService:
         await self._bus.connect()
         await self._store.connect()
         await self._bus.subscribe(self.inbox_subject, WORKER_INBOUND_DECODER, self._on_inbound)
+        if self.cfg.token_presets:
+            await self._start_routing()
         await self._bus.flush()
         await self._register()
         self._heartbeat_task = asyncio.create_task(self._heartbeat(), name="heartbeat")
         self._record(samples=False)
         self.ready.set()
         log.info("worker_ready", instance_id=self.cfg.instance_id, inbox=self.inbox_subject)
+
+    async def _start_routing(self) -> None:
+        from services.worker.routing.policies import create_token_policy
+
+        self.routing = TokenRouting(
+            self.cfg.instance_id,
+            self.cfg.model,
+            self.cfg.token_presets,
+            lambda name, models, index, args: create_token_policy(name, models, index, args),
+        )
+        self._engine.hook = self.routing.hook
+        self._link = RoutingLink(
+            self.routing,
+            self._bus,
+            self._store,
+            self.cfg.namespace,
+            self._wakeup,
+            self.cfg.relay.stats_interval_s,
+        )
+        await self._link.start()
+        log.info("token_routing_ready", presets=sorted(self.routing.policies))
 
     async def close(self) -> None:
         """Deregister, flush, disconnect. Idempotent; each step bounded."""
@@ -136,14 +164,29 @@ class WorkerService:
                 drain_deadline = float("inf")  # abort once, then let the step report it
             if rejected:
                 await self._publish(rejected)
+            outbox = Outbox()
+            if self._link is not None:  # peer messages: start, resume or release copies
+                self._link.apply(engine, outbox)
+                await self._link.publish(outbox)
             if not engine.has_unfinished():
                 if drain_deadline is not None:
                     return
                 await self._idle()
                 continue
+            wait_s = self._hold_s()
+            if wait_s is not None:  # nothing runnable yet, or delayed batching holds
+                await self._idle(wait_s)
+                continue
             # 2. step (off the event loop)
+            t_step = time.perf_counter()
             outputs = await asyncio.to_thread(engine.step)
             self._num_steps += 1
+            if self.routing is not None and self._link is not None:
+                self.routing.record_step(time.perf_counter() - t_step)
+                outputs = self.routing.on_outputs(outputs, outbox)
+                self.routing.on_handoffs(engine.pop_handoffs(), engine, outbox)
+                await self._link.publish(outbox)
+                await self._link.maybe_send_stats()
             # 3. publish deltas, one batch per owning gateway
             await self._publish(self._deltas(outputs))
             # Let nats-py's flusher task write the deltas now: once the next step
@@ -152,15 +195,36 @@ class WorkerService:
             # 4. record snapshot and batch samples (written while the next step runs)
             self._record(samples=True)
 
-    async def _idle(self) -> None:
-        """Nothing to run: wait for the inbox, refreshing the snapshot so it never goes stale."""
+    async def _idle(self, wait_s: float | None = None) -> None:
+        """Nothing to run: wait for the inbox (at most wait_s), refreshing the snapshot so
+        it never goes stale."""
         self._wakeup.clear()
         if self._inbox or self._stop.is_set():
             return
+        if self._link is not None and self._link.has_messages:
+            return
+        timeout = self.cfg.heartbeat_interval_s if wait_s is None else wait_s
         try:
-            await asyncio.wait_for(self._wakeup.wait(), self.cfg.heartbeat_interval_s)
+            await asyncio.wait_for(self._wakeup.wait(), timeout)
         except TimeoutError:
-            self._record(samples=False)
+            if wait_s is None:
+                self._record(samples=False)
+
+    def _hold_s(self) -> float | None:
+        """None: step now. Else how long to wait first: every live request is parked at
+        a peer (nothing to compute), or delayed batching holds this model's step."""
+        if self.routing is None:
+            return None
+        sched = self._engine.scheduler
+        if not sched.running and not sched.waiting:
+            # Only parked requests (or an abort the next step applies): wake on a message.
+            return None if self._engine.has_pending_inbox() else self.cfg.heartbeat_interval_s
+        plain = any(rid not in self.routing.requests for rid in self._runnable_ids())
+        return self.routing.hold_s(time.monotonic(), plain)
+
+    def _runnable_ids(self) -> list[str]:
+        sched = self._engine.scheduler
+        return [r.request_id for r in sched.running] + [r.request_id for r in sched.waiting]
 
     def _take_inbox(self) -> list[tuple[str, GatewayEvent]]:
         """Hand new requests and aborts to the engine; return the rejections to send."""
@@ -182,6 +246,14 @@ class WorkerService:
             return RequestFailed(msg.request_id, 503, "the worker is shutting down; retry")
         if msg.request_id in self._owners:
             return RequestFailed(msg.request_id, 400, f"duplicate request id {msg.request_id}")
+        if msg.preset is not None:
+            reason = (
+                f"model {msg.preset!r} is not a token-level preset here"
+                if self.routing is None
+                else self.routing.check_origin(msg.preset)
+            )
+            if reason is not None:
+                return RequestFailed(msg.request_id, 400, reason)
         try:
             msg.params.validate()
             if msg.predicted_output_tokens is None:
@@ -197,6 +269,8 @@ class WorkerService:
             log.info("request_rejected", request_id=msg.request_id, error=str(exc))
             return RequestFailed(msg.request_id, 400, str(exc))
         self._owners[msg.request_id] = msg.reply_to
+        if msg.preset is not None and self.routing is not None:
+            self.routing.add_origin(msg.request_id, msg.preset, msg.prompt_token_ids, msg.params)
         return None
 
     def _deltas(self, outputs: list[Any]) -> list[tuple[str, GatewayEvent]]:
@@ -205,8 +279,11 @@ class WorkerService:
             reply_to = self._owners.get(out.request_id)
             if reply_to is None:
                 continue
+            counts = None
             if out.finished:
                 del self._owners[out.request_id]
+                if self.routing is not None:
+                    counts = self.routing.final_counts.pop(out.request_id, None)
             position = out.num_output_tokens - len(out.new_token_ids)
             delta = TokenDelta(
                 out.request_id,
@@ -215,6 +292,7 @@ class WorkerService:
                 None if out.new_logprobs is None else list(out.new_logprobs),
                 out.finish_reason if out.finished else None,
                 out.num_prompt_tokens,
+                counts,
             )
             events.append((reply_to, delta))
         return events

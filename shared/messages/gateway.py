@@ -19,6 +19,8 @@ class TokenDelta(msgspec.Struct, tag="delta", frozen=True, array_like=True):
     logprobs: list[float] | None  # natural-log probability of each new token, if asked for
     finish_reason: str | None  # None while running; "stop" | "length" | "abort" at the end
     num_prompt_tokens: int  # tokens in the prompt as the engine counted them
+    # token-level presets, on the final delta: output tokens written per real model
+    tokens_by_model: dict[str, int] | None = None
 
 
 class RequestFailed(msgspec.Struct, tag="failed", frozen=True, array_like=True):

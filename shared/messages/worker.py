@@ -17,6 +17,7 @@ class SubmitRequest(msgspec.Struct, tag="submit", frozen=True, kw_only=True):
     arrival_time_s: float  # gateway wall clock (time.time()) when the HTTP request arrived
     # tokens, the router's length prediction (snapshots carry it)
     predicted_output_tokens: int | None = None
+    preset: str | None = None  # the token-level preset the client named; None: plain request
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True, kw_only=True):

@@ -179,6 +179,13 @@ class Scheduler:
         )
         self.running.insert(idx, req)
 
+    def drop_pending_kv(self, request_id: str) -> None:
+        """Free a pending request's KV; on resume it prefills its whole sequence again
+        (token routing without pending resume: the std_serving baseline)."""
+        req = self.pending[request_id]
+        self.blocks.free(req)
+        req.num_computed_tokens = 0
+
     @property
     def num_admitted(self) -> int:
         """Requests holding KV: running plus pending."""

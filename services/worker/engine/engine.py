@@ -171,10 +171,20 @@ class LLMEngine:
         """
         self._inbox.resume(Resume(request_id, list(new_token_ids), finish_reason))
 
+    def drop_parked_kv(self, request_id: str) -> None:
+        """Free the KV of a parked request (between steps, loop thread only): when it is
+        resumed it recomputes its whole sequence, as a brand-new request would."""
+        if request_id in self.scheduler.pending:
+            self.scheduler.drop_pending_kv(request_id)
+
     def pop_handoffs(self) -> list[Handoff]:
         """Requests parked by the route hook since the last call."""
         handoffs, self._handoffs = self._handoffs, []
         return handoffs
+
+    def has_pending_inbox(self) -> bool:
+        """Requests, aborts or resumes queued for the next step."""
+        return self._inbox.has_queued
 
     def has_unfinished(self) -> bool:
         return self._inbox.has_live
@@ -289,6 +299,11 @@ class LLMEngine:
             reason = self._stop_reason(seq)
         if reason is None and sched.num_output_tokens >= sched.max_tokens:
             reason = FinishReason.LENGTH
+        if reason is None and sched.num_uncomputed_tokens == 0:
+            # Resumed with nothing new after handing its last token to a peer to
+            # rewrite (the peer failed): recompute the last position to sample again.
+            # Its KV slot is rewritten with the same values.
+            sched.num_computed_tokens -= 1
         self.scheduler.resume(sched.request_id)
         return self._emit(seq, reason) if new or reason else None
 

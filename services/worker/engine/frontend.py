@@ -81,6 +81,13 @@ class RequestInbox(Generic[T]):
             self._live.discard(request_id)
 
     @property
+    def has_queued(self) -> bool:
+        """New requests, aborts or resumes the next step will take."""
+        with self._lock:
+            q = self._queued
+            return bool(q.new or q.aborts or q.resumes)
+
+    @property
     def has_live(self) -> bool:
         """Requests queued or not yet finished, or control messages waiting."""
         with self._lock:

@@ -57,7 +57,8 @@ class RouteState:
     num_prompt_tokens: int  # tokens
     num_output_tokens: int = 0  # output tokens so far, the one sampled this step included
     run_length: int = 0  # tokens this model wrote in a row since it last took the pen
-    tokens_by_model: list[int] = field(default_factory=list)  # output tokens written per model index
+    # output tokens written per model index
+    tokens_by_model: list[int] = field(default_factory=list)
     temperature: float = 0.0  # the request's sampling temperature (0 = greedy)
     scratch: dict[str, float] = field(default_factory=dict)  # per-policy state across steps
 

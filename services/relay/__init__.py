@@ -1,0 +1,1 @@
+"""The relay: moves PeerReqs between the workers of token-level presets."""

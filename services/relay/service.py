@@ -1,0 +1,137 @@
+"""The relay service: the third loop of token-level routing (DESIGN.md, "relay").
+
+    {ns}.relay.in (queue group) -> books.on_peer / on_release -> {ns}.worker.{id}.peer
+    every 0.1 s: books.check (timeouts, departed peers and origins)
+    every registry_refresh_s: live workers + their snapshots (load per instance)
+
+Workers send every hand-off here instead of to each other, so a fast model never
+waits on a slow model's loop, a dead or stuck peer is noticed in one place, and
+the replica that takes a request's first visit is the least loaded one.
+
+Run one relay per deployment: its books (sequence numbers, holders, timers) live
+in this process. Several replicas would need the subject sharded by request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import msgspec
+
+from services.relay.books import RelayBooks, Send
+from shared import subjects
+from shared.bus import Bus
+from shared.config import ClusterConfig
+from shared.logging import get_logger
+from shared.messages.peer import PEER_MESSAGE_DECODER, PeerMessage, PeerRelease, PeerReq
+from shared.messages.registry import WorkerInfo
+from shared.scheduling.snapshot import WorkloadSnapshot
+from shared.store import Store
+
+log = get_logger(component="relay")
+_SNAPSHOT_DECODER = msgspec.msgpack.Decoder(WorkloadSnapshot)
+CHECK_INTERVAL_S = 0.1
+
+
+class RelayService:
+    def __init__(self, cluster: ClusterConfig) -> None:
+        self.cluster = cluster
+        self.settings = cluster.relay
+        self.bus = Bus(cluster.nats_url, name="relay")
+        self.store = Store(cluster.redis_url, cluster.namespace)
+        self.books = RelayBooks(self.settings.peer_timeout_s, self._pick, self._alive)
+        self.workers: dict[str, WorkerInfo] = {}
+        self.load: dict[str, int] = {}  # instance -> requests in its snapshot + sent since
+        self._stop = asyncio.Event()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    # -- choosing instances --------------------------------------------------------
+
+    def _alive(self, instance_id: str) -> bool:
+        return instance_id in self.workers
+
+    def _pick(self, preset: str, model_index: int, request_id: str) -> str | None:
+        cfg = self.cluster.presets.get(preset)
+        if cfg is None or not 0 <= model_index < len(cfg.models):
+            return None
+        model = cfg.models[model_index]
+        live = [
+            w.instance_id for w in self.workers.values() if w.model == model and not w.is_draining
+        ]
+        if not live:
+            return None
+        best = min(live, key=lambda i: (self.load.get(i, 0), i))
+        self.load[best] = self.load.get(best, 0) + 1  # until the next snapshot shows it
+        return best
+
+    async def _refresh(self) -> None:
+        self.workers = {w.instance_id: w for w in await self.store.live_workers()}
+        blobs = await self.store.read_snapshots(list(self.workers))
+        for iid, blob in blobs.items():
+            if blob is None:
+                continue
+            snap = _SNAPSHOT_DECODER.decode(blob.data)
+            self.load[iid] = len(snap.running) + len(snap.waiting) + len(snap.pending)
+
+    # -- the loop ------------------------------------------------------------------
+
+    async def _on_message(self, msg: PeerMessage) -> None:
+        if isinstance(msg, PeerRelease):
+            sends = self.books.on_release(msg)
+        else:
+            sends = self.books.on_peer(msg, time.monotonic())
+        await self._send(sends)
+
+    async def _send(self, sends: list[Send]) -> None:
+        ns = self.cluster.namespace
+        for instance_id, msg in sends:
+            if isinstance(msg, PeerReq) and msg.failed is not None:
+                log.warning(
+                    "peer_failover",
+                    request_id=msg.request_id,
+                    origin=instance_id,
+                    reason=msg.failed,
+                )
+            await self.bus.publish(subjects.worker_peer(ns, instance_id), msg)
+
+    async def run(self) -> None:
+        await self.bus.connect()
+        await self.store.connect()
+        try:
+            await self._refresh()
+            await self.bus.subscribe(
+                subjects.relay_inbox(self.cluster.namespace),
+                PEER_MESSAGE_DECODER,
+                self._on_message,
+                queue=subjects.RELAY_QUEUE_GROUP,
+            )
+            await self.bus.flush()
+            log.info("relay_ready", live_workers=len(self.workers))
+            next_refresh = time.monotonic() + self.settings.registry_refresh_s
+            while not self._stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), CHECK_INTERVAL_S)
+                now = time.monotonic()
+                if now >= next_refresh:
+                    next_refresh = now + self.settings.registry_refresh_s
+                    try:
+                        await self._refresh()
+                    except Exception as exc:  # Redis hiccup: keep the last view
+                        log.warning("registry_refresh_failed", error=repr(exc))
+                await self._send(self.books.check(now))
+        finally:
+            c = self.books.counters
+            log.info(
+                "relay_stopped",
+                forwarded=c.forwarded,
+                failovers=c.failovers,
+                dropped_stale=c.dropped_stale,
+                dropped_unknown=c.dropped_unknown,
+                released=c.released,
+            )
+            await self.bus.close()
+            await self.store.close()

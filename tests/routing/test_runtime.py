@@ -1,0 +1,198 @@
+"""The worker-side token-routing books (services/worker/routing/runtime.py) driving two
+real engines in one process, messages passed as the relay would pass them.
+
+The answer must equal, token for token, what one process applying the same routing
+rule produces (greedy), both engines must free every KV block, and only suffixes
+travel."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import LLMEngine
+from services.worker.engine.loader import build_model, random_config, random_state_dict
+from services.worker.routing.api import STAY, RouteBatch, TokenPolicy, hand_after, hand_rewrite
+from services.worker.routing.runtime import Outbox, TokenRouting
+from shared.config import PresetConfig, TokenMode
+from shared.messages.peer import PeerRelease, PeerReq
+from shared.sampling import SamplingParams
+
+NEW_TOKENS = 20
+BLOCKS = 64
+
+
+def big_writes(position: int) -> bool:
+    """The rule under test: the large model writes output positions 2, 5, 8, ..."""
+    return position % 3 == 2
+
+
+class EveryThird(TokenPolicy):
+    """Small: hand position 2 mod 3 to the large model to rewrite; large: hand back."""
+
+    name = "every-third"
+
+    def route(self, batch: RouteBatch) -> list[int]:
+        if self.model_index == 1:
+            return [hand_after(0)] * len(batch.states)
+        # num_output_tokens counts the token just sampled: its position is that - 1.
+        return [
+            hand_rewrite(1) if big_writes(s.num_output_tokens - 1) else STAY for s in batch.states
+        ]
+
+
+def make_policy(
+    name: str, models: list[str], index: int, args: Mapping[str, float | str]
+) -> TokenPolicy:
+    assert name == "every-third"
+    return EveryThird(models, index, args, Path("."))
+
+
+def tiny_engine(seed: int) -> LLMEngine:
+    cfg = random_config(num_hidden_layers=2)
+    model = build_model(cfg, random_state_dict(cfg, seed=seed), torch.float32, torch.device("cpu"))
+    return LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=BLOCKS, max_model_len=256), model)
+
+
+def presets(mode: TokenMode) -> dict[str, PresetConfig]:
+    return {"pair": PresetConfig(models=["small", "large"], token_policy="every-third", mode=mode)}
+
+
+class Pair:
+    """Two workers' engines and books, and an in-process relay between them."""
+
+    def __init__(self, mode: TokenMode) -> None:
+        self.engines = {"w-small": tiny_engine(1), "w-large": tiny_engine(2)}
+        self.books = {
+            "w-small": TokenRouting("w-small", "small", presets(mode), make_policy),
+            "w-large": TokenRouting("w-large", "large", presets(mode), make_policy),
+        }
+        for iid, engine in self.engines.items():
+            engine.hook = self.books[iid].hook
+        self.client: dict[str, list[int]] = {}
+        self.finished: dict[str, str | None] = {}
+        self.suffix_tokens = 0  # tokens carried by PeerReqs
+
+    def submit(self, rid: str, prompt: list[int], max_tokens: int = NEW_TOKENS) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.engines["w-small"].add_request(rid, prompt, params)
+        self.books["w-small"].add_origin(rid, "pair", prompt, params)
+        self.client[rid] = []
+
+    def deliver(self, msg: PeerReq | PeerRelease) -> None:
+        if isinstance(msg, PeerRelease):
+            for iid in self.books:
+                if iid != msg.origin_instance:
+                    self.books[iid].on_release(msg, self.engines[iid])
+            return
+        self.suffix_tokens += len(msg.suffix)
+        to = "w-small" if msg.to_model == 0 else "w-large"
+        self.books[to].on_peer(msg, self.engines[to], Outbox())
+
+    def step_all(self) -> None:
+        for iid, engine in self.engines.items():
+            books, outbox = self.books[iid], Outbox()
+            outputs = engine.step()
+            for out in books.on_outputs(outputs, outbox):
+                if iid == "w-small":
+                    self.client[out.request_id].extend(out.new_token_ids)
+                    if out.finished:
+                        self.finished[out.request_id] = out.finish_reason
+            books.on_handoffs(engine.pop_handoffs(), engine, outbox)
+            for msg in outbox.peer:
+                self.deliver(msg)
+
+    def run(self, rids: list[str]) -> None:
+        for _ in range(2000):
+            if all(r in self.finished for r in rids) and not any(
+                e.has_unfinished() for e in self.engines.values()
+            ):
+                return
+            self.step_all()
+        raise AssertionError("the routed requests did not finish")
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    small, large = tiny_engine(1), tiny_engine(2)
+    seq, out = list(prompt), []
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for pos in range(n):
+        tok = (large if big_writes(pos) else small).generate([seq], params)[0][0]
+        out.append(tok)
+        seq.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["baton", "std_serving"])
+def test_routed_answer_equals_single_process_and_frees_kv(mode: TokenMode) -> None:
+    pair = Pair(mode)
+    prompts = {"a": [5, 9, 14, 200], "b": list(range(30, 70)), "c": [7]}
+    for rid, prompt in prompts.items():
+        pair.submit(rid, prompt)
+    pair.run(list(prompts))
+    for rid, prompt in prompts.items():
+        assert pair.client[rid] == reference(prompt, NEW_TOKENS), rid
+        assert pair.finished[rid] == "length"
+    for engine in pair.engines.values():
+        assert not engine.scheduler.requests
+        assert engine.scheduler.blocks.num_free_blocks == BLOCKS
+    for books in pair.books.values():
+        assert not books.requests
+    if mode == "baton":
+        # Only unseen suffixes travel: far fewer tokens than whole sequences.
+        whole = sum((len(p) + NEW_TOKENS) * (NEW_TOKENS // 3) * 2 for p in prompts.values())
+        assert pair.suffix_tokens < whole / 3
+
+
+def test_tokens_by_model_are_counted() -> None:
+    pair = Pair("baton")
+    pair.submit("a", [3, 4, 5])
+    pair.run(["a"])
+    # Positions 2, 5, ..., 17 are the large model's: 6 of 20.
+    small = pair.books["w-small"]
+    assert small.num_handoffs == 6
+    assert pair.books["w-large"].num_handoffs == 6
+
+
+def test_peer_finishing_ends_the_answer_at_the_origin() -> None:
+    pair = Pair("baton")
+    # max_tokens 3: the large model writes position 2, the last one; it finishes there.
+    pair.submit("a", [3, 4, 5], max_tokens=3)
+    pair.run(["a"])
+    assert pair.client["a"] == reference([3, 4, 5], 3)
+    assert pair.finished["a"] == "length"
+    for engine in pair.engines.values():
+        assert engine.scheduler.blocks.num_free_blocks == BLOCKS
+
+
+def test_failed_hand_back_lets_the_origin_finish_alone() -> None:
+    pair = Pair("baton")
+    pair.submit("a", [3, 4, 5])
+    small, engine = pair.books["w-small"], pair.engines["w-small"]
+    for _ in range(10):
+        outbox = Outbox()
+        for out in small.on_outputs(engine.step(), outbox):
+            pair.client["a"].extend(out.new_token_ids)
+        small.on_handoffs(engine.pop_handoffs(), engine, outbox)
+        if outbox.peer:
+            break
+    (sent,) = outbox.peer
+    assert isinstance(sent, PeerReq) and sent.rewrites_last
+    # The relay answers: the peer is gone. The origin writes the rest alone.
+    failed = msgspec.structs.replace(
+        sent, failed="peer timed out", suffix=[], seq_no=sent.seq_no + 1
+    )
+    small.on_peer(failed, engine, Outbox())
+    while engine.has_unfinished():
+        outbox = Outbox()
+        for out in small.on_outputs(engine.step(), outbox):
+            pair.client["a"].extend(out.new_token_ids)
+        small.on_handoffs(engine.pop_handoffs(), engine, outbox)
+        assert not any(isinstance(m, PeerReq) for m in outbox.peer)
+    assert len(pair.client["a"]) == NEW_TOKENS
+    assert engine.scheduler.blocks.num_free_blocks == BLOCKS

@@ -1,0 +1,195 @@
+"""Token-level routing end to end: gateway, estimator, two workers (a small and a large
+random model sharing the vocabulary) and the relay, on real NATS and Redis.
+
+The routing rule is a test policy registered in the policy table (the workers run
+in this process): the large model rewrites output positions 2, 5, 8, ... so the
+expected answer is computable by one process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from services.relay.service import RelayService
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import LLMEngine
+from services.worker.routing.policies import TOKEN_POLICIES
+from shared.config import parse_cluster
+from shared.model_store import load_tokenizer
+from shared.sampling import SamplingParams
+from tests.routing.test_runtime import EveryThird, big_writes
+from tests.services.conftest import Stack, start_stack, tiny_cluster_text
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+PAIR = """
+[models.random-tiny-big]
+dtype = "float32"
+
+[[instances]]
+model = "random-tiny-big"
+replicas = 1
+max_num_seqs = 8
+max_num_batched_tokens = 256
+num_kv_blocks = 64
+max_model_len = 256
+seed = 7
+
+[presets.pair]
+models = ["random-tiny", "random-tiny-big"]
+token_policy = "every-third"
+
+[relay]
+peer_timeout_s = 2.0
+registry_refresh_s = 0.2
+"""
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def routed(nats_url: str, redis_url: str) -> AsyncIterator[tuple[Stack, RelayService]]:
+    TOKEN_POLICIES["every-third"] = EveryThird
+    text = tiny_cluster_text(nats_url, redis_url).replace("replicas = 2", "replicas = 1")
+    cluster = parse_cluster(text + PAIR)
+    relay = RelayService(cluster)
+    relay_task = asyncio.create_task(relay.run())
+    stack = await start_stack(cluster, 2, ["random-tiny", "random-tiny-big"])
+    yield stack, relay
+    relay.request_stop()
+    await stack.stop()
+    await asyncio.wait_for(relay_task, 10)
+    del TOKEN_POLICIES["every-third"]
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    """What one process applying the same rule writes (greedy, fp32)."""
+    small, big = (
+        LLMEngine.create(
+            EngineConfig(model=m, dtype="float32", seed=seed, num_kv_blocks=64, max_model_len=256)
+        )
+        for m, seed in (("random-tiny", 0), ("random-tiny-big", 7))
+    )
+    seq, out = list(prompt), []
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for pos in range(n):
+        tok = (big if big_writes(pos) else small).generate([seq], one)[0][0]
+        out.append(tok)
+        seq.append(tok)
+    return out
+
+
+def blocks_in_use(stack: Stack) -> list[int]:
+    out = []
+    for w in stack.workers:
+        sched = w._engine.scheduler
+        out.append(sched.config.num_kv_blocks - sched.blocks.num_free_blocks)
+    return out
+
+
+async def wait_idle(stack: Stack, relay: RelayService) -> None:
+    for _ in range(200):
+        if blocks_in_use(stack) == [0, 0] and not relay.books.routes:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(
+        f"KV still held: {blocks_in_use(stack)}, relay routes {len(relay.books.routes)}"
+    )
+
+
+async def test_routed_completion_equals_single_process(routed: tuple[Stack, RelayService]) -> None:
+    stack, relay = routed
+    tok = load_tokenizer("random-tiny")
+    prompt = "Token routing passes the pen"
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        resp = await client.post(
+            "/v1/completions",
+            json={
+                "model": "pair",
+                "prompt": prompt,
+                "max_tokens": 16,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    expected = reference(tok.encode(prompt), 16)
+    assert body["choices"][0]["text"] == tok.decode(expected)
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 16
+    # Positions 2, 5, 8, 11, 14 are the large model's.
+    assert usage["tokens_by_model"] == {"random-tiny": 11, "random-tiny-big": 5}
+    assert relay.books.counters.forwarded == 10
+    await wait_idle(stack, relay)
+
+
+async def test_streamed_routed_answers_and_aborts_leave_no_kv(
+    routed: tuple[Stack, RelayService],
+) -> None:
+    stack, relay = routed
+
+    async def one(i: int, client: httpx.AsyncClient) -> None:
+        body = {
+            "model": "pair",
+            "prompt": f"request {i} " * (1 + i % 5),
+            "max_tokens": 12,
+            "temperature": 0.8 if i % 2 else 0,
+            "seed": i,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            chunks = 0
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    chunks += 1
+                    if i % 4 == 0 and chunks == 3:
+                        return  # the client goes away mid-answer: abort
+            assert chunks > 2
+
+    gate = asyncio.Semaphore(16)  # under the gateway's max_in_flight (32)
+
+    async def limited(i: int, client: httpx.AsyncClient) -> None:
+        async with gate:
+            await one(i, client)
+
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        await asyncio.gather(*(limited(i, client) for i in range(40)))
+    await wait_idle(stack, relay)
+
+
+async def test_dead_peer_never_loses_a_request(routed: tuple[Stack, RelayService]) -> None:
+    """The large worker dies while requests are in flight: every request still
+    completes, finished by the small model alone once the relay gives the hand-off back."""
+    stack, relay = routed
+    failovers = relay.books.counters.failovers
+
+    async def post(i: int, client: httpx.AsyncClient) -> httpx.Response:
+        body = {
+            "model": "pair",
+            "prompt": f"dead {i}",
+            "max_tokens": 24,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        return await client.post("/v1/completions", json=body)
+
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        pending = [asyncio.create_task(post(i, client)) for i in range(4)]
+        await asyncio.sleep(0.3)  # hand-offs are under way
+        big_task = stack._tasks[1]  # the large worker's loop: crash it
+        big_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await big_task
+        resps = await asyncio.gather(*pending)
+        late = await post(99, client)  # no large worker at all: served by the small one
+    for resp in [*resps, late]:
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] == 24
+    assert relay.books.counters.failovers > failovers
+    assert blocks_in_use(stack)[0] == 0
