@@ -196,3 +196,43 @@ def test_failed_hand_back_lets_the_origin_finish_alone() -> None:
         assert not any(isinstance(m, PeerReq) for m in outbox.peer)
     assert len(pair.client["a"]) == NEW_TOKENS
     assert engine.scheduler.blocks.num_free_blocks == BLOCKS
+
+
+def test_no_kv_leak_after_500_mixed_requests_with_aborts() -> None:
+    """500 requests of mixed lengths through both engines, a fifth aborted by the
+    client at a random moment (some while the large model holds the pen): at the end
+    no request, block or book entry is left on either side."""
+    import random
+
+    rng = random.Random(0)
+    pair = Pair("baton")
+    small = pair.engines["w-small"]
+    rids = [f"m{i}" for i in range(500)]
+    to_abort = {rid for rid in rids if rng.random() < 0.2}
+    queue = list(rids)
+    live: set[str] = set()
+    for _ in range(20000):
+        # 1. Keep up to 12 requests in flight.
+        while queue and len(live) < 12:
+            rid = queue.pop()
+            prompt = [rng.randrange(5, 40000) for _ in range(rng.randrange(1, 40))]
+            pair.submit(rid, prompt, max_tokens=rng.randrange(1, 10))
+            live.add(rid)
+        # 2. Clients going away.
+        for rid in list(live):
+            if rid in to_abort and rng.random() < 0.3:
+                small.abort_request(rid)
+                to_abort.discard(rid)
+        pair.step_all()
+        live -= set(pair.finished)
+        if not queue and not live and not any(e.has_unfinished() for e in pair.engines.values()):
+            break
+    else:
+        raise AssertionError("requests did not drain")
+    assert len(pair.finished) == 500
+    assert "abort" in pair.finished.values()
+    for engine in pair.engines.values():
+        assert not engine.scheduler.requests
+        assert engine.scheduler.blocks.num_free_blocks == BLOCKS
+    for books in pair.books.values():
+        assert not books.requests
