@@ -62,3 +62,8 @@ def relay_inbox(namespace: str) -> str:
 
 def worker_peer(namespace: str, instance_id: str) -> str:
     return f"{check_token(namespace)}.worker.{check_token(instance_id)}.peer"
+
+
+def health(namespace: str, service: str) -> str:
+    """Request/reply liveness probe of a service without an HTTP port."""
+    return f"{check_token(namespace)}.health.{check_token(service)}"

@@ -37,6 +37,7 @@ from shared.messages.batcher import (
     BatchTables,
     RoutingStats,
 )
+from shared.messages.health import HEALTH_PROBE_DECODER, HealthProbe, HealthReply
 from shared.store import Store
 
 log = get_logger(component="batcher")
@@ -87,8 +88,14 @@ class BatcherService:
         await self.bus.subscribe(
             subjects.batcher_stats(self.cluster.namespace), ROUTING_STATS_DECODER, self._on_stats
         )
+        await self.bus.serve(
+            subjects.health(self.cluster.namespace, "batcher"), HEALTH_PROBE_DECODER, self._health
+        )
         await self.bus.flush()
         log.info("batcher_ready", max_n=self.settings.max_n)
+
+    async def _health(self, probe: HealthProbe) -> HealthReply:
+        return HealthReply(service="batcher")
 
     async def run(self) -> None:
         """Publish every publish_interval_s until request_stop()."""

@@ -25,6 +25,7 @@ from shared import subjects
 from shared.bus import Bus
 from shared.config import ClusterConfig
 from shared.logging import get_logger
+from shared.messages.health import HEALTH_PROBE_DECODER, HealthProbe, HealthReply
 from shared.messages.peer import PEER_MESSAGE_DECODER, PeerMessage, PeerRelease, PeerReq
 from shared.messages.registry import WorkerInfo
 from shared.scheduling.snapshot import WorkloadSnapshot
@@ -77,6 +78,9 @@ class RelayService:
             snap = _SNAPSHOT_DECODER.decode(blob.data)
             self.load[iid] = len(snap.running) + len(snap.waiting) + len(snap.pending)
 
+    async def _health(self, probe: HealthProbe) -> HealthReply:
+        return HealthReply(service="relay", detail=f"{len(self.books.routes)} requests routed")
+
     # -- the loop ------------------------------------------------------------------
 
     async def _on_message(self, msg: PeerMessage) -> None:
@@ -108,6 +112,11 @@ class RelayService:
                 PEER_MESSAGE_DECODER,
                 self._on_message,
                 queue=subjects.RELAY_QUEUE_GROUP,
+            )
+            await self.bus.serve(
+                subjects.health(self.cluster.namespace, "relay"),
+                HEALTH_PROBE_DECODER,
+                self._health,
             )
             await self.bus.flush()
             log.info("relay_ready", live_workers=len(self.workers))

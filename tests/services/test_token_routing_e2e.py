@@ -20,6 +20,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.routing.policies import TOKEN_POLICIES
 from shared.config import parse_cluster
+from shared.health import check
 from shared.model_store import load_tokenizer
 from shared.sampling import SamplingParams
 from tests.routing.test_runtime import EveryThird, big_writes
@@ -193,3 +194,9 @@ async def test_dead_peer_never_loses_a_request(routed: tuple[Stack, RelayService
         assert resp.json()["usage"]["completion_tokens"] == 24
     assert relay.books.counters.failovers > failovers
     assert blocks_in_use(stack)[0] == 0
+
+
+async def test_relay_answers_its_health_probe(routed: tuple[Stack, RelayService]) -> None:
+    stack, _ = routed
+    assert await check("relay", stack.cluster)
+    assert not await check("batcher", stack.cluster)  # none runs in this stack
