@@ -9,6 +9,17 @@
     decision:  TTFT from the SFS replay on the cached snapshot while it is fresh,
         else the LPS queue model (stale or missing snapshot)
 
+The SFS replay is in-flight-aware (`evaluation.estimate_from_now`, docs/sfs.md part 1):
+an engine publishes its snapshot at the end of an iteration and starts the next one
+at once, so a request routed `age` seconds later finds that iteration running and
+cannot join it:
+
+    TTFT_hat(now) = max(0, T_hat(iteration in flight) - age) + TTFT_hat(rest)
+
+Ledger entries dispatched before the snapshot's time that it does not show queue
+ahead of the iteration in flight (they may be in it); later ones queue behind it,
+ahead of the probe.
+
 Times: snapshot ages use the store's wall time (`VersionedBlob.wall_time_s`, stamped
 by the writer with time.time()), so a sim worker on a virtual clock ages like any other.
 """
@@ -24,7 +35,15 @@ from services.estimator.ledger import LedgerEntry
 from services.estimator.sfs.baselines import ArrivalRateEstimator, lps_ttft_s
 from services.estimator.sfs.batch_time import SIX_TERM, BatchTimeModel, raw_from_chunks
 from services.estimator.sfs.fit import FitResult, OnlineBatchTimeFitter
-from services.estimator.sfs.replay import OutputPolicy, Probe, SfsReplayer
+from services.estimator.sfs.kernel import KernelState
+from services.estimator.sfs.replay import (
+    OutputPolicy,
+    Probe,
+    admissible_pending,
+    kernel_state,
+    run_on_state,
+    snapshot_ids,
+)
 from shared.config import EstimatorConfig, ModelConfig
 from shared.messages.registry import WorkerInfo
 from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot
@@ -112,20 +131,34 @@ def create_instance_state(
 class LatencyEstimator:
     """Predicted TTFT of a request on an instance: SFS replay or the LPS queue model."""
 
-    def __init__(self, settings: EstimatorConfig) -> None:
+    def __init__(self, settings: EstimatorConfig, *, max_steps: int = 200_000) -> None:
         self.settings = settings
-        self.replayer = SfsReplayer(OutputPolicy(settings.default_output_tokens))
+        self.policy = OutputPolicy(settings.default_output_tokens)
+        self.max_steps = max_steps  # replay iterations before a probe counts as never served
+        # instance -> ((version, wall time) of the snapshot, its parsed state, the ids
+        # it shows); parsed off the decision path, copied by each decision.
+        self._parsed: dict[str, tuple[tuple[int, float], KernelState, frozenset[str]]] = {}
 
     def forget(self, instance_id: str) -> None:
-        self.replayer.forget(instance_id)
+        self._parsed.pop(instance_id, None)
 
     def prepare(self, state: InstanceState) -> None:
         """Parse a newly read snapshot now, so a decision only copies the parsed state."""
         if state.snapshot is not None and state.batch_time_model() is not None:
             try:
-                self.replayer.prepare(state.instance_id, state.snapshot)
+                self._parse(state.instance_id, state.snapshot)
             except ValueError:  # an inconsistent snapshot: decisions use the queue model
-                self.replayer.forget(state.instance_id)
+                self.forget(state.instance_id)
+
+    def _parse(
+        self, instance_id: str, snapshot: WorkloadSnapshot
+    ) -> tuple[KernelState, frozenset[str]]:
+        key = (snapshot.version, snapshot.wall_time_s)
+        hit = self._parsed.get(instance_id)
+        if hit is None or hit[0] != key:
+            hit = (key, kernel_state(snapshot, self.policy), snapshot_ids(snapshot))
+            self._parsed[instance_id] = hit
+        return hit[1], hit[2]
 
     def ttft(
         self,
@@ -143,12 +176,55 @@ class LatencyEstimator:
             and state.is_fresh(now_wall_s, self.settings.snapshot_max_age_s)
         ):
             try:
-                est = self.replayer.estimate(state.instance_id, snap, probe, pending, model=model)
+                ttft_s = self._sfs_ttft_s(state, snap, model, probe, pending, now_wall_s)
             except ValueError:  # e.g. more KV held than the capacity: not replayable
                 pass
             else:
-                return TtftEstimate(est.ttft_s, "sfs")
+                return TtftEstimate(ttft_s, "sfs")
         return TtftEstimate(self._lps_ttft_s(state, probe, model, now_mono_s), "lps")
+
+    def _sfs_ttft_s(
+        self,
+        state: InstanceState,
+        snap: WorkloadSnapshot,
+        model: BatchTimeModel,
+        probe: Probe,
+        pending: list[LedgerEntry],
+        now_wall_s: float,
+    ) -> float:
+        """The in-flight-aware replay (module docstring), seconds from now.
+
+        Same arithmetic as `evaluation.estimate_from_now` on the cached parsed state;
+        ages and dispatch times are wall times (the store's time of the snapshot,
+        `LedgerEntry.dispatched_at_s`).
+        """
+        base, visible = self._parse(state.instance_id, snap)
+        st = base.copy()
+        snap_t = state.snapshot_wall_time_s
+        age_s = max(0.0, now_wall_s - snap_t)
+        # 1. Unseen dispatches from before the snapshot join the queue ahead of the
+        #    iteration in flight; the rest (and the probe) wait behind it.
+        entries, _ = admissible_pending(pending, snap, visible)
+        early_ids = {e.request_id for e in pending if e.dispatched_at_s < snap_t}
+        for rid, prompt, max_tokens, predicted in entries:
+            if rid in early_ids:
+                target = self.policy.target(predicted, max_tokens, 0)
+                st.waiting.append(st.add(rid, prompt, 0, 0, 0, target))
+        # 2. The iteration in flight since the snapshot (none: the engine is idle).
+        in_flight_s = max(0.0, st.step(model.raw, None))
+        # 3. The replay from its end to the probe's first token.
+        later = [e for e in entries if e[0] not in early_ids]
+        r = run_on_state(
+            st,
+            later,
+            probe,
+            model.raw,
+            self.policy,
+            max_model_len=snap.max_model_len,
+            want_e2e=False,
+            max_steps=self.max_steps,
+        )
+        return max(0.0, in_flight_s - age_s) + r.ttft_s
 
     def _lps_ttft_s(
         self,

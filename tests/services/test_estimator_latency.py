@@ -11,7 +11,8 @@ from services.estimator.instances import LatencyEstimator, create_instance_state
 from services.estimator.ledger import Ledger, LedgerEntry
 from services.estimator.policies import InstanceView, Scores, UtilityPolicy, create_policy
 from services.estimator.sfs.batch_time import SIX_TERM, BatchTimeModel
-from services.estimator.sfs.replay import Probe, estimate
+from services.estimator.sfs.evaluation import estimate_from_now
+from services.estimator.sfs.replay import OutputPolicy, Probe
 from services.estimator.sfs.utility import default_ttft_target_s
 from services.gateway.completions import routing_headers
 from services.gateway.service import GatewayError
@@ -153,7 +154,10 @@ def test_fresh_snapshot_is_replayed_stale_and_missing_use_the_queue_model() -> N
     latency.prepare(fresh)
     est = latency.ttft(fresh, probe, [], now_wall_s=100.5, now_mono_s=0.0)
     assert est.source == "sfs"
-    assert est.ttft_s == pytest.approx(estimate(snap, MODEL, probe).ttft_s)
+    # in-flight-aware: the snapshot's next iteration runs since 100.0 (evaluation.py)
+    policy = OutputPolicy(SETTINGS.default_output_tokens)
+    want = estimate_from_now(snap, MODEL, probe, [], 0.5, policy=policy).ttft_s
+    assert est.ttft_s == pytest.approx(want)
 
     est_stale = latency.ttft(fresh, probe, [], now_wall_s=101.5, now_mono_s=0.0)
     assert est_stale.source == "lps" and math.isfinite(est_stale.ttft_s)

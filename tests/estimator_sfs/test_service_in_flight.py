@@ -1,0 +1,97 @@
+"""The estimator service's SFS estimate is the in-flight-aware one of `evaluation.py`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.estimator.instances import LatencyEstimator, create_instance_state
+from services.estimator.ledger import LedgerEntry
+from services.estimator.sfs.batch_time import SIX_TERM
+from services.estimator.sfs.evaluation import estimate_from_now
+from services.estimator.sfs.replay import OutputPolicy, Probe, estimate
+from shared.config import EstimatorConfig, ModelConfig
+from shared.messages.registry import WorkerInfo
+from shared.scheduling.snapshot import WorkloadSnapshot, take_snapshot
+from tests.estimator_sfs.builders import MODEL, make_scheduler, random_live
+
+SETTINGS = EstimatorConfig(snapshot_max_age_s=5.0, default_output_tokens=32)
+INFO = WorkerInfo(
+    instance_id="a",
+    model="m",
+    inbox="ns.worker.a.in",
+    max_model_len=4096,
+    max_num_seqs=4,
+    started_at_s=0.0,
+    heartbeat_at_s=0.0,
+)
+CONFIG = ModelConfig(batch_time_features=SIX_TERM, batch_time_coefs=list(MODEL.coefs))
+
+
+def service_estimate(
+    snap_wall_s: float,
+    now_wall_s: float,
+    live: WorkloadSnapshot,
+    probe: Probe,
+    ledger: list[LedgerEntry],
+) -> float:
+    latency = LatencyEstimator(SETTINGS)
+    state = create_instance_state(INFO, CONFIG, SETTINGS)
+    state.snapshot, state.snapshot_wall_time_s = live, snap_wall_s
+    latency.prepare(state)
+    est = latency.ttft(state, probe, ledger, now_wall_s, now_mono_s=0.0)
+    assert est.source == "sfs"
+    return est.ttft_s
+
+
+def test_hand_made_case_equals_the_in_flight_aware_estimate() -> None:
+    """Two running requests, one waiting; one dispatch before the snapshot's time that
+    it does not show (`joined`), one after (`pending`); the probe arrives 4 ms late."""
+    s = make_scheduler(max_num_seqs=4, max_num_batched_tokens=32)
+    s.add("run0", 20, 10, 8)
+    s.add("run1", 12, 10, 4)
+    for _ in range(2):  # both admitted and prefilling
+        batch = s.schedule()
+        s.commit(batch)
+    s.add("wait0", 30, 6, 6)
+    snap = take_snapshot(s, 7, 100.0)
+    early = LedgerEntry("early", "a", 16, 8, 99.99, 5)  # decided before the snapshot
+    late = LedgerEntry("late", "a", 24, 8, 100.002, 3)  # decided after it
+    probe = Probe(10, 5, 20)
+    age = 0.004
+    want = estimate_from_now(
+        snap, MODEL, probe, [late], age, joined=[early], policy=OutputPolicy(32)
+    )
+    assert 0 < want.in_flight_s and want.in_flight_s > age  # the in-flight part counts
+    got = service_estimate(100.0, 100.0 + age, snap, probe, [early, late])
+    assert got == pytest.approx(want.ttft_s, rel=1e-12)
+    # ... and differs from the old estimate counted from the snapshot's time
+    old = estimate(snap, MODEL, probe, [early, late], policy=OutputPolicy(32)).ttft_s
+    assert got != pytest.approx(old)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_cases_equal_the_in_flight_aware_estimate(seed: int) -> None:
+    rng = random.Random(seed)
+    live = random_live(rng, predicted=rng.random() < 0.5, peer=rng.random() < 0.3)
+    snap = take_snapshot(live, 1, 50.0)
+    ledger = [
+        LedgerEntry(
+            f"n{i}", "a", rng.randint(1, 40), rng.randint(1, 40), 50.0 + rng.uniform(-0.02, 0.02)
+        )
+        for i in range(rng.randint(0, 4))
+    ]
+    probe = Probe(rng.randint(1, 40), rng.randint(1, 20), 40)
+    age = rng.choice([0.0, 0.003, 1.0])
+    joined = [e for e in ledger if e.dispatched_at_s < 50.0]
+    after = [e for e in ledger if e.dispatched_at_s >= 50.0]
+    try:
+        want = estimate_from_now(
+            snap, MODEL, probe, after, age, joined=joined, policy=OutputPolicy(32)
+        )
+    except ValueError:
+        pytest.skip("snapshot not replayable")
+    assert service_estimate(50.0, 50.0 + age, snap, probe, ledger) == pytest.approx(
+        want.ttft_s, rel=1e-12
+    )
