@@ -236,3 +236,48 @@ def test_no_kv_leak_after_500_mixed_requests_with_aborts() -> None:
         assert engine.scheduler.blocks.num_free_blocks == BLOCKS
     for books in pair.books.values():
         assert not books.requests
+
+
+def test_hold_obeys_the_batch_tables() -> None:
+    """The large model holds its step until B_L(N) requests are ready there, every
+    active request is there, or the oldest waited the hold timeout."""
+    from shared.messages.batcher import BatchTables
+
+    pair = Pair("baton")
+    pair.submit("a", [3, 4, 5])
+    pair.step_all()  # "a" is one token ahead of the others
+    for rid in ("b", "c"):
+        pair.submit(rid, [3, 4, 5])
+    large = pair.books["w-large"]
+    tables = BatchTables(
+        preset="pair",
+        version=1,
+        models=["small", "large"],
+        b=[[1, 1, 1], [1, 2, 2]],
+        hold_timeout_ms=50.0,
+        is_estimated=True,
+        published_at_s=0.0,
+    )
+    large.tables["pair"] = tables
+    # Step the small engine alone until one request waits at the large model.
+    small, big = pair.engines["w-small"], pair.engines["w-large"]
+    for _ in range(10):
+        outbox = Outbox()
+        pair.books["w-small"].on_outputs(small.step(), outbox)
+        pair.books["w-small"].on_handoffs(small.pop_handoffs(), small, outbox)
+        for msg in outbox.peer:
+            pair.deliver(msg)
+        if large.requests:
+            break
+    ready = [t for t in large.requests.values() if not t.parked]
+    assert len(ready) == 1
+    t0 = ready[0].ready_since_s
+    assert large.num_active("pair") == 3  # reported by the origin
+    # One ready, B_L(3) = 2: hold, for what is left of the 50 ms timeout.
+    wait = large.hold_s(t0 + 0.01, has_plain_work=False)
+    assert wait is not None and abs(wait - 0.04) < 1e-6
+    assert large.hold_s(t0 + 0.06, has_plain_work=False) is None  # timed out: step
+    assert large.hold_s(t0 + 0.01, has_plain_work=True) is None  # plain work never waits
+    del large.tables["pair"]
+    assert large.hold_s(t0 + 0.01, has_plain_work=False) is None  # no tables: eager
+    assert big.has_unfinished()
