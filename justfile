@@ -66,3 +66,7 @@ bench-sfs *args:
 # train the token-level routers (R2R, CITER, Co-LLM) from the family's own labels
 routers *args:
     ./baton python scripts/train_routers.py "$@"
+
+# token-level routing: every policy vs the baselines, closed loop (JSON to --out)
+bench-token *args:
+    ./baton python scripts/bench_token.py "$@"
