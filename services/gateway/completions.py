@@ -11,6 +11,7 @@ as a RequestFailed event before any byte is sent.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Mapping
@@ -19,8 +20,9 @@ from typing import Any
 
 import msgspec
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive
 
-from services.gateway.generation import Generation, failure
+from services.gateway.generation import ClientDisconnected, Generation, failure
 from services.gateway.protocol import (
     CHAT_DECODER,
     COMPLETION_DECODER,
@@ -28,10 +30,11 @@ from services.gateway.protocol import (
     CompletionRequest,
 )
 from services.gateway.service import GatewayError, GatewayService
+from services.gateway.streams import CLIENT_GONE, RequestStream
 from shared.config import IMPLEMENTED_POLICIES
 from shared.messages.estimator import RouteRequest
 from shared.messages.gateway import RequestFailed
-from shared.sampling import SamplingParams
+from shared.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
@@ -191,13 +194,29 @@ def _tokenize(body: ChatCompletionRequest | CompletionRequest, tokenizer: Any) -
     )
 
 
+def _logprobs_k(body: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """How many top logprobs per token (None = no logprobs); 400 naming the field if out of range.
+
+    Chat: `logprobs: true` turns them on, `top_logprobs` (0-20) asks for the top k.
+    Completions (legacy): `logprobs` is the k itself (OpenAI caps it at 5; the engine serves 20).
+    """
+    name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+    k = body.top_logprobs if isinstance(body, ChatCompletionRequest) else body.logprobs
+    if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {k}", name)
+    if not isinstance(body, ChatCompletionRequest):
+        return k
+    if not body.logprobs:
+        if k:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return k or 0
+
+
 def _sampling_params(
     body: ChatCompletionRequest | CompletionRequest, max_tokens: int
 ) -> SamplingParams:
-    if isinstance(body, ChatCompletionRequest):
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    else:
-        logprobs = body.logprobs
+    logprobs = _logprobs_k(body)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -212,10 +231,26 @@ def _sampling_params(
     )
 
 
+async def watch_disconnect(receive: Receive, stream: RequestStream) -> None:
+    """Wait for the client's http.disconnect (the body is read already, so `receive` has
+    nothing else to give) and wake the handler waiting on the stream's queue."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    stream.events.put_nowait(CLIENT_GONE)
+
+
 async def handle(
-    service: GatewayService, raw: bytes, is_chat: bool, headers: Mapping[str, str] | None = None
+    service: GatewayService,
+    raw: bytes,
+    is_chat: bool,
+    headers: Mapping[str, str] | None = None,
+    receive: Receive | None = None,
 ) -> Response:
-    """The whole request; GatewayError propagates to the app's error handler."""
+    """The whole request; GatewayError propagates to the app's error handler.
+
+    `receive` (the ASGI channel) is watched while the handler waits for the worker: a
+    client that disconnects then gets its request aborted on the worker, streaming or
+    not (once an SSE response runs, Starlette notices the disconnect itself)."""
     p = prepare(service, raw, is_chat, headers)
     service.admit()
     try:
@@ -259,23 +294,30 @@ async def handle(
             None if reply.predicted_ttft_ms is None else round(reply.predicted_ttft_ms, 3)
         ),
     }
+    watcher = None if receive is None else asyncio.create_task(watch_disconnect(receive, stream))
     try:
-        first = await run.next_event()
-    except BaseException:
-        run.close()
-        raise
-    if isinstance(first, RequestFailed):
-        run.is_engine_done = True
-        run.close()
-        raise failure(first)
-    headers = {"X-Request-Id": p.request_id, "X-Instance-Id": stream.instance_id}
-    if p.body.stream:
-        return StreamingResponse(
-            run.sse(first),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", **headers},
-        )
-    try:
-        return JSONResponse(await run.collect(first), headers=headers)
+        try:
+            first = await run.next_event()
+        except BaseException:
+            run.close()
+            raise
+        if isinstance(first, RequestFailed):
+            run.is_engine_done = True
+            run.close()
+            raise failure(first)
+        headers = {"X-Request-Id": p.request_id, "X-Instance-Id": stream.instance_id}
+        if p.body.stream:
+            return StreamingResponse(
+                run.sse(first),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", **headers},
+            )
+        try:
+            return JSONResponse(await run.collect(first), headers=headers)
+        finally:
+            run.close()  # aborts on the worker unless the answer is complete
+    except ClientDisconnected:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
     finally:
-        run.close()
+        if watcher is not None:
+            watcher.cancel()

@@ -9,12 +9,19 @@ from typing import TYPE_CHECKING, Any
 
 from services.gateway.protocol import SSE_DONE, error_body, sse, usage
 from services.gateway.service import GatewayError, GatewayService
-from services.gateway.streams import RequestStream
+from services.gateway.streams import ClientGone, RequestStream
 from services.gateway.text import TextStream
 from shared.messages.gateway import GatewayEvent, RequestFailed, TokenDelta
 
 if TYPE_CHECKING:
     from services.gateway.completions import Prepared
+
+# What one delta adds: (new text, new token ids, their logprobs, their top-k (id, logprob))
+Piece = tuple[str, list[int], list[float], list[list[tuple[int, float]]]]
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the answer was complete."""
 
 
 def failure(event: RequestFailed) -> GatewayError:
@@ -52,19 +59,22 @@ class Generation:
         service.metrics.queued.inc()
 
     async def next_event(self) -> GatewayEvent:
+        """The worker's next event; ClientDisconnected if the client left first."""
         try:
-            return await asyncio.wait_for(
+            event = await asyncio.wait_for(
                 self.stream.events.get(), self.service.settings.event_timeout_s
             )
         except TimeoutError:
             raise GatewayError(
                 504, "the worker did not answer in time", "timeout", "worker_timeout"
             ) from None
+        if isinstance(event, ClientGone):
+            raise ClientDisconnected
+        return event
 
-    async def pieces(
-        self, first: GatewayEvent
-    ) -> AsyncIterator[tuple[str, list[int], list[float]]]:
-        """(new text, new token ids, their logprobs) per delta, until the request finishes."""
+    async def pieces(self, first: GatewayEvent) -> AsyncIterator[Piece]:
+        """(new text, new token ids, their logprobs, their top logprobs) per delta, until the
+        request finishes."""
         event: GatewayEvent | None = first
         while True:
             if event is None:
@@ -76,7 +86,9 @@ class Generation:
             self.num_prompt_tokens = event.num_prompt_tokens
             if event.tokens_by_model is not None:
                 self.tokens_by_model = event.tokens_by_model
-            text, ids, lps = self.text.add(event.position, event.token_ids, event.logprobs)
+            text, ids, lps, tops = self.text.add(
+                event.position, event.token_ids, event.logprobs, event.top_logprobs
+            )
             self._observe(len(ids))
             if event.finish_reason is not None and not self.text.assembler.has_gap:
                 self.finish_reason = event.finish_reason
@@ -86,9 +98,9 @@ class Generation:
                 self.is_finished = True
                 self.is_engine_done = event.finish_reason is not None
                 text += self.text.finish()
-                yield text, ids, lps
+                yield text, ids, lps, tops
                 return
-            yield text, ids, lps
+            yield text, ids, lps, tops
             event = None
 
     def _observe(self, num_new: int) -> None:
@@ -131,29 +143,63 @@ class Generation:
                 cost = served.cost(self.num_prompt_tokens, self.num_output_tokens)
         return {**self.baton, "cost": cost}
 
-    def _logprobs(self, ids: list[int], lps: list[float]) -> Any:
-        if self.p.params.logprobs is None or not lps:
+    def _logprobs(
+        self, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]]
+    ) -> Any:
+        """OpenAI's logprobs object for these tokens (None when not asked for).
+
+        Chat: `content` entries with `top_logprobs: [{token, logprob, bytes}]`.
+        Completions (legacy): `top_logprobs: [{token: logprob}]` per position, None for k = 0.
+        """
+        k = self.p.params.logprobs
+        if k is None or not lps:
             return None
-        tokens = [self.text.token_text(t) for t in ids]
+        text = self.text.token_text
+        tokens = [text(t) for t in ids]
+        tops = tops if k > 0 else []
         if self.p.is_chat:
-            return {
-                "content": [
-                    {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                    for t, lp in zip(tokens, lps, strict=False)
-                ]
-            }
-        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": None}
+            content = []
+            for i, (t, lp) in enumerate(zip(tokens, lps, strict=False)):
+                top = tops[i] if i < len(tops) else []
+                content.append(
+                    {
+                        "token": t,
+                        "logprob": lp,
+                        "bytes": list(t.encode()),
+                        "top_logprobs": [
+                            {"token": s, "logprob": v, "bytes": list(s.encode())}
+                            for s, v in ((text(tid), v) for tid, v in top)
+                        ],
+                    }
+                )
+            return {"content": content}
+        top_dicts: list[dict[str, float]] | None = None
+        if k > 0:
+            top_dicts = []
+            for top in tops:
+                entry: dict[str, float] = {}
+                for tid, v in top:  # most likely first: keep it when two ids decode alike
+                    entry.setdefault(text(tid), v)
+                top_dicts.append(entry)
+        return {
+            "tokens": tokens,
+            "token_logprobs": lps,
+            "top_logprobs": top_dicts,
+            "text_offset": None,
+        }
 
     async def collect(self, first: GatewayEvent) -> dict:
         parts: list[str] = []
         all_ids: list[int] = []
         all_lps: list[float] = []
-        async for text, ids, lps in self.pieces(first):
+        all_tops: list[list[tuple[int, float]]] = []
+        async for text, ids, lps, tops in self.pieces(first):
             parts.append(text)
             all_ids.extend(ids)
             all_lps.extend(lps)
+            all_tops.extend(tops)
         text = "".join(parts)
-        logprobs = self._logprobs(all_ids, all_lps)
+        logprobs = self._logprobs(all_ids, all_lps, all_tops)
         if self.p.is_chat:
             choice = {
                 "index": 0,
@@ -206,10 +252,10 @@ class Generation:
                         **extra,
                     }
                 )
-            async for text, ids, lps in self.pieces(first):
+            async for text, ids, lps, tops in self.pieces(first):
                 if not text and not ids and self.finish_reason is None:
                     continue
-                lp = self._logprobs(ids, lps)
+                lp = self._logprobs(ids, lps, tops)
                 if self.p.is_chat:
                     choice = {
                         "index": 0,
@@ -245,6 +291,8 @@ class Generation:
             self._count(str(exc.status))
             yield sse(error_body(exc.message, exc.type, exc.code))
             yield SSE_DONE
+        except ClientDisconnected:  # seen just before streaming began: nobody to tell
+            return
         finally:
             self.close()
 

@@ -17,13 +17,22 @@ class OutputAssembler:
     def __init__(self) -> None:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
-        self._early: dict[int, tuple[list[int], list[float] | None]] = {}
+        # per token, its top-k (token id, logprob) pairs; only when the request asked for k > 0
+        self.top_logprobs: list[list[tuple[int, float]]] = []
+        self._early: dict[
+            int, tuple[list[int], list[float] | None, list[list[tuple[int, float]]] | None]
+        ] = {}
 
     def add(
-        self, position: int, token_ids: list[int], logprobs: list[float] | None
+        self,
+        position: int,
+        token_ids: list[int],
+        logprobs: list[float] | None,
+        top_logprobs: list[list[tuple[int, float]]] | None = None,
     ) -> tuple[list[int], list[float]]:
-        """Accept a delta; return the tokens (and logprobs) that became contiguous."""
-        self._early[position] = (token_ids, logprobs)
+        """Accept a delta; return the tokens (and logprobs) that became contiguous
+        (their top logprobs are the tail of `top_logprobs`)."""
+        self._early[position] = (token_ids, logprobs, top_logprobs)
         start = len(self.token_ids)
         while True:
             # the earliest held delta that reaches the end of what we have
@@ -31,11 +40,13 @@ class OutputAssembler:
             if not usable:
                 break
             p = min(usable)
-            ids, lps = self._early.pop(p)
+            ids, lps, tops = self._early.pop(p)
             skip = len(self.token_ids) - p
             self.token_ids.extend(ids[skip:])
             if lps is not None:
                 self.logprobs.extend(lps[skip:])
+            if tops is not None:
+                self.top_logprobs.extend(tops[skip:])
         return self.token_ids[start:], self.logprobs[start:]
 
     @property
@@ -116,10 +127,18 @@ class TextStream:
         self._skip = skip_ids
 
     def add(
-        self, position: int, token_ids: list[int], logprobs: list[float] | None
-    ) -> tuple[str, list[int], list[float]]:
-        new_ids, new_lps = self.assembler.add(position, token_ids, logprobs)
-        return self._cutter.push(self._detok.add(new_ids)), new_ids, new_lps
+        self,
+        position: int,
+        token_ids: list[int],
+        logprobs: list[float] | None,
+        top_logprobs: list[list[tuple[int, float]]] | None = None,
+    ) -> tuple[str, list[int], list[float], list[list[tuple[int, float]]]]:
+        """(new text, new token ids, their logprobs, their top logprobs) once contiguous."""
+        asm = self.assembler
+        num_top = len(asm.top_logprobs)
+        new_ids, new_lps = asm.add(position, token_ids, logprobs, top_logprobs)
+        new_top = asm.top_logprobs[num_top:]
+        return self._cutter.push(self._detok.add(new_ids)), new_ids, new_lps, new_top
 
     @property
     def is_stopped(self) -> bool:

@@ -293,6 +293,7 @@ class WorkerService:
                 out.finish_reason if out.finished else None,
                 out.num_prompt_tokens,
                 counts,
+                out.new_top_logprobs if out.new_top_logprobs and out.new_top_logprobs[0] else None,
             )
             events.append((reply_to, delta))
         return events

@@ -21,6 +21,9 @@ class TokenDelta(msgspec.Struct, tag="delta", frozen=True, array_like=True):
     num_prompt_tokens: int  # tokens in the prompt as the engine counted them
     # token-level presets, on the final delta: output tokens written per real model
     tokens_by_model: dict[str, int] | None = None
+    # per new token, its top-k (token id, natural-log probability) pairs, most likely
+    # first; only when the request asked for k > 0 top logprobs
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class RequestFailed(msgspec.Struct, tag="failed", frozen=True, array_like=True):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import httpx
@@ -180,6 +181,111 @@ async def test_client_disconnect_frees_kv(stack: Stack) -> None:
     assert request_id not in stack.estimator.ledger
 
 
+def num_aborted_by_client(stack: Stack) -> float:
+    """Requests the gateway counted as 499 (client closed request) for random-tiny."""
+    value = stack.gateway.metrics.registry.get_sample_value(
+        "baton_requests_total", {"model": "random-tiny", "status": "499"}
+    )
+    return value or 0.0
+
+
+async def test_non_stream_client_disconnect_frees_kv(stack: Stack) -> None:
+    body = {**CHAT, "max_tokens": 220, "ignore_eos": True}  # 33 prompt tokens: fits 256
+    before = num_aborted_by_client(stack)
+    known = {s.request_id for s in stack.gateway.streams.open_streams()}
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        post = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+        request_id, instance_id, running = "", "", False
+        for _ in range(500):  # until the worker runs it (the snapshot lists it as running)
+            new = [s for s in stack.gateway.streams.open_streams() if s.request_id not in known]
+            if new:
+                request_id, instance_id = new[0].request_id, new[0].instance_id
+                snap = await snapshot_of(stack, instance_id)
+                running = any(r.request_id == request_id for r in snap.running)
+                if running:
+                    break
+            await asyncio.sleep(0.01)
+        assert running, "the request never ran"
+        post.cancel()  # leave mid-generation: httpx drops the connection
+        with contextlib.suppress(asyncio.CancelledError):
+            await post
+    ids: set[str] = {request_id}
+    for _ in range(200):
+        snap = await snapshot_of(stack, instance_id)
+        ids = {r.request_id for r in (*snap.running, *snap.waiting, *snap.pending)}
+        if request_id not in ids and snap.num_free_blocks == snap.num_kv_blocks:
+            break
+        await asyncio.sleep(0.05)
+    assert request_id not in ids
+    assert snap.num_free_blocks == snap.num_kv_blocks  # every KV block back in the pool
+    # Aborted, not run to its 220th token: the gateway closed it as a client disconnect.
+    assert num_aborted_by_client(stack) == before + 1
+    assert request_id not in {s.request_id for s in stack.gateway.streams.open_streams()}
+
+
+async def test_chat_top_logprobs_non_stream(stack: Stack) -> None:
+    body = {
+        **CHAT,
+        "max_tokens": 5,
+        "ignore_eos": True,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    content = resp.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 5
+    for entry in content:
+        top = entry["top_logprobs"]
+        assert len(top) == 3
+        assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        assert all(t["bytes"] == list(t["token"].encode()) for t in top)
+        # greedy: the sampled token is the most likely one
+        assert top[0]["logprob"] == pytest.approx(entry["logprob"])
+        assert top[0]["token"] == entry["token"]
+
+
+async def test_chat_logprobs_without_top_k_has_empty_top_lists(stack: Stack) -> None:
+    body = {**CHAT, "max_tokens": 3, "ignore_eos": True, "logprobs": True}
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        resp = await client.post("/v1/chat/completions", json=body)
+    content = resp.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(e["top_logprobs"] == [] for e in content)
+
+
+async def test_completion_stream_top_logprobs(stack: Stack) -> None:
+    body = {
+        "model": "random-tiny",
+        "prompt": "The quick brown fox",
+        "max_tokens": 6,
+        "ignore_eos": True,
+        "temperature": 0,
+        "logprobs": 2,
+        "stream": True,
+    }
+    async with (
+        httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client,
+        client.stream("POST", "/v1/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        events = sse_events([line async for line in resp.aiter_lines()])
+    lps = [
+        e["choices"][0]["logprobs"]
+        for e in events
+        if isinstance(e, dict) and e["choices"] and e["choices"][0]["logprobs"]
+    ]
+    tokens = [t for lp in lps for t in lp["tokens"]]
+    token_lps = [v for lp in lps for v in lp["token_logprobs"]]
+    tops = [d for lp in lps for d in lp["top_logprobs"]]
+    assert len(tokens) == len(token_lps) == len(tops) == 6
+    for token, value, top in zip(tokens, token_lps, tops, strict=True):
+        assert 1 <= len(top) <= 2  # two ids can decode to the same text: one key
+        assert max(top.values()) == pytest.approx(value)  # greedy: sampled = most likely
+        assert top[token] == pytest.approx(value)
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "needle"),
     [
@@ -224,6 +330,24 @@ async def test_client_disconnect_frees_kv(stack: Stack) -> None:
             {"model": "random-tiny", "prompt": [10**7], "max_tokens": 2},
             400,
             "token ids must be in",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "logprobs": True, "top_logprobs": 21},
+            400,
+            "top_logprobs must be in [0, 20], got 21",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "top_logprobs": 3},
+            400,
+            "top_logprobs needs logprobs: true",
+        ),
+        (
+            "/v1/completions",
+            {"model": "random-tiny", "prompt": "hi", "logprobs": -1},
+            400,
+            "logprobs must be in [0, 20], got -1",
         ),
     ],
 )
