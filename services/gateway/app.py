@@ -76,14 +76,22 @@ def create_app(cfg: GatewayServiceConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         authorize(request)
         return await completions.handle(
-            service, await request.body(), is_chat=True, headers=request.headers
+            service,
+            await request.body(),
+            is_chat=True,
+            headers=request.headers,
+            receive=request.receive,
         )
 
     @app.post("/v1/completions")
     async def text_completions(request: Request) -> Response:
         authorize(request)
         return await completions.handle(
-            service, await request.body(), is_chat=False, headers=request.headers
+            service,
+            await request.body(),
+            is_chat=False,
+            headers=request.headers,
+            receive=request.receive,
         )
 
     @app.get("/v1/models")

@@ -8,11 +8,18 @@ from dataclasses import dataclass, field
 from shared.messages.gateway import DeltaBatch, GatewayEvent, RequestFailed
 
 
+class ClientGone:
+    """Queued by the HTTP side when the client disconnects while its handler waits."""
+
+
+CLIENT_GONE = ClientGone()
+
+
 @dataclass(eq=False)
 class RequestStream:
     request_id: str
     instance_id: str
-    events: asyncio.Queue[GatewayEvent] = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[GatewayEvent | ClientGone] = field(default_factory=asyncio.Queue)
 
 
 class StreamManager:
@@ -29,6 +36,10 @@ class StreamManager:
         stream = RequestStream(request_id, instance_id)
         self._streams[request_id] = stream
         return stream
+
+    def open_streams(self) -> list[RequestStream]:
+        """The requests this gateway is waiting on now."""
+        return list(self._streams.values())
 
     def close(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
