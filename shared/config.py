@@ -138,6 +138,9 @@ class EstimatorConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields
     policy: PolicyName = "shortest-queue"  # for requests that name a real model
     snapshot_max_age_s: float = 5.0  # seconds; an older snapshot is stale
     ledger_ttl_s: float = 60.0  # seconds a ledger entry lives without being reconciled
+    # Share the ledger with the other estimator replicas through Redis (no herding when
+    # several replicas route one burst); false: each replica knows only its own decisions.
+    shared_ledger: bool = True
     registry_refresh_s: float = 0.5  # seconds between reads of the worker registry
     # Default TTFT target of a request that names none (SFS: tau = base + per_token * P,
     # clipped); read by the latency-aware policies.

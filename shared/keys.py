@@ -6,6 +6,7 @@
 {ns}:samples:{instance_id}      LIST of BatchSample (msgpack), newest last, capped
 {ns}:calibration:{instance_id}  BatchTimeCalibration (msgpack): the estimator's fitted batch-time model
 {ns}:batch_tables:{preset}      BatchTables (msgpack): the batcher's latest B* tables for a preset
+{ns}:ledger:{instance_id}       HASH request id -> LedgerEntry (msgpack): the estimators' shared ledger
 """
 
 from __future__ import annotations
@@ -35,3 +36,7 @@ def calibration(namespace: str, instance_id: str) -> str:
 
 def batch_tables(namespace: str, preset: str) -> str:
     return f"{check_token(namespace)}:batch_tables:{check_token(preset)}"
+
+
+def ledger(namespace: str, instance_id: str) -> str:
+    return f"{check_token(namespace)}:ledger:{check_token(instance_id)}"

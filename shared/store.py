@@ -105,6 +105,56 @@ class Store:
             out[iid] = VersionedBlob(int(row[b"version"]), float(row[b"wall_time_s"]), row[b"data"])
         return out
 
+    async def read_snapshots_and_ledgers(
+        self, instance_ids: list[str]
+    ) -> tuple[dict[str, VersionedBlob | None], dict[str, dict[bytes, bytes]]]:
+        """`read_snapshots` plus each instance's shared-ledger hash (request id ->
+        msgpack LedgerEntry), in the same single round trip."""
+        if not instance_ids:
+            return {}, {}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for iid in instance_ids:
+                pipe.hgetall(keys.snapshot(self.namespace, iid))
+                pipe.hgetall(keys.ledger(self.namespace, iid))
+            rows = await pipe.execute()
+        snaps: dict[str, VersionedBlob | None] = {}
+        ledgers: dict[str, dict[bytes, bytes]] = {}
+        for i, iid in enumerate(instance_ids):
+            row, ledger = rows[2 * i], rows[2 * i + 1]
+            snaps[iid] = (
+                VersionedBlob(int(row[b"version"]), float(row[b"wall_time_s"]), row[b"data"])
+                if row
+                else None
+            )
+            ledgers[iid] = ledger
+        return snaps, ledgers
+
+    # -- the estimators' shared ledger -----------------------------------------
+
+    async def write_ledger(
+        self,
+        adds: list[tuple[str, str, bytes]],
+        deletes: list[tuple[str, str]],
+        *,
+        ttl_s: float,
+    ) -> None:
+        """HSET entries (instance, request id, msgpack LedgerEntry) and HDEL (instance,
+        request id) pairs in one round trip. Each written hash lives `ttl_s` past its
+        newest write (entries carry their own time; readers drop the older ones)."""
+        if not adds and not deletes:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            touched: set[str] = set()
+            for iid, rid, data in adds:
+                key = keys.ledger(self.namespace, iid)
+                pipe.hset(key, rid, data)
+                touched.add(key)
+            for key in touched:
+                pipe.pexpire(key, int(ttl_s * 1000))
+            for iid, rid in deletes:
+                pipe.hdel(keys.ledger(self.namespace, iid), rid)
+            await pipe.execute()
+
     async def read_samples(self, instance_id: str, count: int = 1000) -> list[bytes]:
         """The newest `count` batch samples of an instance, oldest first."""
         key = keys.batch_samples(self.namespace, instance_id)

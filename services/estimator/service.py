@@ -18,7 +18,10 @@ samples to one OnlineBatchTimeFitter per instance and publishes each refit.
 
 nats-py runs one subscription's callbacks one at a time, so decisions (and the
 ledger) are serialized within a process. Several estimator replicas share the
-route subject through a queue group; each keeps its own ledger (see DESIGN.md).
+route subject through a queue group; with `shared_ledger` their ledgers are kept
+in step through Redis (`ledger.SharedLedger`: a decision only queues its entry; a
+writer task writes it, the refresh loop reads the others' with the snapshots),
+else each replica knows only its own decisions.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 
 from services.estimator.instances import InstanceState, LatencyEstimator, create_instance_state
-from services.estimator.ledger import Ledger, LedgerEntry
+from services.estimator.ledger import LedgerEntry, SharedLedger, encode_entries
 from services.estimator.policies import InstanceView, Policy, Scores, create_policy
 from services.estimator.predictors import Prediction, Predictors
 from services.estimator.sfs.replay import Probe
@@ -67,7 +70,11 @@ class EstimatorService:
         self.settings = cluster.estimator
         self.bus = Bus(cluster.nats_url, name="estimator")
         self.store = Store(cluster.redis_url, cluster.namespace)
-        self.ledger = Ledger(self.settings.ledger_ttl_s)
+        # The decisions' ledger is the shared one's local copy; without `shared_ledger`
+        # nothing is written to or merged from Redis.
+        self.shared_ledger = SharedLedger(self.settings.ledger_ttl_s)
+        self.ledger = self.shared_ledger.ledger
+        self._ledger_dirty = asyncio.Event()  # wakes the ledger writer
         self.latency = LatencyEstimator(self.settings)
         # Policies are built up front, so a cluster file naming one this estimator
         # cannot run fails at start (ValueError), not at the first request.
@@ -123,6 +130,8 @@ class EstimatorService:
                 name="batch-time-fit",
             ),
         ]
+        if self.settings.shared_ledger:
+            self._loops.append(asyncio.create_task(self._write_ledger(), name="ledger-writer"))
         log.info(
             "estimator_ready",
             policy=self._default_policy.name,
@@ -141,7 +150,11 @@ class EstimatorService:
                     await self._refresh_workers()
                 except Exception as exc:
                     log.warning("registry_refresh_failed", error=str(exc))
-                self.ledger.expire(time.monotonic())
+                if self.settings.shared_ledger:
+                    self.shared_ledger.expire(time.time())
+                    self._ledger_dirty.set()
+                else:
+                    self.ledger.expire(time.time())
                 for task in self._loops:
                     if task.done():  # a background loop must never die silently
                         task.result()
@@ -176,7 +189,7 @@ class EstimatorService:
     async def _refresh_workers(self) -> None:
         live = {w.instance_id: w for w in await self.store.live_workers()}
         for gone in departed(self.workers, live):
-            self.ledger.forget_instance(gone)
+            self.shared_ledger.forget_instance(gone)
             self.instances.pop(gone, None)
             self.latency.forget(gone)
             log.info("worker_gone", instance_id=gone)
@@ -192,12 +205,22 @@ class EstimatorService:
         self.workers = live
 
     async def refresh_snapshots(self) -> None:
-        """Read every live instance's snapshot; parse new versions and reconcile the ledger."""
+        """Read every live instance's snapshot (and shared-ledger hash); parse new
+        versions, reconcile the ledger and merge the other replicas' entries."""
         ids = list(self.instances)
-        blobs = await self.store.read_snapshots(ids)
+        shared = self.settings.shared_ledger
+        if shared:
+            blobs, stored = await self.store.read_snapshots_and_ledgers(ids)
+        else:
+            blobs, stored = await self.store.read_snapshots(ids), {}
+        now_wall = time.time()
         for iid, blob in blobs.items():
             state = self.instances.get(iid)
-            if state is None or blob is None:
+            if state is None:
+                continue
+            if shared:  # before the snapshot: a merged entry it shows is reconciled below
+                self.shared_ledger.merge(iid, stored.get(iid, {}), state.visible, now_wall)
+            if blob is None:
                 continue
             key = (blob.version, blob.wall_time_s)
             if key == state.snapshot_key:
@@ -210,8 +233,34 @@ class EstimatorService:
                 for group in (snapshot.running, snapshot.waiting, snapshot.pending)
                 for r in group
             }
-            self.ledger.reconcile(iid, state.visible)
+            if shared:
+                self.shared_ledger.reconcile(iid, state.visible, now_wall)
+            else:
+                self.ledger.reconcile(iid, state.visible)
             self.latency.prepare(state)
+        if shared and self.shared_ledger.has_writes():
+            self._ledger_dirty.set()
+
+    async def _write_ledger(self) -> None:
+        """Move queued entries and deletions to Redis, one pipeline per wake-up.
+
+        Off the decision path: a decision only queues its entry and sets the event. A
+        failed write is logged and its entries are lost to the other replicas (they
+        still count here until reconciled or expired).
+        """
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ledger_dirty.wait(), 1.0)
+            self._ledger_dirty.clear()
+            adds, deletes = self.shared_ledger.take_writes()
+            if not adds and not deletes:
+                continue
+            try:
+                await self.store.write_ledger(
+                    encode_entries(adds), deletes, ttl_s=self.settings.ledger_ttl_s
+                )
+            except Exception as exc:
+                log.warning("ledger_write_failed", error=repr(exc), entries=len(adds))
 
     async def fit_batch_times(self) -> None:
         """Feed new batch samples to each instance's fitter; publish every refit."""
@@ -260,7 +309,11 @@ class EstimatorService:
             count = min(SAMPLES_PER_READ, count * 4)
 
     async def _on_done(self, event: RequestDoneEvent) -> None:
-        self.ledger.remove(event.request_id)
+        if self.settings.shared_ledger:
+            self.shared_ledger.done(event.request_id, event.instance_id, time.time())
+            self._ledger_dirty.set()
+        else:
+            self.ledger.remove(event.request_id)
 
     def policy_for(self, request: RouteRequest) -> Policy:
         """The request's own policy (x-baton-policy), else its preset's, else the default."""
@@ -298,18 +351,20 @@ class EstimatorService:
         views = self._views(request, states, policy, predictions)
         chosen = policy.choose(request, views)
         predicted = self._predicted_output(request, chosen.info.model, predictions)
-        now_mono = time.monotonic()
-        self.ledger.add(
-            LedgerEntry(
-                request.request_id,
-                chosen.instance_id,
-                request.num_prompt_tokens,
-                request.max_tokens,
-                now_mono,
-                predicted,
-            )
+        entry = LedgerEntry(
+            request.request_id,
+            chosen.instance_id,
+            request.num_prompt_tokens,
+            request.max_tokens,
+            time.time(),
+            predicted,
         )
-        self.instances[chosen.instance_id].arrivals.observe(now_mono)
+        if self.settings.shared_ledger:  # memory only: the writer task does the I/O
+            self.shared_ledger.record(entry)
+            self._ledger_dirty.set()
+        else:
+            self.ledger.add(entry)
+        self.instances[chosen.instance_id].arrivals.observe(time.monotonic())
         self.num_decisions += 1
         ttft = chosen.scores.ttft_s if chosen.scores is not None else math.nan
         return RouteReply(
