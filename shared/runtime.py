@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import signal
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from shared.logging import get_logger
+from shared.config import ClusterConfig, ConfigError, load_cluster
+from shared.logging import configure_logging, get_logger
 
 
 class StoppableService(Protocol):
@@ -40,4 +42,27 @@ def run_service(service: StoppableService, name: str) -> int:
     return 0
 
 
-__all__ = ["StoppableService", "run_service"]
+__all__ = ["StoppableService", "cluster_service_main", "run_service"]
+
+
+def cluster_service_main(
+    name: str,
+    description: str,
+    build: Callable[[ClusterConfig], StoppableService],
+    argv: list[str] | None = None,
+) -> int:
+    """`python -m services.<name> [--cluster FILE]`: parse, load the cluster file, build
+    the service and run it. Exit 2 for a bad cluster file or settings the service
+    refuses (ValueError from `build`)."""
+    parser = argparse.ArgumentParser(prog=f"python -m services.{name}", description=description)
+    parser.add_argument(
+        "--cluster", help="cluster file (default $BATON_CLUSTER or configs/local.toml)"
+    )
+    args = parser.parse_args(argv)
+    log = configure_logging(name)
+    try:
+        service = build(load_cluster(args.cluster))
+    except (ConfigError, ValueError) as exc:
+        log.error("bad_config", error=str(exc))
+        return 2
+    return run_service(service, name)
