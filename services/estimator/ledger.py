@@ -145,9 +145,15 @@ class SharedLedger:
         self._deletes.append((instance_id, request_id))
 
     def done(self, request_id: str, instance_id: str, now_s: float) -> None:
-        """RequestDoneEvent: drop it here and in Redis, and never re-add it."""
-        self.ledger.remove(request_id)
-        self._drop(instance_id, request_id, now_s)
+        """RequestDoneEvent: drop it here and in Redis, and never re-add it.
+
+        Every replica gets the event; only those that held the entry delete it in
+        Redis (the deciding one always does, unless a snapshot reconciled it first).
+        """
+        if self.ledger.remove(request_id):
+            self._drop(instance_id, request_id, now_s)
+        else:
+            self._dropped[request_id] = now_s
 
     def reconcile(self, instance_id: str, visible_ids: set[str], now_s: float) -> int:
         """Drop the entries the instance's snapshot now shows (here and in Redis)."""

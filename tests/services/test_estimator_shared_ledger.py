@@ -206,7 +206,10 @@ def test_done_visible_and_expired_entries_are_not_re_added() -> None:
     assert s.merge("a", stored(entry("r2")), {"r2"}, now_s=101) == 0  # snapshot shows it
     assert s.merge("a", stored(entry("old", t=80)), set(), now_s=101) == 0  # past its TTL
     _, deletes = s.take_writes()
-    assert ("a", "r1") in deletes and ("a", "old") in deletes
+    assert ("a", "old") in deletes and ("a", "r1") not in deletes  # r1 was not held here
+    s.record(entry("r4"))
+    s.done("r4", "a", now_s=101)
+    assert "r4" not in s.ledger and ("a", "r4") in s.take_writes()[1]
     s.record(entry("r3"))
     assert s.reconcile("a", {"r3"}, now_s=102) == 1
     assert s.merge("a", stored(entry("r3")), set(), now_s=102) == 0  # tombstone
