@@ -139,7 +139,71 @@ class EngineSide:
 # -- through the gateway --------------------------------------------------------
 
 
-async def stream_one(client: httpx.AsyncClient, i: int, max_tokens: int) -> tuple[float, int]:
+class PathObserver:
+    """--breakdown: a passive NATS subscriber on the worker's and the gateway's inboxes.
+
+    It timestamps (in this process, on the same clock as the client) when each
+    request's SubmitRequest crosses the bus and when its first token's DeltaBatch
+    does, splitting the gateway-path TTFT into
+      http->submit   HTTP parse, tokenize, route, publish + one NATS hop
+      worker         NATS hop, worker wake-up, add_request, prefill step, publish
+      delta->sse     NATS hop, gateway merge, detokenize, SSE chunk, HTTP to the client
+    (each of the two bus crossings also pays this observer's own hop, equally).
+    """
+
+    def __init__(self) -> None:
+        self.submit_at: dict[str, float] = {}
+        self.first_delta_at: dict[str, float] = {}
+        self.rows: list[tuple[float, float, float]] = []
+        self._nc: object = None
+
+    async def start(self, nats_url: str) -> None:
+        import nats
+
+        from shared.messages.gateway import DELTA_BATCH_DECODER, TokenDelta
+        from shared.messages.worker import WORKER_INBOUND_DECODER, SubmitRequest
+
+        async def on_submit(msg: object) -> None:
+            now = time.perf_counter()
+            inbound = WORKER_INBOUND_DECODER.decode(msg.data)  # type: ignore[attr-defined]
+            if isinstance(inbound, SubmitRequest):
+                self.submit_at[inbound.request_id] = now
+
+        async def on_delta(msg: object) -> None:
+            now = time.perf_counter()
+            for ev in DELTA_BATCH_DECODER.decode(msg.data).events:  # type: ignore[attr-defined]
+                if isinstance(ev, TokenDelta) and ev.token_ids:
+                    self.first_delta_at.setdefault(ev.request_id, now)
+
+        nc = await nats.connect(nats_url)
+        await nc.subscribe("bench.worker.*.in", cb=on_submit)
+        await nc.subscribe("bench.gateway.*.in", cb=on_delta)
+        await nc.flush()
+        self._nc = nc
+
+    def record(self, request_id: str, t0: float, t_first: float) -> None:
+        sub, delta = self.submit_at.pop(request_id, None), self.first_delta_at.pop(request_id, None)
+        if sub is not None and delta is not None:
+            self.rows.append((1e3 * (sub - t0), 1e3 * (delta - sub), 1e3 * (t_first - delta)))
+
+    def summary(self) -> dict[str, float]:
+        names = ("http_to_submit", "worker", "delta_to_sse")
+        return {
+            f"{name}_ms_p50": percentile([r[i] for r in self.rows], 0.5)
+            for i, name in enumerate(names)
+        }
+
+    async def close(self) -> None:
+        if self._nc is not None:
+            await self._nc.close()  # type: ignore[attr-defined]
+
+
+async def stream_one(
+    client: httpx.AsyncClient,
+    i: int,
+    max_tokens: int,
+    observer: PathObserver | None = None,
+) -> tuple[float, int]:
     body = {
         "model": "bench-model",
         "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
@@ -157,10 +221,13 @@ async def stream_one(client: httpx.AsyncClient, i: int, max_tokens: int) -> tupl
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
+            # TTFT counts to the first chunk with content (not the empty role chunk)
             if not ttft and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 ttft = time.perf_counter() - t0
             if chunk.get("usage"):
                 num_tokens = chunk["usage"]["completion_tokens"]
+    if observer is not None and ttft:
+        observer.record(resp.headers["x-request-id"], t0, t0 + ttft)
     return ttft or (time.perf_counter() - t0), num_tokens
 
 
@@ -173,7 +240,7 @@ async def gateway_streams(
 
 
 async def measure(
-    args: argparse.Namespace, engine: EngineSide, base_url: str
+    args: argparse.Namespace, engine: EngineSide, base_url: str, observer: PathObserver | None
 ) -> dict[str, dict[str, float]]:
     """Alternate the two paths round by round, so background load drifts hit both alike."""
     limits = httpx.Limits(
@@ -196,7 +263,8 @@ async def measure(
                 await asyncio.sleep(args.idle_ms / 1e3)
                 ttft["engine"].append(engine.ttft_s(i, args.ttft_tokens))
                 await asyncio.sleep(args.idle_ms / 1e3)
-                ttft["gateway"].append((await stream_one(client, i, args.ttft_tokens))[0])
+                t = (await stream_one(client, i, args.ttft_tokens, observer))[0]
+                ttft["gateway"].append(t)
             for side in ("engine", "gateway") if r % 2 == 0 else ("gateway", "engine"):
                 if side == "engine":
                     n, w = engine.streams(args.streams, args.new_tokens)
@@ -253,6 +321,20 @@ async def nats_rtt_ms(nats_url: str, count: int = 200) -> list[float]:
     finally:
         await nc.close()
         stop_process_group(echo, 5)
+
+
+async def run_measure(
+    args: argparse.Namespace, engine: EngineSide, base_url: str, nats_url: str
+) -> tuple[dict[str, dict[str, float]], dict[str, float] | None]:
+    observer = PathObserver() if args.breakdown else None
+    if observer is not None:
+        await observer.start(nats_url)
+    try:
+        measured = await measure(args, engine, base_url, observer)
+    finally:
+        if observer is not None:
+            await observer.close()
+    return measured, None if observer is None or not observer.rows else observer.summary()
 
 
 def run_stack(args: argparse.Namespace, work: Path) -> tuple[list, str, str]:  # type: ignore[type-arg]
@@ -330,6 +412,11 @@ def main() -> int:
     )
     parser.add_argument("--num-kv-blocks", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3, help="alternating engine/gateway rounds")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also split the gateway TTFT at the two bus crossings (a passive NATS observer)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write JSON here")
     args = parser.parse_args()
 
@@ -338,7 +425,7 @@ def main() -> int:
         procs, base, nats_url = run_stack(args, Path(tmp))
         try:
             print(f"loading {args.model} ({args.dtype}) in process too ...", flush=True)
-            measured = asyncio.run(measure(args, EngineSide(args), base))
+            measured, breakdown = asyncio.run(run_measure(args, EngineSide(args), base, nats_url))
             engine, gateway = measured["engine"], measured["gateway"]
             rtts = asyncio.run(nats_rtt_ms(nats_url))
         finally:
@@ -360,6 +447,8 @@ def main() -> int:
         "nats_rtt_ms_p99": percentile(rtts, 0.99),
         "load_average_1m": os.getloadavg()[0],
     }
+    if breakdown is not None:
+        result["gateway_ttft_breakdown"] = breakdown
     print(f"\n{'':24}{'engine':>12}{'gateway':>12}{'added/ratio':>14}")
     print(
         f"{'TTFT p50 (ms)':24}{engine['ttft_ms_p50']:12.2f}{gateway['ttft_ms_p50']:12.2f}"
@@ -378,6 +467,11 @@ def main() -> int:
         f"   p99 {result['nats_rtt_ms_p99']:.2f}; load average {result['load_average_1m']:.1f} "
         f"on {os.cpu_count()} CPUs"
     )
+    if breakdown is not None:
+        print(
+            "gateway TTFT p50 split (ms): "
+            + ", ".join(f"{k.removesuffix('_ms_p50')} {v:.2f}" for k, v in breakdown.items())
+        )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
