@@ -363,6 +363,7 @@ class Deployment:
 
     def __init__(self, cluster_path: Path, log_dir: Path, base_url: str) -> None:
         self.cluster_path, self.log_dir, self.base_url = cluster_path, log_dir, base_url
+        self.instances = {f"{m}-0" for m in (LARGE, MEDIUM, SMALL)}  # one replica each
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 600.0) -> None:
@@ -392,7 +393,9 @@ class Deployment:
                     f"bench_token: the launcher exited ({self.proc.returncode}); see {self.log_dir}"
                 )
             try:
-                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
+                # /health is ready with one live worker; a bench needs all of them.
+                resp = httpx.get(self.base_url + "/health", timeout=1)
+                if resp.status_code == 200 and self.instances <= set(resp.json()["workers"]):
                     return
             except httpx.HTTPError:
                 pass
