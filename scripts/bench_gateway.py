@@ -17,6 +17,9 @@ NATS request/reply time between two processes and the load average; JSON to
 
   {"added_ttft_ms_p50": ..., "added_ttft_ms_p99": ..., "stream_tok_s_ratio": ..., ...}
 
+With --breakdown a passive NATS subscriber also splits the gateway TTFT at the
+two bus crossings (http->submit, worker, delta->sse; p50 of each).
+
 Targets (issue 3): added TTFT p50 <= 2 ms; the gateway keeps >= 90% of the
 engine's token rate at 16 streams.
 
