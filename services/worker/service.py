@@ -252,6 +252,9 @@ class WorkerService:
                 if self.routing is None
                 else self.routing.check_origin(msg.preset)
             )
+            if reason is None and msg.params.logprobs is not None:
+                # A peer's tokens come back without their logprobs.
+                reason = f"logprobs are not available for the token-level preset {msg.preset!r}"
             if reason is not None:
                 return RequestFailed(msg.request_id, 400, reason)
         try:

@@ -200,3 +200,16 @@ async def test_relay_answers_its_health_probe(routed: tuple[Stack, RelayService]
     stack, _ = routed
     assert await check("relay", stack.cluster)
     assert not await check("batcher", stack.cluster)  # none runs in this stack
+
+
+async def test_logprobs_on_a_token_preset_are_a_clear_400(
+    routed: tuple[Stack, RelayService],
+) -> None:
+    stack, _ = routed
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        resp = await client.post(
+            "/v1/completions",
+            json={"model": "pair", "prompt": "hi", "max_tokens": 4, "logprobs": 1},
+        )
+    assert resp.status_code == 400
+    assert "logprobs" in resp.json()["error"]["message"]
