@@ -90,15 +90,15 @@ class StudentSpec:
 
 
 SPECS: dict[str, StudentSpec] = {
-    # Continued (--init-from) from the first 10-layer build (commit 3dd7b32, full head,
-    # cached top-32 targets, lr 5e-3, 36 min): see docs/models.md.
+    # Started (--init-from) from smollm2-medium's delta: its LoRA factors and norms for
+    # the 12 layers both keep (see docs/models.md).
     "smollm2-small": StudentSpec(
         "smollm2-small",
-        (0, 1, 2, 3, 24, 25, 26, 27, 28, 29),
-        rank=32,
+        (0, 1, 2, 3, 22, 23, 24, 25, 26, 27, 28, 29),
+        rank=16,
         lr=3e-3,
         steps=900,
-        minutes=60.0,
+        minutes=45.0,
         vocab=12288,
         teacher="online",
     ),
@@ -739,22 +739,36 @@ def validate(model: LlamaForCausalLM, val: tuple[list[Sequence], list[torch.Tens
 def init_from_delta(
     model: LlamaForCausalLM, loras: dict[str, LoRALinear], delta: DeltaFile, layers: list[int]
 ) -> None:
-    """Continue training a student from a delta of the same layout: its LoRA factors
-    and RMSNorm weights become the starting values (its vocab_keep is not used)."""
-    if delta.layers != layers:
-        raise SystemExit(f"--init-from keeps layers {delta.layers}, this student {layers}")
-    norms = norm_params(model)
-    if set(delta.lora) != set(loras) or set(delta.full) != set(norms):
-        raise SystemExit("--init-from: its LoRA / norm parameters differ from this student's")
+    """Start a student from another delta over the same base: for every kept base layer
+    its LoRA factors and RMSNorm weights (and the final norm) become the starting
+    values. The delta must keep all of this student's layers (it may keep more, e.g.
+    a larger member of the family) with the same LoRA rank; its vocab_keep is unused."""
+    if missing := sorted(set(layers) - set(delta.layers)):
+        raise SystemExit(f"--init-from keeps layers {delta.layers}, not this student's {missing}")
+    # Student layer j is base layer layers[j], which is layer delta.layers.index(...) there.
+    where = {
+        f"model.layers.{j}.": f"model.layers.{delta.layers.index(i)}." for j, i in enumerate(layers)
+    }
+
+    def source(name: str) -> str:
+        for mine, theirs in where.items():
+            if name.startswith(mine):
+                return theirs + name[len(mine) :]
+        return name
+
     with torch.no_grad():
         for name, m in loras.items():
-            a, b = delta.lora[name]
+            if source(name) not in delta.lora:
+                raise SystemExit(f"--init-from has no LoRA for {source(name)}")
+            a, b = delta.lora[source(name)]
             if a.shape != m.a.shape:
                 raise SystemExit(f"--init-from: {name} has rank {a.shape[0]}, not {m.a.shape[0]}")
             m.a.copy_(a.float())
             m.b.copy_(b.float() / m.scale)  # stored with the scaling folded in
-        for name, p in norms.items():
-            p.copy_(delta.full[name].float())
+        for name, p in norm_params(model).items():
+            if source(name) not in delta.full:
+                raise SystemExit(f"--init-from has no {source(name)}")
+            p.copy_(delta.full[source(name)].float())
 
 
 def export_delta(
