@@ -192,3 +192,20 @@ def test_stale_router_is_refused(artifacts: Path) -> None:
     with pytest.raises(ValueError, match="retrain"):
         create_token_policy("r2r", PAIR, 0, {}, artifacts)
     create_token_policy("r2r", PAIR, 1, {}, artifacts)  # the large side reads no weights
+
+
+def test_r_stitch_entropy_is_finite_with_a_trimmed_vocabulary() -> None:
+    """A trimmed-head student gives -inf logits outside its kept ids: the entropy must
+    stay a number (0 * -inf would be nan and route nothing)."""
+    import torch
+
+    from services.worker.routing.policies.r_stitch import normalized_entropy
+
+    logits = torch.zeros(2, 8)
+    logits[:, 4:] = float("-inf")
+    h = normalized_entropy(logits)
+    assert torch.isfinite(h).all()
+    assert torch.allclose(
+        h,
+        torch.full((2,), torch.log(torch.tensor(4.0)).item() / torch.log(torch.tensor(8.0)).item()),
+    )

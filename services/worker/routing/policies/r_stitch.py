@@ -30,8 +30,10 @@ SMALL, LARGE = 0, 1
 
 def normalized_entropy(logits: torch.Tensor) -> torch.Tensor:
     """[n] entropy of softmax(logits) divided by log(vocab), in [0, 1]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1) / math.log(logits.shape[-1])
+    # entr(p) = -p log p with 0 at p = 0: a trimmed-vocabulary head (-inf logits) adds
+    # nothing instead of 0 * -inf = nan.
+    probs = torch.softmax(logits.float(), dim=-1)
+    return torch.special.entr(probs).sum(dim=-1) / math.log(logits.shape[-1])
 
 
 class RStitchPolicy(TokenPolicy):
