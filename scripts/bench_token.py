@@ -29,7 +29,8 @@ Per (policy, mode, concurrency):
 Prints a table (figure, anchor, ratio) and the issue's targets, met or not; writes
 ``--out`` JSON ``{"results": [...], "targets": [...], "run": {...}}``.
 
-Example (the subset measured in docs/token-routing.md)::
+A small example (the subsets measured and their exact commands are in
+docs/token-routing.md, "Benchmark")::
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_token.py --policies r2r \\
         --concurrency 1 4 8 --new-tokens 64
@@ -673,7 +674,7 @@ def main(argv: list[str] | None = None) -> None:
         dep.stop()
     score(cells, references, prompts, args.score_limit)
     rows = [c.row() for c in cells]
-    tgts = targets(rows) if "r2r" in args.policies else []
+    tgts = targets(rows) if any(c.policy == "r2r" for c in cells) else []
     print(table(rows))
     if tgts:
         print()
