@@ -181,6 +181,7 @@ class BatcherConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     half_life_s: float = 60.0  # seconds; older statistics weigh half as much per half life
     # recompute only when p, tokens/visit or a fitted step time moved by this fraction
     recompute_rel_change: float = 0.05
+    nice: int = 10  # the batcher process's CPU niceness (its chain must not slow the workers)
 
 
 class ModelConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -121,6 +121,9 @@ class BatcherService:
     # -- statistics in ------------------------------------------------------
 
     async def _on_stats(self, stats: RoutingStats) -> None:
+        preset = self.cluster.presets.get(stats.preset)
+        if preset is None or preset.mode != "baton":
+            return  # only `baton` mode holds steps by the tables: nothing to compute
         problem = check_stats(stats)
         state = self.presets.get(stats.preset)
         if problem is None and state is not None and state.estimator.models != stats.models:

@@ -6,6 +6,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 import pytest_asyncio
 
@@ -34,6 +35,15 @@ min_tokens = 1000
 min_handoffs = 50
 min_step_samples = 40
 hold_timeout_ms = 15.0
+[models.small]
+[models.large]
+[presets.duo]
+models = ["small", "large"]
+token_policy = "r2r"
+[presets.duo-eager]
+models = ["small", "large"]
+token_policy = "r2r"
+mode = "eager_async"
 """,
         environ={},
     )
@@ -128,6 +138,12 @@ async def test_all_ones_first_then_the_chain_table(stack) -> None:  # type: igno
         assert is_deadlock_free(est.b[0], est.b[1])
         assert est.b != eager.b  # this case holds L for more than one (a real change)
         assert service.num_rejected == 1
+        # Stats of a preset that does not hold steps by the tables are not worked on.
+        eager_stats = msgspec.structs.replace(report(0, 200, 20, SMALL), preset="duo-eager")
+        await bus.publish(stats_subject, eager_stats)
+        await bus.flush()
+        await asyncio.sleep(0.3)
+        assert "duo-eager" not in service.presets
         # 4. Redis holds the newest table for a restarted worker.
         blob = await service.store.redis.get(keys.batch_tables(cfg.namespace, "duo"))
         assert isinstance(blob, bytes)

@@ -110,6 +110,8 @@ class RoutingLink:
         self._last_stats_s = now
         for preset, policy in self.books.policies.items():
             counters = self.books.pop_counters(preset)
+            if self.books.presets[preset].mode != "baton":
+                continue  # the batcher computes tables for `baton` mode only
             if not counters.num_tokens and not counters.step_seconds:
                 continue
             stats = RoutingStats(
