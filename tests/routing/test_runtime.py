@@ -281,3 +281,15 @@ def test_hold_obeys_the_batch_tables() -> None:
     del large.tables["pair"]
     assert large.hold_s(t0 + 0.01, has_plain_work=False) is None  # no tables: eager
     assert big.has_unfinished()
+
+
+def test_a_preset_whose_policy_cannot_load_is_refused_not_fatal() -> None:
+    def broken(
+        name: str, models: list[str], index: int, args: Mapping[str, float | str]
+    ) -> TokenPolicy:
+        raise ValueError("the router was trained on another build: run `just routers`")
+
+    books = TokenRouting("w-small", "small", presets("baton"), broken)
+    assert books.policies == {}
+    reason = books.check_origin("pair")
+    assert reason is not None and "just routers" in reason

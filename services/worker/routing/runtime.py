@@ -107,12 +107,20 @@ class TokenRouting:
         # One policy object per preset this model takes part in, built up front so a
         # bad preset fails the worker at start, not at the first request.
         self.policies: dict[str, TokenPolicy] = {}
+        # Presets whose policy cannot run here (e.g. a router trained on another build
+        # of the model): the worker serves everything else and answers these with the
+        # reason instead of dying.
+        self.unavailable: dict[str, str] = {}
         for name, preset in presets.items():
             if model in preset.models and preset.token_policy is not None:
                 index = preset.models.index(model)
-                self.policies[name] = make_policy(
-                    preset.token_policy, list(preset.models), index, dict(preset.args)
-                )
+                try:
+                    self.policies[name] = make_policy(
+                        preset.token_policy, list(preset.models), index, dict(preset.args)
+                    )
+                except (ValueError, OSError) as exc:
+                    self.unavailable[name] = str(exc)
+                    log.error("token_preset_unavailable", preset=name, error=str(exc))
         self.requests: dict[str, Tracked] = {}
         self.tables: dict[str, BatchTables] = {}
         self.num_handoffs = 0
@@ -130,6 +138,8 @@ class TokenRouting:
         cfg = self.presets.get(preset)
         if cfg is None or cfg.token_policy is None:
             return f"unknown token-level preset {preset!r}"
+        if preset in self.unavailable:
+            return f"preset {preset!r} is unavailable: {self.unavailable[preset]}"
         if cfg.models[0] != self.model:
             return f"preset {preset!r} enters on {cfg.models[0]!r}, not on {self.model!r}"
         if preset not in self.policies:
