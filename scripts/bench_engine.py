@@ -174,12 +174,17 @@ def main() -> None:
     )
 
     def make_engine(dt: torch.dtype, conf: EngineConfig) -> LLMEngine:
-        return LLMEngine(conf, build_model(cfg, dict(state), dt, torch.device("cpu")))
+        """The engine as a worker serves it (LLMEngine.create packs bf16 weights too)."""
+        model = build_model(cfg, dict(state), dt, torch.device("cpu"))
+        if conf.pack_weights:
+            model.pack_for_cpu(batch_hint=conf.max_num_seqs)
+        return LLMEngine(conf, model)
 
     from services.worker.engine.hf_twin import build_hf_twin
 
     engine = make_engine(dtype, econf)
-    hf = build_hf_twin(engine.model, dtype)
+    # The twin needs plain weights: built from an unpacked copy of the same model.
+    hf = build_hf_twin(build_model(cfg, dict(state), dtype, torch.device("cpu")), dtype)
     engine.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     hf_static_batches(hf, prompts[:1], 1, 4, "warm-up")
 
