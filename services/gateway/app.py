@@ -72,27 +72,23 @@ def create_app(cfg: GatewayServiceConfig) -> FastAPI:
                 401, "invalid or missing API key", "invalid_request_error", "invalid_api_key"
             )
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
+    async def complete(request: Request, *, is_chat: bool) -> Response:
         authorize(request)
         return await completions.handle(
             service,
             await request.body(),
-            is_chat=True,
+            is_chat=is_chat,
             headers=request.headers,
             receive=request.receive,
         )
 
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await complete(request, is_chat=True)
+
     @app.post("/v1/completions")
     async def text_completions(request: Request) -> Response:
-        authorize(request)
-        return await completions.handle(
-            service,
-            await request.body(),
-            is_chat=False,
-            headers=request.headers,
-            receive=request.receive,
-        )
+        return await complete(request, is_chat=False)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, object]:
