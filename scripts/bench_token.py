@@ -3,13 +3,13 @@
 One run builds a cluster file (one worker each for smollm2-small, smollm2-medium and
 the full smollm2-135m; for every policy a preset per runtime mode: ``<policy>`` in
 ``baton`` mode, ``<policy>-eager`` in ``eager_async``, ``<policy>-std`` in
-``std_serving``), starts it once with the launcher on free ports, and drives closed
+``std_serving``, ``<policy>-barrier`` in ``barrier``), starts it once with the launcher on free ports, and drives closed
 loops over HTTP: at concurrency c, c clients each send ``--requests-per-slot``
 chat completions back to back (temperature 0, ``ignore_eos``, ``--new-tokens``
 tokens, streamed so TTFT is measured), alpaca prompts from the held-out range
 [4500, 5000) in order. The baselines ``large_only`` / ``small_only`` are plain
-requests to smollm2-135m / smollm2-small. ``barrier`` mode is not implemented in
-the runtime: its rows carry nulls and the note "not implemented".
+requests to smollm2-135m / smollm2-small. ``barrier`` is step barriers: the entry
+model waits while any of its requests is at a peer (lockstep serving).
 
 Per (policy, mode, concurrency):
 
@@ -67,12 +67,16 @@ DEFAULT_PROMPTS = REPO.parent / "shared" / "data" / "prompts" / "alpaca_5000_ran
 HELDOUT = (4500, 5000)
 SMALL, MEDIUM, LARGE = "smollm2-small", "smollm2-medium", "smollm2-135m"
 POLICIES = ("r2r", "citer", "co-llm", "r-stitch", "me")
-TOKEN_MODES = ("baton", "eager_async", "std_serving")  # run by the runtime
+TOKEN_MODES = ("baton", "eager_async", "barrier", "std_serving")  # run by the runtime
 MODES = ("baton", "eager_async", "barrier", "std_serving", "large_only", "small_only")
 BASELINE_MODEL = {"large_only": LARGE, "small_only": SMALL}
-PRESET_SUFFIX = {"baton": "", "eager_async": "-eager", "std_serving": "-std"}
+PRESET_SUFFIX = {
+    "baton": "",
+    "eager_async": "-eager",
+    "barrier": "-barrier",
+    "std_serving": "-std",
+}
 PAPER_SCALING = 8.61  # TokenRouter: Baton throughput at concurrency 16 over 1
-NOT_IMPLEMENTED = "not implemented in the runtime"
 
 
 # ---------------------------------------------------------------- pure parts (tested)
@@ -139,8 +143,6 @@ class Cell:
             "agreement_with_large": None,
             "mean_logprob_large": None,
         }
-        if self.mode == "barrier":
-            return {**row, "note": NOT_IMPLEMENTED}
         if not self.replies:
             return row
         n = len(self.replies)
@@ -263,11 +265,6 @@ def table(rows: list[dict[str, Any]]) -> str:
         a_tput = None if anchor is None else anchor["output_tok_s"]
         share = r["token_share"]
         large = None if share is None else share.get(LARGE, 0.0)
-        if r["mode"] == "barrier":
-            lines.append(
-                f"| {r['policy']} | barrier | {r['concurrency']} | not implemented | | | | | | | | |"
-            )
-            continue
         lines.append(
             f"| {r['policy'] or '-'} | {r['mode']} | {r['concurrency']} | {fmt(r['output_tok_s'])} "
             f"| {anchor_mode} | {fmt(a_tput)} | {fmt(ratio(r['output_tok_s'], a_tput), '.2f')} "
@@ -634,8 +631,7 @@ def main(argv: list[str] | None = None) -> None:
     dep.start()
     references: dict[int, str] = {}
     try:
-        run_cells = [c for c in cells if c.mode != "barrier"]
-        warm = sorted({c.policy for c in run_cells if c.mode == "baton" and c.policy})
+        warm = sorted({c.policy for c in cells if c.mode == "baton" and c.policy})
         for policy in warm:
             if args.warmup:
                 w = Cell(policy, "baton", min(args.warmup, 8))
@@ -650,7 +646,7 @@ def main(argv: list[str] | None = None) -> None:
                         f"warm-up {policy}",
                     )
                 )
-        for cell in tqdm(run_cells, desc="cells", unit="cell"):
+        for cell in tqdm(cells, desc="cells", unit="cell"):
             model = BASELINE_MODEL.get(cell.mode) or preset_name(cell.policy or "", cell.mode)
             desc = f"{cell.policy or '-'} {cell.mode} c={cell.concurrency}"
             total = cell.concurrency * args.requests_per_slot
@@ -659,7 +655,7 @@ def main(argv: list[str] | None = None) -> None:
                 for r in cell.replies:
                     references.setdefault(r.prompt_index, r.text)
         # 2. Large-only greedy answers for any prompt no large_only cell covered.
-        needed = sorted({r.prompt_index for c in run_cells for r in c.replies} - references.keys())
+        needed = sorted({r.prompt_index for c in cells for r in c.replies} - references.keys())
         if needed:
             ref = Cell(None, "large_only", min(8, len(needed)))
             sub = [prompts[i] for i in needed]

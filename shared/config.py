@@ -51,9 +51,10 @@ IMPLEMENTED_POLICIES: tuple[str, ...] = (
 EngineKind = Literal["torch", "sim"]
 # How a token-level preset runs (docs/token-routing.md): baton = async per-model
 # loops, pending resume and delayed batching; eager_async = the same without
-# delayed batching; std_serving = no pending resume (every hand-over is a new
-# request on the receiver, the sender frees its KV).
-TokenMode = Literal["baton", "eager_async", "std_serving"]
+# delayed batching; barrier = step barriers (the entry model waits while any of
+# its requests is at a peer, as lockstep serving does); std_serving = no pending
+# resume (every hand-over is a new request on the receiver, the sender frees its KV).
+TokenMode = Literal["baton", "eager_async", "barrier", "std_serving"]
 
 
 class ConfigError(ValueError):
@@ -318,7 +319,9 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
         if not 1 <= b.max_n <= 20:  # a table costs ~N^5 (16: ~10 s on one core, 20: ~40 s)
             raise ConfigError(f"[batcher] max_n must be in 1..20, got {b.max_n}")
         if b.hold_timeout_ms <= 0 or b.publish_interval_s <= 0 or b.half_life_s <= 0:
-            raise ConfigError("[batcher] hold_timeout_ms, publish_interval_s, half_life_s must be > 0")
+            raise ConfigError(
+                "[batcher] hold_timeout_ms, publish_interval_s, half_life_s must be > 0"
+            )
         if not 0 < self.gateway.port < 65536:
             raise ConfigError(f"gateway port out of range: {self.gateway.port}")
 

@@ -80,9 +80,9 @@ def test_row_shape_and_values() -> None:
     assert row["token_share"] == {"smollm2-small": 1.0}
     assert row["agreement_with_large"] == 0.5
     assert row["mean_logprob_large"] == -0.5
-    barrier = bt.Cell("r2r", "barrier", 8).row()
-    assert barrier.keys() >= ROW_KEYS
-    assert barrier["output_tok_s"] is None and barrier["note"] == bt.NOT_IMPLEMENTED
+    unrun = bt.Cell("r2r", "barrier", 8).row()
+    assert unrun.keys() >= ROW_KEYS
+    assert unrun["output_tok_s"] is None
 
 
 def test_targets_met_and_missed() -> None:
@@ -115,16 +115,19 @@ def test_table_prints_anchor_and_ratio() -> None:
     ]
     text = bt.table(rows)
     assert "| r2r | baton | 8 | 30.0 | std_serving | 10.0 | 3.00 |" in text
-    assert "not implemented" in text
+    assert "| r2r | barrier | 8 | - | std_serving | 10.0 | - |" in text
 
 
 def test_cluster_file_has_a_preset_per_policy_and_token_mode() -> None:
     base = load_cluster(REPO / "configs" / "local.toml")
     ports = {"gateway": 18000, "nats": 14222, "redis": 16379}
-    text = bt.cluster_text(base, ["r2r", "me"], ["baton", "std_serving", "large_only"], ports)
+    text = bt.cluster_text(
+        base, ["r2r", "me"], ["baton", "barrier", "std_serving", "large_only"], ports
+    )
     cluster = parse_cluster(text)
-    assert set(cluster.presets) == {"r2r", "r2r-std", "me", "me-std"}
+    assert set(cluster.presets) == {"r2r", "r2r-std", "r2r-barrier", "me", "me-std", "me-barrier"}
     assert cluster.presets["r2r-std"].mode == "std_serving"
+    assert cluster.presets["r2r-barrier"].mode == "barrier"
     assert cluster.presets["r2r"].args == base.presets["r2r"].args
     assert cluster.presets["me"].models == ["smollm2-small", "smollm2-medium", "smollm2-135m"]
     assert cluster.gateway.port == 18000

@@ -18,7 +18,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.loader import build_model, random_config, random_state_dict
 from services.worker.routing.api import STAY, RouteBatch, TokenPolicy, hand_after, hand_rewrite
-from services.worker.routing.runtime import Outbox, TokenRouting
+from services.worker.routing.runtime import BARRIER_RECHECK_S, Outbox, TokenRouting
 from shared.config import PresetConfig, TokenMode
 from shared.messages.peer import PeerRelease, PeerReq
 from shared.sampling import SamplingParams
@@ -128,7 +128,7 @@ def reference(prompt: list[int], n: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["baton", "std_serving"])
+@pytest.mark.parametrize("mode", ["baton", "barrier", "std_serving"])
 def test_routed_answer_equals_single_process_and_frees_kv(mode: TokenMode) -> None:
     pair = Pair(mode)
     prompts = {"a": [5, 9, 14, 200], "b": list(range(30, 70)), "c": [7]}
@@ -293,3 +293,34 @@ def test_a_preset_whose_policy_cannot_load_is_refused_not_fatal() -> None:
     assert books.policies == {}
     reason = books.check_origin("pair")
     assert reason is not None and "just routers" in reason
+
+
+def test_barrier_holds_the_entry_model_while_a_request_is_away() -> None:
+    pair = Pair("barrier")
+    pair.submit("a", [3, 4, 5])
+    small, engine = pair.books["w-small"], pair.engines["w-small"]
+    large = pair.books["w-large"]
+    assert small.hold_s(0.0, has_plain_work=False) is None  # nothing away: step
+    # Step the entry model alone until it sends `a` away (output position 2).
+    sent: list[PeerReq] = []
+    while not sent:
+        outbox = Outbox()
+        for out in small.on_outputs(engine.step(), outbox):
+            pair.client[out.request_id].extend(out.new_token_ids)
+        small.on_handoffs(engine.pop_handoffs(), engine, outbox)
+        sent = [m for m in outbox.peer if isinstance(m, PeerReq)]
+    # `b` arrives while `a` is away: it waits for the barrier like the rest of the batch.
+    pair.submit("b", list(range(10, 30)))
+    assert small.hold_s(0.0, has_plain_work=False) == BARRIER_RECHECK_S
+    assert small.hold_s(0.0, has_plain_work=True) is None  # plain work is never held
+    # The peer is never held by the barrier; once every request is back, the entry
+    # model steps again.
+    for msg in sent:
+        pair.deliver(msg)
+    assert large.hold_s(0.0, has_plain_work=False) is None
+    while any(t.parked for t in small.requests.values()):
+        pair.step_all()
+    assert small.hold_s(0.0, has_plain_work=False) is None
+    pair.run(["a", "b"])
+    for rid, prompt in {"a": [3, 4, 5], "b": list(range(10, 30))}.items():
+        assert pair.client[rid] == reference(prompt, NEW_TOKENS)

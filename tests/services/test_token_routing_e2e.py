@@ -45,6 +45,11 @@ seed = 7
 models = ["random-tiny", "random-tiny-big"]
 token_policy = "every-third"
 
+[presets.pair-barrier]
+models = ["random-tiny", "random-tiny-big"]
+token_policy = "every-third"
+mode = "barrier"
+
 [relay]
 peer_timeout_s = 2.0
 registry_refresh_s = 0.2
@@ -125,6 +130,36 @@ async def test_routed_completion_equals_single_process(routed: tuple[Stack, Rela
     # Positions 2, 5, 8, 11, 14 are the large model's.
     assert usage["tokens_by_model"] == {"random-tiny": 11, "random-tiny-big": 5}
     assert relay.books.counters.forwarded == 10
+    await wait_idle(stack, relay)
+
+
+async def test_barrier_mode_answers_concurrent_requests_exactly(
+    routed: tuple[Stack, RelayService],
+) -> None:
+    """Step barriers: the entry model waits out every hand-off; answers stay exact."""
+    stack, relay = routed
+    tok = load_tokenizer("random-tiny")
+    prompts = ["Barrier one", "A second, longer barrier prompt", "three"]
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> str:
+        resp = await client.post(
+            "/v1/completions",
+            json={
+                "model": "pair-barrier",
+                "prompt": prompt,
+                "max_tokens": 12,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["tokens_by_model"] == {"random-tiny": 8, "random-tiny-big": 4}
+        return str(resp.json()["choices"][0]["text"])
+
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        texts = await asyncio.gather(*(one(client, p) for p in prompts))
+    for prompt, text in zip(prompts, texts, strict=True):
+        assert text == tok.decode(reference(tok.encode(prompt), 12))
     await wait_idle(stack, relay)
 
 

@@ -38,6 +38,10 @@ from shared.sampling import SamplingParams
 
 log = get_logger(component="token-routing")
 
+# How long a barrier-held loop sleeps before it looks again when nothing wakes it
+# (a peer's answer wakes it at once; this only bounds a missed wake-up).
+BARRIER_RECHECK_S = 0.05
+
 PolicyFactory = Callable[[str, list[str], int, dict[str, float | str]], TokenPolicy]
 
 
@@ -254,7 +258,9 @@ class TokenRouting:
         self, request_id: str, tracked: Tracked, reason: str | None, outbox: Outbox
     ) -> None:
         del self.requests[request_id]
-        log.debug("routed_request_ended", request_id=request_id, reason=reason, origin=tracked.is_origin)
+        log.debug(
+            "routed_request_ended", request_id=request_id, reason=reason, origin=tracked.is_origin
+        )
         if tracked.is_origin:
             models = self.presets[tracked.preset].models
             self.final_counts[request_id] = {
@@ -459,19 +465,34 @@ class TokenRouting:
     def hold_s(self, now_s: float, has_plain_work: bool) -> float | None:
         """None: step now. Else seconds the loop may wait for more requests first.
 
-        Holds only when every request ready here belongs to a preset in `baton` mode
-        whose B*(N) is not reached (services/batcher/hold.py has the rule).
+        Holds only when every request ready here belongs to a preset that holds:
+        `baton` whose B*(N) is not reached (services/batcher/hold.py has the rule),
+        or `barrier` with one of its requests away at a peer. Plain requests are
+        never held (a step they force carries the held presets' ready rows too).
         """
         if has_plain_work:
             return None
         ready: dict[str, list[Tracked]] = {}
+        away: set[str] = set()  # barrier presets with an origin request at a peer
         for t in self.requests.values():
             if not t.parked:
                 ready.setdefault(t.preset, []).append(t)
+            elif t.is_origin:
+                away.add(t.preset)
         wait: float | None = None
         for preset, group in ready.items():
+            mode = self.presets[preset].mode
+            if mode == "barrier" and group[0].is_origin:
+                if preset not in away:
+                    return None
+                # Step barrier: the entry model waits for every request it sent
+                # away, as one lockstep batch would; the peer's answer (or the
+                # relay's failed hand-back) wakes the loop. No timeout of our own:
+                # the relay's peer timeout bounds the wait.
+                wait = BARRIER_RECHECK_S if wait is None else min(wait, BARRIER_RECHECK_S)
+                continue
             tables = self.tables.get(preset)
-            if tables is None or self.presets[preset].mode != "baton":
+            if tables is None or mode != "baton":
                 return None
             index = group[0].state.model_index
             num_active = self.num_active(preset)
