@@ -292,10 +292,15 @@ def target_table(tgts: list[dict[str, Any]]) -> str:
 
 
 def cluster_text(
-    base: ClusterConfig, policies: Sequence[str], modes: Sequence[str], ports: dict[str, int]
+    base: ClusterConfig,
+    policies: Sequence[str],
+    modes: Sequence[str],
+    ports: dict[str, int],
+    fixed_b: Sequence[int] = (),
 ) -> str:
     """The bench's cluster file: three workers, one preset per (policy, token mode).
-    Policy models and arguments come from the base cluster file's presets."""
+    Policy models and arguments come from the base cluster file's presets; `fixed_b`
+    pins the batcher's (B_entry, B_large) instead of the chain's B*."""
     out = [
         "# Written by scripts/bench_token.py: token-level presets per (policy, mode).",
         'namespace = "bench-token"',
@@ -312,6 +317,7 @@ def cluster_text(
         "min_tokens = 500",
         "min_handoffs = 10",
         "min_step_samples = 30",
+        *([f"fixed_b = [{fixed_b[0]}, {fixed_b[1]}]"] if fixed_b else []),
         "",
     ]
     for model in (LARGE, MEDIUM, SMALL):
@@ -595,7 +601,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cluster-out", type=Path, default=None, help="also keep the generated cluster file here"
     )
     p.add_argument("--log-dir", type=Path, default=None, help="service logs (default: a temp dir)")
+    p.add_argument(
+        "--no-quality",
+        dest="quality",
+        action="store_false",
+        help="throughput and latency only: no large-only references, no scoring",
+    )
+    p.add_argument(
+        "--fixed-b",
+        nargs=2,
+        type=int,
+        default=[],
+        metavar=("B_ENTRY", "B_LARGE"),
+        help="pin the batcher's tables of the baton presets to this pair (a B sweep by hand)",
+    )
     args = p.parse_args(argv)
+    if args.fixed_b and min(args.fixed_b) < 1:
+        p.error("--fixed-b values must be >= 1")
     if any(c < 1 for c in args.concurrency) or args.requests_per_slot < 1 or args.new_tokens < 1:
         p.error("--concurrency, --requests-per-slot and --new-tokens must be >= 1")
     return args
@@ -619,7 +641,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = load_prompts(args.prompts)
     cells = selected(plan_cells(args.policies, args.modes, args.concurrency), args.only)
     ports = {"gateway": free_port(), "nats": free_port(), "redis": free_port()}
-    text = cluster_text(base, args.policies, args.modes, ports)
+    text = cluster_text(base, args.policies, args.modes, ports, args.fixed_b)
     work = Path(tempfile.mkdtemp(prefix="bench-token-"))
     cluster_path = args.cluster_out or work / "cluster.toml"
     cluster_path.parent.mkdir(parents=True, exist_ok=True)
@@ -656,7 +678,7 @@ def main(argv: list[str] | None = None) -> None:
                     references.setdefault(r.prompt_index, r.text)
         # 2. Large-only greedy answers for any prompt no large_only cell covered.
         needed = sorted({r.prompt_index for c in cells for r in c.replies} - references.keys())
-        if needed:
+        if needed and args.quality:
             ref = Cell(None, "large_only", min(8, len(needed)))
             sub = [prompts[i] for i in needed]
             asyncio.run(
@@ -668,7 +690,8 @@ def main(argv: list[str] | None = None) -> None:
                 references[needed[r.prompt_index]] = r.text
     finally:
         dep.stop()
-    score(cells, references, prompts, args.score_limit)
+    if args.quality:
+        score(cells, references, prompts, args.score_limit)
     rows = [c.row() for c in cells]
     tgts = targets(rows) if any(c.policy == "r2r" for c in cells) else []
     print(table(rows))
@@ -682,6 +705,7 @@ def main(argv: list[str] | None = None) -> None:
         "argv": sys.argv[1:],
         "new_tokens": args.new_tokens,
         "requests_per_slot": args.requests_per_slot,
+        "fixed_b": args.fixed_b,
         "load_avg": os.getloadavg(),
         "presets": {
             p: {"models": base.presets[p].models, "args": base.presets[p].args}

@@ -11,7 +11,7 @@ never at import time.
     [gateway]    host, port, max_in_flight, ...
     [estimator]  policy, snapshot_max_age_s, ...
     [worker]     heartbeat_interval_s, heartbeat_ttl_s, drain_timeout_s, ...
-    [batcher]    hold_timeout_ms, publish_interval_s, max_n, min_*, half_life_s
+    [batcher]    hold_timeout_ms, publish_interval_s, max_n, min_*, half_life_s, fixed_b
     [models.<name>]     engine, dtype, device, tokenizer, price_*_per_mtok
     [[instances]]       model, replicas, max_num_seqs, max_model_len, ...
     [presets.<name>]    models, policy
@@ -183,6 +183,9 @@ class BatcherConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     # recompute only when p, tokens/visit or a fitted step time moved by this fraction
     recompute_rel_change: float = 0.05
     nice: int = 10  # the batcher process's CPU niceness (its chain must not slow the workers)
+    # Experiments: publish this (B_entry, B_large) for every N instead of the chain's
+    # choice (clamped to the deadlock bound per N); empty = the chain decides.
+    fixed_b: list[int] = []
 
 
 class ModelConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -318,6 +321,8 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
         b = self.batcher
         if not 1 <= b.max_n <= 20:  # a table costs ~N^5 (16: ~10 s on one core, 20: ~40 s)
             raise ConfigError(f"[batcher] max_n must be in 1..20, got {b.max_n}")
+        if b.fixed_b and (len(b.fixed_b) != 2 or min(b.fixed_b) < 1):
+            raise ConfigError(f"[batcher] fixed_b must be two values >= 1, got {b.fixed_b}")
         if b.hold_timeout_ms <= 0 or b.publish_interval_s <= 0 or b.half_life_s <= 0:
             raise ConfigError(
                 "[batcher] hold_timeout_ms, publish_interval_s, half_life_s must be > 0"

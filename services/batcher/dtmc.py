@@ -361,6 +361,16 @@ def best_b(
     return table
 
 
+def fixed_table(max_active: int, b_small: int, b_large: int) -> BTable:
+    """The pair (b_small, b_large) for every N, each entry clamped into the feasible set:
+    B_S(N) = min(b_small, N), B_L(N) = min(b_large, N, N + 1 - B_S(N))."""
+    if b_small < 1 or b_large < 1:
+        raise ValueError(f"B values must be >= 1, got ({b_small}, {b_large})")
+    small = [min(b_small, n) for n in range(1, max_active + 1)]
+    large = [min(b_large, n, n + 1 - bs) for n, bs in enumerate(small, start=1)]
+    return BTable(small, large, [], [])
+
+
 def eager_table(max_active: int) -> BTable:
     """The all-ones table (eager async): deadlock-free for every N, no prediction needed."""
     ones = [1] * max_active

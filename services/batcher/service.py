@@ -24,7 +24,7 @@ from typing import cast
 
 import msgspec
 
-from services.batcher.dtmc import BTable, best_b, eager_table, is_deadlock_free
+from services.batcher.dtmc import BTable, best_b, eager_table, fixed_table, is_deadlock_free
 from services.batcher.estimates import ChainInputs, PresetEstimator, Thresholds, check_stats
 from shared import keys, subjects
 from shared.bus import Bus
@@ -167,6 +167,10 @@ class BatcherService:
     async def _next_tables(self, name: str, state: PresetState) -> BatchTables:
         """The table to publish now: the previous one unless the estimates moved."""
         st = self.settings
+        if st.fixed_b:  # pinned by the cluster file (experiments): no chain, no estimates
+            if state.tables is not None:
+                return state.tables
+            return self._tables(name, state, fixed_table(st.max_n, *st.fixed_b), None)
         inputs = state.estimator.inputs(time.monotonic(), self.need)
         if inputs is None:
             if state.tables is not None:
@@ -190,6 +194,13 @@ class BatcherService:
         else:
             assert state.tables is not None
             return state.tables
+        return self._tables(name, state, table, used)
+
+    def _tables(
+        self, name: str, state: PresetState, table: BTable, used: ChainInputs | None
+    ) -> BatchTables:
+        """Publish `table` as the preset's next version (`used`: the estimates behind it)."""
+        st = self.settings
         state.version += 1
         state.used_inputs = used
         num_models = len(state.estimator.models)

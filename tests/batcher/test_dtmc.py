@@ -11,6 +11,7 @@ from services.batcher.dtmc import (
     AffineLatency,
     best_b,
     best_pair,
+    fixed_table,
     is_deadlock_free,
     is_feasible,
     predicted_throughput,
@@ -55,6 +56,15 @@ def test_tables_obey_the_deadlock_bound(
         t >= e * (1 - 1e-9)
         for t, e in zip(table.throughput_tok_s, table.eager_throughput_tok_s, strict=True)
     )
+
+
+def test_fixed_tables_are_clamped_into_the_bound() -> None:
+    table = fixed_table(6, 2, 4)
+    assert table.b_small == [1, 2, 2, 2, 2, 2]
+    assert table.b_large == [1, 1, 2, 3, 4, 4]
+    assert is_deadlock_free(table.b_small, table.b_large)
+    with pytest.raises(ValueError, match=">= 1"):
+        fixed_table(4, 0, 2)
 
 
 def test_tables_that_break_the_bound_are_refused() -> None:

@@ -14,7 +14,7 @@ from services.batcher.dtmc import AffineLatency, best_b, is_deadlock_free
 from services.batcher.service import BatcherService
 from shared import keys, subjects
 from shared.bus import Bus
-from shared.config import ClusterConfig, parse_cluster
+from shared.config import ClusterConfig, ConfigError, parse_cluster
 from shared.messages.batcher import BATCH_TABLES_DECODER, BatchTables, RoutingStats
 
 MAX_N = 6
@@ -160,3 +160,23 @@ async def test_all_ones_first_then_the_chain_table(stack) -> None:  # type: igno
         assert not again.is_estimated
     finally:
         await stop(service, task)
+
+
+async def test_fixed_b_pins_the_table_for_every_n(stack) -> None:  # type: ignore[no-untyped-def]
+    cfg, bus, tables = stack
+    pinned = msgspec.structs.replace(
+        cfg, batcher=msgspec.structs.replace(cfg.batcher, fixed_b=[1, 3])
+    )
+    service, task = await run_service(pinned)
+    try:
+        await bus.publish(subjects.batcher_stats(cfg.namespace), report(0, 10, 1, SMALL))
+        got = await tables.wait_for(lambda t: t.preset == "duo")
+        assert got.b == [[1] * MAX_N, [1, 2, 3, 3, 3, 3]] and not got.is_estimated
+        assert service.num_recomputes == 0
+    finally:
+        await stop(service, task)
+
+
+def test_fixed_b_must_be_a_pair_of_positive_values() -> None:
+    with pytest.raises(ConfigError, match="fixed_b"):
+        parse_cluster("[batcher]\nfixed_b = [0, 2]\n", environ={})

@@ -136,6 +136,9 @@ def test_cluster_file_has_a_preset_per_policy_and_token_mode() -> None:
         "smollm2-medium",
         "smollm2-small",
     ]
+    assert cluster.batcher.fixed_b == []
+    pinned = parse_cluster(bt.cluster_text(base, ["r2r"], ["baton"], ports, fixed_b=[1, 3]))
+    assert pinned.batcher.fixed_b == [1, 3]
     with pytest.raises(SystemExit, match="no token preset"):
         bt.cluster_text(base, ["auto"], ["baton"], ports)
 
