@@ -24,7 +24,14 @@ from typing import cast
 
 import msgspec
 
-from services.batcher.dtmc import BTable, best_b, eager_table, fixed_table, is_deadlock_free
+from services.batcher.dtmc import (
+    BTable,
+    best_b,
+    eager_table,
+    fixed_table,
+    is_deadlock_free,
+    predicted_throughput,
+)
 from services.batcher.estimates import ChainInputs, PresetEstimator, Thresholds, check_stats
 from shared import keys, subjects
 from shared.bus import Bus
@@ -61,6 +68,28 @@ def compute_table(inputs: ChainInputs, max_n: int) -> BTable:
         tokens_per_visit_large=inputs.tokens_per_visit,
         rewrite_fraction=inputs.rewrite_fraction,
     )
+
+
+def pinned_table(inputs: ChainInputs, chain: BTable, fixed_b: list[int]) -> BTable:
+    """The pinned pair `[batcher] fixed_b` per N with the chain's prediction for it
+    (`chain`: the chain's own table from the same inputs, for its eager figures)."""
+    table = fixed_table(len(chain.b_small), fixed_b[0], fixed_b[1])
+    predicted = [
+        predicted_throughput(
+            n,
+            b_small,
+            b_large,
+            inputs.p,
+            inputs.latency_small,
+            inputs.latency_large,
+            inputs.tokens_per_visit,
+            inputs.rewrite_fraction,
+        )
+        for n, (b_small, b_large) in enumerate(
+            zip(table.b_small, table.b_large, strict=True), start=1
+        )
+    ]
+    return BTable(table.b_small, table.b_large, predicted, chain.eager_throughput_tok_s)
 
 
 class BatcherService:
@@ -167,28 +196,41 @@ class BatcherService:
     async def _next_tables(self, name: str, state: PresetState) -> BatchTables:
         """The table to publish now: the previous one unless the estimates moved."""
         st = self.settings
-        if st.fixed_b:  # pinned by the cluster file (experiments): no chain, no estimates
-            if state.tables is not None:
-                return state.tables
-            return self._tables(name, state, fixed_table(st.max_n, *st.fixed_b), None)
         inputs = state.estimator.inputs(time.monotonic(), self.need)
         if inputs is None:
             if state.tables is not None:
                 return state.tables  # eager until the first estimate; then keep the last one
-            table, used = eager_table(st.max_n), None
+            table = fixed_table(st.max_n, *st.fixed_b) if st.fixed_b else eager_table(st.max_n)
+            used = None
         elif state.used_inputs is None or inputs.moved_from(
             state.used_inputs, st.recompute_rel_change, st.max_n
         ):
             t0 = time.perf_counter()
-            table, used = await asyncio.to_thread(compute_table, inputs, st.max_n), inputs
+            chain = await asyncio.to_thread(compute_table, inputs, st.max_n)
+            table, used = chain, inputs
+            if st.fixed_b:  # pinned (experiments): publish the pair, log what the chain says
+                table = await asyncio.to_thread(pinned_table, inputs, chain, st.fixed_b)
             self.num_recomputes += 1
             log.info(
                 "tables_recomputed",
                 preset=name,
                 p=round(inputs.p, 4),
                 tokens_per_visit=round(inputs.tokens_per_visit, 3),
+                rewrite_fraction=round(inputs.rewrite_fraction, 3),
+                step_small_ms=[
+                    round(1e3 * inputs.latency_small.intercept_s, 2),
+                    round(1e3 * inputs.latency_small.per_request_s, 2),
+                ],
+                step_large_ms=[
+                    round(1e3 * inputs.latency_large.intercept_s, 2),
+                    round(1e3 * inputs.latency_large.per_request_s, 2),
+                ],
                 b_small=table.b_small,
                 b_large=table.b_large,
+                predicted_tok_s=[round(x, 1) for x in table.throughput_tok_s],
+                chain_b_large=chain.b_large,
+                chain_tok_s=[round(x, 1) for x in chain.throughput_tok_s],
+                eager_tok_s=[round(x, 1) for x in chain.eager_throughput_tok_s],
                 seconds=round(time.perf_counter() - t0, 3),
             )
         else:

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from services.batcher.dtmc import AffineLatency, best_b, is_deadlock_free
+from services.batcher.dtmc import AffineLatency, best_b, is_deadlock_free, predicted_throughput
 from services.batcher.service import BatcherService
 from shared import keys, subjects
 from shared.bus import Bus
@@ -173,6 +173,19 @@ async def test_fixed_b_pins_the_table_for_every_n(stack) -> None:  # type: ignor
         got = await tables.wait_for(lambda t: t.preset == "duo")
         assert got.b == [[1] * MAX_N, [1, 2, 3, 3, 3, 3]] and not got.is_estimated
         assert service.num_recomputes == 0
+        # With estimates the pair stays pinned and carries the chain's prediction for it.
+        for _ in range(5):
+            await bus.publish(subjects.batcher_stats(cfg.namespace), report(0, 1000, 100, SMALL))
+            await bus.publish(subjects.batcher_stats(cfg.namespace), report(1, 100, 100, LARGE))
+        est = await tables.wait_for(lambda t: t.is_estimated)
+        assert est.b == got.b
+        assert est.p is not None and est.tokens_per_visit is not None
+        small, large = (
+            AffineLatency(i, c)
+            for i, c in zip(est.step_intercept_s, est.step_per_request_s, strict=True)
+        )
+        want = predicted_throughput(4, 1, 3, est.p, small, large, est.tokens_per_visit)
+        assert est.predicted_tok_s[3] == pytest.approx(want)
     finally:
         await stop(service, task)
 
