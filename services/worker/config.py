@@ -38,6 +38,12 @@ class WorkerServiceConfig:
     # The token-level presets this model takes part in (services/worker/routing/).
     token_presets: dict[str, PresetConfig] = field(default_factory=dict)
     relay: RelayConfig = field(default_factory=lambda: RelayConfig())
+    # The first step after an idle wait runs inline on the event loop (not in a
+    # thread) when the prompts it admits total at most this many tokens; 0: every
+    # step runs in a thread. It saves the two thread hand-offs on the TTFT path of
+    # a quiet worker; a busy batch always runs in a thread so the loop stays free
+    # to take the inbox and publish (docs/services.md, worker).
+    max_inline_step_tokens: int = 256
 
     @classmethod
     def from_cluster(

@@ -3,14 +3,21 @@
     inbox (NATS callback) --> deque --+
                                       v
     loop:  1. take inbox     add_request / abort_request (errors -> RequestFailed)
-           2. step           engine.step() in a thread (the event loop stays free)
+           2. step           engine.step() in a thread (the event loop stays free), or
+                             inline when it is the first step after an idle wait
            3. publish        one DeltaBatch per owning gateway
            4. record         snapshot + batch samples -> Redis (overlaps the next step)
 
 Only the loop touches the engine, and never while a step runs in the thread,
-so the engine needs no locks. SIGTERM (or `request_stop`) drains: stop taking
-new requests, let running ones finish within `drain_timeout_s`, abort the rest
-with a failure event, deregister, exit.
+so the engine needs no locks. The first step after an idle wait (a quiet
+worker's new request: the TTFT case) runs inline when it admits at most
+`max_inline_step_tokens` prompt tokens: the hand-off to the thread and back
+costs two wake-ups, several ms on a loaded machine. Any other step runs in the
+thread, so a busy loop keeps taking the inbox and publishing while it computes.
+
+SIGTERM (or `request_stop`) drains: stop taking new requests, let running ones
+finish within `drain_timeout_s`, abort the rest with a failure event,
+deregister, exit.
 """
 
 from __future__ import annotations
@@ -64,6 +71,9 @@ class WorkerService:
         self._stop = asyncio.Event()
         self._owners: dict[str, str] = {}  # request id -> owning gateway's inbox subject
         self._num_steps = 0
+        self.num_inline_steps = 0  # of them, run on the event loop (first after an idle wait)
+        # Prompt tokens admitted since the last step: the size of an inline step's prefill.
+        self._num_new_prompt_tokens = 0
         self._started_at_s = time.time()
         self._is_draining = False
         self._record_task: asyncio.Task[None] | None = None
@@ -147,13 +157,19 @@ class WorkerService:
                 log.warning("deregister_failed", error=str(exc))
         await self._bus.close()
         await self._store.close()
-        log.info("worker_closed", instance_id=self.cfg.instance_id, num_steps=self._num_steps)
+        log.info(
+            "worker_closed",
+            instance_id=self.cfg.instance_id,
+            num_steps=self._num_steps,
+            num_inline_steps=self.num_inline_steps,
+        )
 
     # -- the loop ------------------------------------------------------------
 
     async def _loop(self) -> None:
         engine = self._engine
         drain_deadline: float | None = None
+        is_after_idle = True  # nothing ran since the engine was last empty
         while True:
             if self._stop.is_set() and drain_deadline is None:
                 drain_deadline = await self._begin_drain()
@@ -166,20 +182,29 @@ class WorkerService:
                 await self._publish(rejected)
             outbox = Outbox()
             if self._link is not None:  # peer messages: start, resume or release copies
+                if self._link.has_messages:
+                    is_after_idle = False  # a peer's copy brings an uncounted sequence: thread
                 self._link.apply(engine, outbox)
                 await self._link.publish(outbox)
             if not engine.has_unfinished():
                 if drain_deadline is not None:
                     return
+                is_after_idle = True
                 await self._idle()
                 continue
             wait_s = self._hold_s()
             if wait_s is not None:  # nothing runnable yet, or delayed batching holds
                 await self._idle(wait_s)
                 continue
-            # 2. step (off the event loop)
+            # 2. step (off the event loop, unless it is the first after an idle wait)
             t_step = time.perf_counter()
-            outputs = await asyncio.to_thread(engine.step)
+            if is_after_idle and 0 < self._num_new_prompt_tokens <= self.cfg.max_inline_step_tokens:
+                outputs = engine.step()  # blocks the loop, which has nothing else to do
+                self.num_inline_steps += 1
+            else:
+                outputs = await asyncio.to_thread(engine.step)
+            is_after_idle = False
+            self._num_new_prompt_tokens = 0
             self._num_steps += 1
             if self.routing is not None and self._link is not None:
                 self.routing.record_step(time.perf_counter() - t_step)
@@ -272,6 +297,7 @@ class WorkerService:
             log.info("request_rejected", request_id=msg.request_id, error=str(exc))
             return RequestFailed(msg.request_id, 400, str(exc))
         self._owners[msg.request_id] = msg.reply_to
+        self._num_new_prompt_tokens += len(msg.prompt_token_ids)
         if msg.preset is not None and self.routing is not None:
             self.routing.add_origin(msg.request_id, msg.preset, msg.prompt_token_ids, msg.params)
         return None

@@ -1,0 +1,137 @@
+"""The worker runs the first step after an idle wait inline, every other step in a thread.
+
+A real worker on real NATS and Redis; the test talks to it as a gateway would
+(SubmitRequest in, DeltaBatch out) and records on which thread each step ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import uuid
+from typing import Any
+
+from services.worker.config import WorkerServiceConfig, create_engine
+from services.worker.service import WorkerService
+from shared import subjects
+from shared.bus import Bus
+from shared.config import parse_cluster
+from shared.messages.gateway import DELTA_BATCH_DECODER, DeltaBatch, TokenDelta
+from shared.messages.worker import SubmitRequest
+from shared.sampling import SamplingParams
+from tests.services.conftest import tiny_cluster_text
+
+MAX_TOKENS = 4
+
+
+class StepThreads:
+    """An engine factory that records, per step, whether it ran on the event loop's thread."""
+
+    def __init__(self) -> None:
+        self.loop_thread = threading.get_ident()
+        self.on_loop: list[bool] = []
+
+    def __call__(self, cfg: WorkerServiceConfig) -> Any:
+        engine = create_engine(cfg)
+        step = engine.step
+
+        def recorded_step() -> Any:
+            self.on_loop.append(threading.get_ident() == self.loop_thread)
+            return step()
+
+        engine.step = recorded_step
+        return engine
+
+    def take(self) -> list[bool]:
+        taken, self.on_loop = self.on_loop, []
+        return taken
+
+
+class Client:
+    """Plays the gateway: submits over the bus and collects each request's deltas."""
+
+    def __init__(self, bus: Bus, namespace: str) -> None:
+        self.bus = bus
+        self.inbox = subjects.gateway_inbox(namespace, f"gw{uuid.uuid4().hex[:6]}")
+        self.finished: dict[str, asyncio.Event] = {}
+
+    async def start(self) -> None:
+        await self.bus.subscribe(self.inbox, DELTA_BATCH_DECODER, self._on_batch)
+        await self.bus.flush()
+
+    async def _on_batch(self, batch: DeltaBatch) -> None:
+        for event in batch.events:
+            assert isinstance(event, TokenDelta), event
+            if event.finish_reason is not None:
+                self.finished[event.request_id].set()
+
+    async def generate(self, worker: WorkerService, num_prompt_tokens: int) -> None:
+        request_id = uuid.uuid4().hex
+        self.finished[request_id] = asyncio.Event()
+        msg = SubmitRequest(
+            request_id=request_id,
+            prompt_token_ids=list(range(1, num_prompt_tokens + 1)),
+            params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+            reply_to=self.inbox,
+            arrival_time_s=0.0,
+        )
+        await self.bus.publish(worker.inbox_subject, msg)
+        await asyncio.wait_for(self.finished[request_id].wait(), 30)
+
+
+async def run_worker(
+    nats_url: str, redis_url: str, max_inline_step_tokens: int
+) -> tuple[WorkerService, asyncio.Task[None], StepThreads, Client]:
+    cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
+    cfg = dataclasses.replace(
+        WorkerServiceConfig.from_cluster(cluster, "random-tiny", "inline"),
+        max_inline_step_tokens=max_inline_step_tokens,
+    )
+    threads = StepThreads()
+    worker = WorkerService(cfg, engine_factory=threads)
+    task = asyncio.create_task(worker.run())
+    await asyncio.wait_for(worker.ready.wait(), 120)
+    bus = Bus(nats_url, name="test-client")
+    await bus.connect()
+    client = Client(bus, cluster.namespace)
+    await client.start()
+    return worker, task, threads, client
+
+
+async def stop(worker: WorkerService, task: asyncio.Task[None], client: Client) -> None:
+    await client.bus.close()
+    worker.request_stop()
+    await asyncio.wait_for(task, 10)
+
+
+async def test_first_step_after_idle_runs_inline_the_rest_in_a_thread(
+    nats_url: str, redis_url: str
+) -> None:
+    worker, task, threads, client = await run_worker(nats_url, redis_url, 16)
+    try:
+        # A small prompt on an idle worker: its prefill runs on the loop, its decodes
+        # (a busy batch) in the thread.
+        await client.generate(worker, 8)
+        assert threads.take() == [True] + [False] * (MAX_TOKENS - 1)
+        # A prompt over max_inline_step_tokens: every step in the thread.
+        await client.generate(worker, 32)
+        assert threads.take() == [False] * MAX_TOKENS
+        # Idle again: the next small prompt runs its first step inline again.
+        await client.generate(worker, 16)
+        assert threads.take() == [True] + [False] * (MAX_TOKENS - 1)
+        assert worker.num_inline_steps == 2
+    finally:
+        await stop(worker, task, client)
+
+
+async def test_zero_max_inline_step_tokens_runs_every_step_in_a_thread(
+    nats_url: str, redis_url: str
+) -> None:
+    worker, task, threads, client = await run_worker(nats_url, redis_url, 0)
+    try:
+        await client.generate(worker, 8)
+        assert threads.take() == [False] * MAX_TOKENS
+        assert worker.num_inline_steps == 0
+    finally:
+        await stop(worker, task, client)
