@@ -61,9 +61,10 @@ class Generation:
     async def next_event(self) -> GatewayEvent:
         """The worker's next event; ClientDisconnected if the client left first."""
         try:
-            event = await asyncio.wait_for(
-                self.stream.events.get(), self.service.settings.event_timeout_s
-            )
+            # asyncio.timeout, not wait_for: wait_for (3.11) wraps get() in a task per
+            # event, one more loop pass on every token's path.
+            async with asyncio.timeout(self.service.settings.event_timeout_s):
+                event = await self.stream.events.get()
         except TimeoutError:
             raise GatewayError(
                 504, "the worker did not answer in time", "timeout", "worker_timeout"

@@ -230,7 +230,9 @@ class WorkerService:
             return
         timeout = self.cfg.heartbeat_interval_s if wait_s is None else wait_s
         try:
-            await asyncio.wait_for(self._wakeup.wait(), timeout)
+            # asyncio.timeout, not wait_for: no task per wait, one loop pass fewer to wake.
+            async with asyncio.timeout(timeout):
+                await self._wakeup.wait()
         except TimeoutError:
             if wait_s is None:
                 self._record(samples=False)
