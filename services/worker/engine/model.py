@@ -113,8 +113,11 @@ class AttentionPlan:
 
     Tokens are laid out request by request: request r owns tokens
     [query_starts[r], query_starts[r] + query_lens[r]) at positions
-    [context_lens[r] - query_lens[r], context_lens[r]). The cache of each layer is
-    [num_blocks, block_size, kv_heads, head_dim]; slot = block * block_size + offset.
+    [context_lens[r] - query_lens[r], context_lens[r]). Each layer's K cache is
+    [num_blocks, kv_heads, head_dim, block_size] and its V cache [num_blocks, kv_heads,
+    block_size, head_dim]; slot = block * block_size + offset. Per block, K is stored
+    already transposed and V head-major, so decode attention multiplies gathered
+    blocks as they are, with no permuted copy of the context (see _attend_decodes).
     """
 
     slot_mapping: torch.Tensor  # [T] cache slot written by each new token
@@ -127,6 +130,15 @@ class AttentionPlan:
     decode_tokens: torch.Tensor | None = None  # [D] their token rows in the flat batch
     decode_blocks: torch.Tensor | None = None  # [D * max_blocks] padded block ids
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_ctx] True = attend
+    # slot_mapping split into (block, offset), computed once per step by the first layer
+    slot_blocks: torch.Tensor | None = None
+    slot_offsets: torch.Tensor | None = None
+
+    def block_offsets(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.slot_blocks is None or self.slot_offsets is None:
+            self.slot_blocks = torch.div(self.slot_mapping, block_size, rounding_mode="floor")
+            self.slot_offsets = self.slot_mapping.remainder(block_size)
+        return self.slot_blocks, self.slot_offsets
 
 
 class RMSNorm(nn.Module):
@@ -250,8 +262,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
         # Paged cache: write this step's K/V into their slots, then read contexts.
-        k_cache.view(-1, self.num_kv_heads, self.head_dim)[plan.slot_mapping] = k
-        v_cache.view(-1, self.num_kv_heads, self.head_dim)[plan.slot_mapping] = v
+        # Both index pairs are split by slices, so the indexed shape is [T, Hkv, hd].
+        blocks, offsets = plan.block_offsets(v_cache.shape[2])
+        k_cache[blocks, :, :, offsets] = k
+        v_cache[blocks, :, offsets] = v
 
         out = torch.empty_like(q)
         if plan.decode_rows:
@@ -276,9 +290,17 @@ class Attention(nn.Module):
         """One request's new tokens over its whole context, causal (SDPA kernel)."""
         ctx, qlen = plan.context_lens[r], q.shape[0]
         blocks = plan.block_tables[r]
-        k = k_cache.index_select(0, blocks).view(-1, self.num_kv_heads, self.head_dim)[:ctx]
-        v = v_cache.index_select(0, blocks).view(-1, self.num_kv_heads, self.head_dim)[:ctx]
-        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+        # [nblk, Hkv, hd, bs] and [nblk, Hkv, bs, hd] -> [1, Hkv, ctx, hd]
+        k = (
+            k_cache.index_select(0, blocks)
+            .permute(1, 0, 3, 2)
+            .reshape(1, self.num_kv_heads, -1, self.head_dim)[:, :, :ctx]
+        )
+        v = (
+            v_cache.index_select(0, blocks)
+            .transpose(0, 1)
+            .reshape(1, self.num_kv_heads, -1, self.head_dim)[:, :, :ctx]
+        )
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, qlen, D]
         if qlen == ctx:
             o = F.scaled_dot_product_attention(
@@ -304,27 +326,31 @@ class Attention(nn.Module):
         """All single-token requests at once over block-padded contexts.
 
         Written out rather than through SDPA: with a padding mask in bf16 the CPU
-        SDPA kernel measured ~9x slower than these two batched matmuls. Queries are
-        grouped by the KV head they share (GQA), so K/V are never repeated.
+        SDPA kernel measured ~9x slower than these batched matmuls. Queries are
+        grouped by the KV head they share (GQA), so K/V are never repeated. The
+        matmuls run per cache block on the gathered blocks as stored (K^T and V per
+        block are contiguous), so the context is copied once (the gather), not
+        permuted into a second copy; only the small scores and the per-block
+        partial outputs are rearranged.
         """
         assert plan.decode_tokens is not None and plan.decode_blocks is not None
         assert plan.decode_mask is not None
-        num = len(plan.decode_rows)
-        group = self.num_heads // self.num_kv_heads
-        qd = q.index_select(0, plan.decode_tokens).view(
-            num, self.num_kv_heads, group, self.head_dim
-        )
-        k = k_cache.index_select(0, plan.decode_blocks).view(
-            num, -1, self.num_kv_heads, self.head_dim
-        )
-        v = v_cache.index_select(0, plan.decode_blocks).view(
-            num, -1, self.num_kv_heads, self.head_dim
-        )
-        scores = torch.matmul(qd, k.permute(0, 2, 3, 1)).float() * self.scale  # [D, Hkv, G, L]
+        num, hkv, hd = len(plan.decode_rows), self.num_kv_heads, self.head_dim
+        group = self.num_heads // hkv
+        bs = v_cache.shape[2]
+        qd = q.index_select(0, plan.decode_tokens).view(num, 1, hkv, group, hd)
+        k = k_cache.index_select(0, plan.decode_blocks).view(num, -1, hkv, hd, bs)
+        v = v_cache.index_select(0, plan.decode_blocks).view(num, -1, hkv, bs, hd)
+        nblk = k.shape[1]
+        scores = torch.matmul(qd, k)  # [D, nblk, Hkv, G, bs]
+        scores = scores.permute(0, 2, 3, 1, 4).reshape(num, hkv, group, nblk * bs)
+        scores = scores.float() * self.scale  # [D, Hkv, G, L]
         scores.masked_fill_(~plan.decode_mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        o = torch.matmul(probs, v.transpose(1, 2))  # [D, Hkv, G, hd]
-        out.index_copy_(0, plan.decode_tokens, o.reshape(num, self.num_heads, self.head_dim))
+        probs = probs.view(num, hkv, group, nblk, bs).permute(0, 3, 1, 2, 4)
+        parts = torch.matmul(probs, v)  # [D, nblk, Hkv, G, hd], one partial per block
+        o = parts.sum(1, dtype=torch.float32).to(q.dtype) if nblk > 1 else parts[:, 0]
+        out.index_copy_(0, plan.decode_tokens, o.reshape(num, self.num_heads, hd))
 
 
 class MLP(nn.Module):

@@ -1,8 +1,9 @@
 """The model runner: turns a scheduled batch into tensors, runs the forward, returns
 hidden states and logits of the positions that sample.
 
-Owns the model and the paged KV cache. The cache is one [num_slots, kv_heads,
-head_dim] tensor per layer for K and for V; slot = block_id * block_size + offset.
+Owns the model and the paged KV cache: per layer a K cache [num_blocks, kv_heads,
+head_dim, block_size] and a V cache [num_blocks, kv_heads, block_size, head_dim];
+slot = block_id * block_size + offset.
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # K^T and V per block (model.AttentionPlan has why).
+        k_shape = (num_blocks, cfg.num_key_value_heads, cfg.head_dim, block_size)
+        v_shape = (num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim)
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(k_shape, dtype=self.dtype, device=self.device),
+                torch.zeros(v_shape, dtype=self.dtype, device=self.device),
             )
             for _ in range(cfg.num_hidden_layers)
         ]
