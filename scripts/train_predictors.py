@@ -71,7 +71,7 @@ from services.worker.engine.engine import LLMEngine  # noqa: E402
 from services.worker.engine.hf_twin import build_hf_twin  # noqa: E402
 from services.worker.engine.loader import build_model, load_gguf  # noqa: E402
 from services.worker.engine.model import CausalLM  # noqa: E402
-from shared.model_store import Tokenizer, load_tokenizer, resolve  # noqa: E402
+from shared.model_store import Tokenizer, load_tokenizer, model_digest, resolve  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 DATA_DIR = REPO.parent / "shared" / "data"
@@ -336,6 +336,7 @@ def cache_path(args: argparse.Namespace, model: str) -> Path:
         json.dumps(
             [
                 model,
+                model_digest(model),  # a rebuilt model must not reuse its old labels
                 args.dtype,
                 args.max_new_tokens,
                 args.max_ref_tokens,
@@ -686,6 +687,9 @@ def main(argv: list[str] | None = None) -> None:
             "forced after the chat prompt), in [0, 1]",
             "length": "output tokens of the model's greedy answer (EOS counted), capped",
             "models": list(args.models),
+            # The weights the labels came from: the estimator ignores a model whose
+            # weights differ (its predictions would describe another model).
+            "model_digests": {m: model_digest(m) for m in args.models},
             "dtype": args.dtype,
             "max_new_tokens": args.max_new_tokens,
             "max_ref_tokens": args.max_ref_tokens,

@@ -48,7 +48,6 @@ from services.worker.routing.policies.r_stitch import normalized_entropy  # noqa
 from services.worker.routing.policies.routers import (  # noqa: E402
     RouterNet,
     RouterSpec,
-    model_digest,
     save_router,
     topk_logprobs,
 )
@@ -62,7 +61,11 @@ from services.worker.routing.policies.training import (  # noqa: E402
     threshold_for_share,
     youden_threshold,
 )
-from shared.model_store import load_tokenizer, resolve  # noqa: E402
+from shared.model_store import (  # noqa: E402
+    load_tokenizer,
+    model_digest,
+    resolve,
+)
 from shared.sampling import SamplingParams  # noqa: E402
 
 DEFAULT_PROMPTS = REPO.parent / "shared" / "data" / "prompts" / "alpaca_5000_random.json"

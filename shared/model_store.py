@@ -153,3 +153,17 @@ def load_tokenizer(model_name: str) -> Tokenizer:
     meta = json.loads((out / "baton_tokenizer.json").read_text())
     tok = FastTokenizer.from_file(str(out / "tokenizer.json"))
     return Tokenizer(model_name, tok, meta["chat_template"], int(meta["eos_token_id"]))
+
+
+def model_digest(model: str) -> str:
+    """What identifies a model's weights: sha256 of its delta file (a derived family
+    member) or the base file's name and size. Anything trained on other weights (a
+    router, a predictor's labels) is stale."""
+    import hashlib
+
+    src = resolve(model)
+    if src.delta is not None:
+        return "sha256:" + hashlib.sha256(src.delta.read_bytes()).hexdigest()
+    if src.path is not None:
+        return f"file:{src.path.name}:{src.path.stat().st_size}"
+    return f"name:{model}"

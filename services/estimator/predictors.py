@@ -188,6 +188,24 @@ class Prediction:
     quality: float  # geometric-mean token probability of a reference answer, in [0, 1]
 
 
+def stale_models(digests: dict[str, str] | None, models: Sequence[str]) -> list[str]:
+    """Models whose weights differ from the ones their labels came from (meta.json's
+    `model_digests`; files written before digests were recorded are trusted)."""
+    if not digests:
+        return []
+    from shared.model_store import model_digest
+
+    out = []
+    for m in models:
+        try:
+            now = model_digest(m)
+        except (OSError, ValueError, KeyError):  # the model cannot be resolved here
+            continue
+        if m in digests and digests[m] != now:
+            out.append(m)
+    return out
+
+
 class Predictors:
     """The two boosters and their feature spec, loaded once; `predict` is pure."""
 
@@ -197,12 +215,14 @@ class Predictors:
         length: TreeEnsemble,
         quality: TreeEnsemble,
         max_output_tokens: int,
+        ignore: Sequence[str] = (),
     ) -> None:
         self.spec = spec
         self._length = length
         self._quality = quality
         self.max_output_tokens = max_output_tokens  # the labels' generation cap, tokens
-        self._known = frozenset(spec.models)
+        # Models predicted for; `ignore`d ones (stale labels) fall back like unknown ones.
+        self._known = frozenset(spec.models) - frozenset(ignore)
 
     @classmethod
     def load(cls, directory: str | Path) -> Predictors | None:
@@ -230,11 +250,19 @@ class Predictors:
                     )
                 ensembles.append(trees)
             cap = int(meta["labels"]["max_new_tokens"])
+            stale = stale_models(meta["labels"].get("model_digests"), spec.models)
         except Exception as exc:  # OSError, ValueError, KeyError, xgboost's XGBoostError
             log.error("predictors_unreadable", directory=str(path), error=repr(exc))
             return None
+        if stale:
+            log.warning(
+                "predictors_stale",
+                directory=str(path),
+                models=stale,
+                hint="labels came from other weights: rerun `just predictors`",
+            )
         log.info("predictors_loaded", directory=str(path), models=list(spec.models))
-        return cls(spec, ensembles[0], ensembles[1], cap)
+        return cls(spec, ensembles[0], ensembles[1], cap, ignore=stale)
 
     def knows(self, model: str) -> bool:
         return model in self._known

@@ -191,3 +191,20 @@ def test_missing_or_broken_files_load_as_none(tmp_path: Path, predictor_dir: Pat
     (broken / QUALITY_FILE).write_bytes((predictor_dir / QUALITY_FILE).read_bytes())
     (broken / META_FILE).write_text(json.dumps(meta))
     assert Predictors.load(broken) is None
+
+
+def test_models_with_other_weights_than_their_labels_are_left_out(tmp_path: Path) -> None:
+    from shared.model_store import model_digest
+
+    spec = FeatureSpec(num_buckets=16, tasks=("alpaca",), models=("smollm2-135m", "smollm2-small"))
+    d = write_predictors(tmp_path, spec=spec)
+    meta = json.loads((d / META_FILE).read_text())
+    meta["labels"]["model_digests"] = {
+        "smollm2-135m": model_digest("smollm2-135m"),
+        "smollm2-small": "sha256:the-weights-before-a-rebuild",
+    }
+    (d / META_FILE).write_text(json.dumps(meta))
+    pred = Predictors.load(d)
+    assert pred is not None
+    assert pred.knows("smollm2-135m") and not pred.knows("smollm2-small")
+    assert set(pred.predict([1, 2, 3], None, ["smollm2-small", "smollm2-135m"])) == {"smollm2-135m"}

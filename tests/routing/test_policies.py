@@ -180,7 +180,7 @@ def test_me_two_models_and_bad_weights(artifacts: Path) -> None:
 
 
 def test_stale_router_is_refused(artifacts: Path) -> None:
-    from services.worker.routing.policies.routers import model_digest
+    from shared.model_store import model_digest
 
     info = artifacts / "r2r.json"
     meta = json.loads(info.read_text())

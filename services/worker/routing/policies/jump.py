@@ -18,12 +18,8 @@ import torch
 
 from services.worker.routing.api import STAY, RouteBatch, TokenPolicy, hand_after, hand_rewrite
 from services.worker.routing.policies.args import check_keys, float_arg
-from services.worker.routing.policies.routers import (
-    RouterNet,
-    load_router,
-    load_router_meta,
-    model_digest,
-)
+from services.worker.routing.policies.routers import RouterNet, load_router, load_router_meta
+from shared.model_store import model_digest
 
 SMALL, LARGE = 0, 1  # indices in the preset's `models`
 

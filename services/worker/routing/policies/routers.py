@@ -145,21 +145,6 @@ class RouterNet(nn.Module):
         return torch.sigmoid(self.score(self.features(hidden, token_ids, logits)))
 
 
-def model_digest(model: str) -> str:
-    """What identifies a model's weights: sha256 of its delta file (a derived family
-    member) or the base file's name and size. A router trained on other weights is stale."""
-    import hashlib
-
-    from shared.model_store import resolve
-
-    src = resolve(model)
-    if src.delta is not None:
-        return "sha256:" + hashlib.sha256(src.delta.read_bytes()).hexdigest()
-    if src.path is not None:
-        return f"file:{src.path.name}:{src.path.stat().st_size}"
-    return f"name:{model}"
-
-
 def save_router(
     directory: Path, name: str, net: RouterNet, meta: dict[str, Any]
 ) -> tuple[Path, Path]:
