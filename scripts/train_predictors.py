@@ -391,10 +391,21 @@ def stack(a: Matrix, b: Matrix) -> Matrix:
     return Matrix(*(np.concatenate([getattr(a, f), getattr(b, f)]) for f in Matrix.__annotations__))
 
 
-def without_bag(x: np.ndarray, spec: FeatureSpec) -> np.ndarray:
-    """x with the bag-of-tokens columns zeroed: a booster trained on it never splits on them."""
+# Which feature columns a candidate booster may split on (the others are zeroed, so
+# it never splits on them; the saved booster still reads the full row).
+COLUMN_SETS = ("all", "no_bag", "task_model")
+
+
+def restrict(x: np.ndarray, spec: FeatureSpec, columns: str) -> np.ndarray:
+    """x with the columns outside `columns` zeroed: "no_bag" drops the bag of tokens,
+    "task_model" also the prompt length (the booster is then a table of means per
+    (task hint, model), with the model's mean for rows without a hint)."""
+    if columns == "all":
+        return x
     out = x.copy()
     out[:, 1 : 1 + spec.num_buckets] = 0.0
+    if columns == "task_model":
+        out[:, 0] = 0.0
     return out
 
 
@@ -405,9 +416,12 @@ def fit_booster(
     over the folds, early stopping in each); refit on all dev rows with the folds' mean
     number of rounds. Test rows are never seen here.
 
-    Also chosen: whether to use the hashed bag of tokens at all. With ~100 dev prompts and
-    noisy labels the bag can overfit; without it the booster has the prompt length, the
-    task hint and the model. The saved booster reads the full row either way.
+    Also chosen: which columns to use (COLUMN_SETS). With ~100 dev prompts and noisy
+    labels the bag of tokens can overfit; without it the booster has the prompt length,
+    the task hint and the model; with only the hint and the model it is the table of
+    per-(task, model) means, the strongest baseline, so the booster is never chosen
+    worse than that baseline in cross-validation. The saved booster reads the full row
+    either way.
     """
     objectives = (
         ["reg:squarederror", "reg:absoluteerror"] if target == "length" else ["reg:squarederror"]
@@ -416,9 +430,9 @@ def fit_booster(
     # hint, of two models); 16 needs several.
     grid = [(o, d, w) for o in objectives for d in (2, 3, 4) for w in (4, 16)]
     y = getattr(dev, target)
-    best: tuple[float, dict[str, Any], int, bool] | None = None
-    for use_bag in (True, False):
-        x = dev.x if use_bag else without_bag(dev.x, spec)
+    best: tuple[float, dict[str, Any], int, str] | None = None
+    for columns in COLUMN_SETS:
+        x = restrict(dev.x, spec, columns)
         for objective, depth, min_child_weight in grid:
             params = {
                 "objective": objective,
@@ -445,12 +459,12 @@ def fit_booster(
                 rounds.append(b.best_iteration + 1)
             score = float(np.mean(maes))
             if best is None or score < best[0]:
-                best = (score, params, round(float(np.mean(rounds))), use_bag)
+                best = (score, params, round(float(np.mean(rounds))), columns)
     assert best is not None
-    cv_mae, params, num_rounds, use_bag = best
-    x = dev.x if use_bag else without_bag(dev.x, spec)
+    cv_mae, params, num_rounds, columns = best
+    x = restrict(dev.x, spec, columns)
     final = xgb.train(params, xgb.DMatrix(x, label=y), num_rounds)
-    info = {**params, "rounds": num_rounds, "bag_of_tokens": use_bag, "cv_mae": round(cv_mae, 5)}
+    info = {**params, "rounds": num_rounds, "columns": columns, "cv_mae": round(cv_mae, 5)}
     return final, info
 
 

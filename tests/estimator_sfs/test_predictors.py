@@ -208,3 +208,46 @@ def test_models_with_other_weights_than_their_labels_are_left_out(tmp_path: Path
     assert pred is not None
     assert pred.knows("smollm2-135m") and not pred.knows("smollm2-small")
     assert set(pred.predict([1, 2, 3], None, ["smollm2-small", "smollm2-135m"])) == {"smollm2-135m"}
+
+
+def test_training_falls_back_to_the_task_model_table_when_prompts_say_nothing() -> None:
+    """Labels that depend only on (task, model), plus noise: cross-validation must not
+    pick a booster that splits on the prompt's tokens or length."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "train_predictors.py"
+    spec_ = importlib.util.spec_from_file_location("train_predictors", path)
+    assert spec_ is not None and spec_.loader is not None
+    tp = importlib.util.module_from_spec(spec_)
+    sys.modules["train_predictors"] = tp
+    spec_.loader.exec_module(tp)
+
+    rng = np.random.default_rng(1)
+    means = {("alpaca", "big"): 0.2, ("alpaca", "small"): 0.05}
+    means |= {("aime", "big"): 0.1, ("aime", "small"): 0.01}
+    rows, quality, length, models, tasks, keys = [], [], [], [], [], []
+    for i in range(80):
+        task = "alpaca" if i % 2 else "aime"
+        ids = rng.integers(0, 49152, size=int(rng.integers(10, 200))).tolist()
+        for model in SPEC.models:
+            for hint in (task, None):
+                rows.append(SPEC.rows(ids, hint, [model])[0])
+                quality.append(means[(task, model)] + rng.normal(0, 0.03))
+                length.append(50.0)
+                models.append(model)
+                tasks.append(task)
+                keys.append(f"p{i}")
+    dev = tp.Matrix(
+        np.array(rows, dtype=np.float32),
+        np.array(length, dtype=np.float32),
+        np.array(quality, dtype=np.float32),
+        np.array(models),
+        np.array(tasks),
+        np.array(keys),
+    )
+    folds = np.array([int(k[1:]) % 4 for k in keys])
+    booster, info = tp.fit_booster(dev, folds, "quality", SPEC, seed=0)
+    assert info["columns"] == "task_model"
+    pred = booster.predict(xgb.DMatrix(dev.x[:4]))
+    assert pred[0] == pytest.approx(0.1, abs=0.02)  # aime, big, with the hint
