@@ -11,9 +11,10 @@ Measures TTFT at concurrency 1 (--ttft-requests sequential requests, a short
 answer each) and output tokens/s with --streams concurrent streams of exactly
 --new-tokens tokens. The two paths alternate request by request (TTFT) and
 round by round (throughput), so a change in background load hits both alike.
-Prints the added TTFT p50/p99 and the tokens/s ratio, and as an anchor the bare
-NATS request/reply time between two processes and the load average; JSON to
---out:
+Prints the added TTFT p50/p99 and the tokens/s ratio, and as anchors the bare
+NATS request/reply time between two processes, the HTTP floor (the same client
+against a server that answers at once: what HTTP alone adds, no gateway behind
+it) and the load average; JSON to --out:
 
   {"added_ttft_ms_p50": ..., "added_ttft_ms_p99": ..., "stream_tok_s_ratio": ..., ...}
 
@@ -301,6 +302,63 @@ asyncio.run(main())
 """
 
 
+HTTP_FLOOR = """
+import asyncio, sys, uvloop
+CHUNKS = [
+    b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\\n\\n',
+    b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\\n\\n',
+    b'data: [DONE]\\n\\n',
+]
+HEAD = b"HTTP/1.1 200 OK\\r\\ncontent-type: text/event-stream\\r\\ntransfer-encoding: chunked\\r\\n\\r\\n"
+class Answer(asyncio.Protocol):
+    def connection_made(self, transport):
+        self.transport, self.buf = transport, b""
+    def data_received(self, data):
+        self.buf += data
+        while b"\\r\\n\\r\\n" in self.buf:
+            head, _, rest = self.buf.partition(b"\\r\\n\\r\\n")
+            length = 0
+            for line in head.split(b"\\r\\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            if len(rest) < length:
+                return
+            self.buf = rest[length:]
+            # headers, role chunk and content chunk as separate writes, as the gateway sends them
+            self.transport.write(HEAD)
+            for c in CHUNKS:
+                self.transport.write(b"%x\\r\\n" % len(c) + c + b"\\r\\n")
+            self.transport.write(b"0\\r\\n\\r\\n")
+async def main():
+    server = await asyncio.get_running_loop().create_server(Answer, "127.0.0.1", int(sys.argv[1]))
+    await server.serve_forever()
+uvloop.run(main())
+"""
+
+
+async def http_floor_ms(args: argparse.Namespace, count: int = 100) -> list[float]:
+    """TTFT of the benchmark's own client against a server that answers at once (uvloop,
+    no framework, no work): the part of the added TTFT that HTTP alone costs here."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", HTTP_FLOOR, str(port)], start_new_session=True)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            for _ in range(100):
+                try:
+                    await stream_one(client, 0, 1)
+                    break
+                except httpx.HTTPError:
+                    await asyncio.sleep(0.05)
+            ttfts = []
+            for i in range(count):
+                await asyncio.sleep(args.idle_ms / 1e3)  # the same idle gap as the TTFT runs
+                ttfts.append(1e3 * (await stream_one(client, i, 1))[0])
+            return ttfts
+    finally:
+        stop_process_group(server, 5)
+
+
 async def nats_rtt_ms(nats_url: str, count: int = 200) -> list[float]:
     """Round trips to an echo process: the price of one process hop on this machine now."""
     import nats
@@ -431,6 +489,7 @@ def main() -> int:
             measured, breakdown = asyncio.run(run_measure(args, EngineSide(args), base, nats_url))
             engine, gateway = measured["engine"], measured["gateway"]
             rtts = asyncio.run(nats_rtt_ms(nats_url))
+            floor = asyncio.run(http_floor_ms(args))
         finally:
             for p in reversed(procs):
                 stop_process_group(p, 15)
@@ -448,6 +507,9 @@ def main() -> int:
         # anchor: one bare NATS request/reply between two processes, measured in this run
         "nats_rtt_ms_p50": percentile(rtts, 0.5),
         "nats_rtt_ms_p99": percentile(rtts, 0.99),
+        # anchor: the same HTTP client against a server that answers at once
+        "http_floor_ttft_ms_p50": percentile(floor, 0.5),
+        "http_floor_ttft_ms_p99": percentile(floor, 0.99),
         "load_average_1m": os.getloadavg()[0],
     }
     if breakdown is not None:
@@ -469,6 +531,11 @@ def main() -> int:
         f"{'NATS RTT (ms), anchor':24}{'':12}{result['nats_rtt_ms_p50']:12.2f}"
         f"   p99 {result['nats_rtt_ms_p99']:.2f}; load average {result['load_average_1m']:.1f} "
         f"on {os.cpu_count()} CPUs"
+    )
+    print(
+        f"{'HTTP floor TTFT (ms)':24}{'':12}{result['http_floor_ttft_ms_p50']:12.2f}"
+        f"   p99 {result['http_floor_ttft_ms_p99']:.2f}; the client against a server that "
+        "answers at once"
     )
     if breakdown is not None:
         print(
