@@ -170,6 +170,9 @@ class WorkerConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     drain_timeout_s: float = 10.0  # seconds SIGTERM waits for in-flight requests
     snapshot_ttl_s: float = 30.0  # seconds a snapshot key lives without being rewritten
     max_batch_samples: int = 10_000  # samples kept per instance in Redis
+    # The first step after an idle wait runs on the event loop when it admits at most
+    # this many prompt tokens (the TTFT path skips two thread hand-offs); 0: always a thread.
+    max_inline_step_tokens: int = 256
 
 
 class BatcherConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -316,6 +319,8 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
         for name, preset in self.presets.items():
             if preset.lambda_ < 0 or preset.delta < 0:
                 raise ConfigError(f"preset {name!r}: lambda and delta must be >= 0")
+        if self.worker.max_inline_step_tokens < 0:
+            raise ConfigError("[worker] max_inline_step_tokens must be >= 0")
         if self.estimator.lambda_ < 0 or self.estimator.delta < 0:
             raise ConfigError("[estimator] lambda and delta must be >= 0")
         b = self.batcher

@@ -66,6 +66,7 @@ class WorkerServiceConfig:
             drain_timeout_s=cluster.worker.drain_timeout_s,
             snapshot_ttl_s=cluster.worker.snapshot_ttl_s,
             max_batch_samples=cluster.worker.max_batch_samples,
+            max_inline_step_tokens=cluster.worker.max_inline_step_tokens,
             token_presets={
                 n: p for n, p in cluster.token_presets().items() if model in p.models
             },

@@ -12,11 +12,13 @@ import threading
 import uuid
 from typing import Any
 
+import pytest
+
 from services.worker.config import WorkerServiceConfig, create_engine
 from services.worker.service import WorkerService
 from shared import subjects
 from shared.bus import Bus
-from shared.config import parse_cluster
+from shared.config import ConfigError, parse_cluster
 from shared.messages.gateway import DELTA_BATCH_DECODER, DeltaBatch, TokenDelta
 from shared.messages.worker import SubmitRequest
 from shared.sampling import SamplingParams
@@ -135,3 +137,15 @@ async def test_zero_max_inline_step_tokens_runs_every_step_in_a_thread(
         assert worker.num_inline_steps == 0
     finally:
         await stop(worker, task, client)
+
+
+def test_the_cluster_file_sets_max_inline_step_tokens() -> None:
+    text = tiny_cluster_text("nats://127.0.0.1:1", "redis://127.0.0.1:1/0")
+
+    def with_cap(cap: int) -> str:
+        return text.replace("[worker]\n", f"[worker]\nmax_inline_step_tokens = {cap}\n", 1)
+
+    cfg = WorkerServiceConfig.from_cluster(parse_cluster(with_cap(0)), "random-tiny", "w")
+    assert cfg.max_inline_step_tokens == 0
+    with pytest.raises(ConfigError, match="max_inline_step_tokens"):
+        parse_cluster(with_cap(-1))
