@@ -26,6 +26,10 @@ Per (policy, mode, concurrency):
   engine's model code (bf16, one thread), over all tokens of the cell's scored
   requests (``--score-limit`` per cell).
 
+Both quality figures score the answer proper: the text up to the model's first
+``<|im_end|>`` (requests ask for ``skip_special_tokens: false``); what
+``ignore_eos`` makes a model write past its own end is timed but not scored.
+
 Prints a table (figure, anchor, ratio) and the issue's targets, met or not; writes
 ``--out`` JSON ``{"results": [...], "targets": [...], "run": {...}}``.
 
@@ -85,6 +89,15 @@ PAPER_SCALING = 8.61  # TokenRouter: Baton throughput at concurrency 16 over 1
 def preset_name(policy: str, mode: str) -> str:
     """The bench cluster's preset for a policy run in one runtime mode."""
     return policy + PRESET_SUFFIX[mode]
+
+
+END_OF_TURN = "<|im_end|>"  # SmolLM2's end of turn (the chat template's EOS)
+
+
+def answer_proper(text: str) -> str:
+    """The answer up to the model's first end of turn (the rest is what ignore_eos made
+    it write past its own end: not part of the answer whose quality is scored)."""
+    return text.split(END_OF_TURN, 1)[0]
 
 
 def agreement(answer: Sequence[int], reference: Sequence[int]) -> float:
@@ -438,6 +451,9 @@ async def one_request(
         "max_tokens": new_tokens,
         "temperature": 0,
         "ignore_eos": True,
+        # Keep "<|im_end|>" in the text: quality is scored on the answer proper, the
+        # tokens before the model's first end of turn (ignore_eos writes on past it).
+        "skip_special_tokens": False,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -524,18 +540,18 @@ def score(cells: list[Cell], references: dict[int, str], prompts: list[str], lim
     from shared.model_store import load_tokenizer
 
     tok = load_tokenizer(LARGE)
-    ref_ids = {i: tok.encode(t) for i, t in references.items()}
+    ref_ids = {i: tok.encode(answer_proper(t)) for i, t in references.items()}
     jobs: list[tuple[Cell, TFSeq]] = []
     for cell in cells:
         for reply in cell.replies:
-            ids = tok.encode(reply.text)
+            ids = tok.encode(answer_proper(reply.text))
             if ref_ids.get(reply.prompt_index):
                 cell.agreements.append(agreement(ids, ref_ids[reply.prompt_index]))
         for reply in sorted(cell.replies, key=lambda r: r.prompt_index)[:limit]:
             prompt = tok.apply_chat_template(
                 [{"role": "user", "content": prompts[reply.prompt_index]}]
             )
-            ids = tok.encode(reply.text)
+            ids = tok.encode(answer_proper(reply.text))
             if ids:
                 jobs.append((cell, TFSeq(prompt + ids, len(prompt))))
     if not jobs:

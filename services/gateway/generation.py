@@ -45,7 +45,9 @@ class Generation:
         self.created = int(p.arrival_time_s)
         eos = getattr(p.tokenizer, "eos_token_id", None)
         skip = set() if eos is None or p.params.ignore_eos else {eos}
-        self.text = TextStream(p.tokenizer, p.params.stop, skip)
+        self.text = TextStream(
+            p.tokenizer, p.params.stop, skip, keep_special=not p.body.skip_special_tokens
+        )
         self.num_prompt_tokens = len(p.prompt_token_ids)
         self.tokens_by_model: dict[str, int] | None = None  # token-level presets, at the end
         self.finish_reason: str | None = None

@@ -53,6 +53,9 @@ class _CommonRequest(msgspec.Struct, frozen=True, kw_only=True):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     ignore_eos: bool = False  # extension (vLLM): benchmarks pin output lengths
+    # extension (vLLM): False keeps special tokens (e.g. "<|im_end|>") in the text, so a
+    # client of ignore_eos can see where the answer proper ended
+    skip_special_tokens: bool = True
     user: str | None = None
 
     @property

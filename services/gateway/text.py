@@ -8,7 +8,7 @@ from typing import Any, Protocol
 class Tokenizer(Protocol):
     eos_token_id: int
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class OutputAssembler:
@@ -62,17 +62,25 @@ class IncrementalDetokenizer:
     merges across token boundaries come out right.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_ids: set[int]) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, skip_ids: set[int], keep_special: bool = False
+    ) -> None:
         self._tok = tokenizer
         self._skip = skip_ids
+        self._keep_special = keep_special
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
 
+    def _decode(self, ids: list[int]) -> str:
+        if self._keep_special:
+            return self._tok.decode(ids, skip_special_tokens=False)
+        return self._tok.decode(ids)
+
     def add(self, token_ids: list[int]) -> str:
         self._ids.extend(t for t in token_ids if t not in self._skip)
-        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._tok.decode(self._ids[self._prefix_offset :])
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
@@ -81,8 +89,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is still held back (at the end of the answer)."""
-        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._tok.decode(self._ids[self._prefix_offset :])
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._ids)
         return full[len(prefix) :] if len(full) > len(prefix) else ""
 
@@ -119,9 +127,11 @@ class StopStringCutter:
 class TextStream:
     """Position merge + detokenizer + stop cutter for one request."""
 
-    def __init__(self, tokenizer: Any, stops: list[str], skip_ids: set[int]) -> None:
+    def __init__(
+        self, tokenizer: Any, stops: list[str], skip_ids: set[int], keep_special: bool = False
+    ) -> None:
         self.assembler = OutputAssembler()
-        self._detok = IncrementalDetokenizer(tokenizer, skip_ids)
+        self._detok = IncrementalDetokenizer(tokenizer, skip_ids, keep_special)
         self._cutter = StopStringCutter(stops)
         self._tok = tokenizer
         self._skip = skip_ids

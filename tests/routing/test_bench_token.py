@@ -153,3 +153,8 @@ def test_only_selects_cells() -> None:
     ]
     with pytest.raises(SystemExit, match="POLICY:MODE:CONC"):
         bt.selected(cells, ["me:baton"])
+
+
+def test_quality_is_scored_on_the_answer_before_its_end_of_turn() -> None:
+    assert bt.answer_proper("Paris.<|im_end|>\nuser more") == "Paris."
+    assert bt.answer_proper("no end yet") == "no end yet"

@@ -31,6 +31,15 @@ def test_detokenizer_skips_eos() -> None:
     assert out == "hi there"
 
 
+def test_special_tokens_are_dropped_unless_kept() -> None:
+    tok = load_tokenizer("smollm2-135m")
+    ids = [*tok.encode("Paris."), tok.eos_token_id, *tok.encode("more")]
+    plain = TextStream(tok, [], skip_ids=set())
+    kept = TextStream(tok, [], skip_ids=set(), keep_special=True)
+    assert plain.add(0, ids, None)[0] + plain.finish() == "Paris.more"
+    assert kept.add(0, ids, None)[0] + kept.finish() == "Paris.<|im_end|>more"
+
+
 def test_assembler_merges_by_position() -> None:
     asm = OutputAssembler()
     assert asm.add(0, [1, 2], None) == ([1, 2], [])
