@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
@@ -106,23 +107,30 @@ async def wait_idle(stack: Stack, relay: RelayService) -> None:
     )
 
 
+async def greedy_completion(
+    client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int
+) -> dict[str, Any]:
+    """A greedy, fixed-length completion; asserts it succeeded and returns the body."""
+    resp = await client.post(
+        "/v1/completions",
+        json={
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
+    assert resp.status_code == 200, resp.text
+    return dict(resp.json())
+
+
 async def test_routed_completion_equals_single_process(routed: tuple[Stack, RelayService]) -> None:
     stack, relay = routed
     tok = load_tokenizer("random-tiny")
     prompt = "Token routing passes the pen"
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
-        resp = await client.post(
-            "/v1/completions",
-            json={
-                "model": "pair",
-                "prompt": prompt,
-                "max_tokens": 16,
-                "temperature": 0,
-                "ignore_eos": True,
-            },
-        )
-    assert resp.status_code == 200, resp.text
-    body = resp.json()
+        body = await greedy_completion(client, "pair", prompt, 16)
     expected = reference(tok.encode(prompt), 16)
     assert body["choices"][0]["text"] == tok.decode(expected)
     usage = body["usage"]
@@ -142,19 +150,9 @@ async def test_barrier_mode_answers_concurrent_requests_exactly(
     prompts = ["Barrier one", "A second, longer barrier prompt", "three"]
 
     async def one(client: httpx.AsyncClient, prompt: str) -> str:
-        resp = await client.post(
-            "/v1/completions",
-            json={
-                "model": "pair-barrier",
-                "prompt": prompt,
-                "max_tokens": 12,
-                "temperature": 0,
-                "ignore_eos": True,
-            },
-        )
-        assert resp.status_code == 200, resp.text
-        assert resp.json()["usage"]["tokens_by_model"] == {"random-tiny": 8, "random-tiny-big": 4}
-        return str(resp.json()["choices"][0]["text"])
+        body = await greedy_completion(client, "pair-barrier", prompt, 12)
+        assert body["usage"]["tokens_by_model"] == {"random-tiny": 8, "random-tiny-big": 4}
+        return str(body["choices"][0]["text"])
 
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
         texts = await asyncio.gather(*(one(client, p) for p in prompts))
