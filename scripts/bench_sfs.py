@@ -3,8 +3,8 @@ arrival rate on the simulated SFS testbed, the delta frontier, the routing decis
 cost, and the fidelity of the simulated engine. Every part side by side in one run:
 
   1. TTFT prediction error. A real LLMEngine (SmolLM2 family, bf16, 1 thread) runs in
-     this process (no NATS hop, no Redis: the snapshot is read from the engine object)
-     in its own thread; the Azure conversation trace is replayed open loop, time-scaled
+     its own process, as a worker does (no NATS hop, no Redis: the engine sends its
+     snapshot over a pipe after every step); the Azure conversation trace is replayed open loop, time-scaled
      so that the modeled mean TTFT is `--ttft-inflation` times the idle one (queues form),
      lengths scaled and capped to the engine's max_model_len, prompts cut from alpaca
      text. At each arrival the new request's TTFT is predicted from the engine's
@@ -38,6 +38,7 @@ import dataclasses
 import gc
 import json
 import math
+import multiprocessing
 import os
 import random
 import shutil
@@ -51,6 +52,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -144,60 +146,111 @@ class Measured:
     ttft_s: float = math.nan  # first token - add_request
 
 
-class EngineThread:
-    """Steps a real engine in a thread while it has work; records first-token times.
+def _engine_process_main(
+    ecfg: Any, t_origin: float, commands: Connection, results: Connection
+) -> None:
+    """The engine's own process (as a worker runs it): take submissions, step while
+    there is work, and after every step send the snapshot, the first-token times, the
+    ids that finished and the batch samples."""
+    import torch
 
-    After each step, under one lock: the snapshot, the first-token times and the ids
-    that finished, so a reader never sees a finished request as merely unseen.
+    from services.worker.engine.engine import LLMEngine
+
+    torch.set_num_threads(1)
+    engine = LLMEngine.create(ecfg)
+    results.send(("ready", engine.snapshot(), [], [], []))
+    seen_first: set[str] = set()
+    while True:
+        # 1. submissions (block briefly while idle, never while there is work)
+        ready = commands.poll(0 if engine.has_unfinished() else 0.05)
+        while ready:
+            cmd = commands.recv()
+            if cmd is None:
+                return
+            rid, ids, params, predicted = cmd
+            engine.add_request(rid, ids, params, predicted_output_tokens=predicted)
+            ready = commands.poll(0)
+        if not engine.has_unfinished():
+            continue
+        # 2. one step, then what a reader needs, on the shared monotonic clock
+        outputs = engine.step()
+        t = time.perf_counter() - t_origin
+        firsts = []
+        for out in outputs:
+            if out.new_token_ids and out.request_id not in seen_first:
+                seen_first.add(out.request_id)
+                firsts.append((out.request_id, t))
+        done = [out.request_id for out in outputs if out.finished]
+        seen_first.difference_update(done)
+        results.send(("step", engine.snapshot(), firsts, done, engine.pop_batch_samples()))
+
+
+class EngineProcess:
+    """Steps a real engine in its own process, as a worker does, so that the
+    benchmark's decisions and refits never take the GIL from the engine's steps (in
+    one process they stretched the replay's steps against the warm-up's).
+
+    A reader thread applies each step's report under one lock: the snapshot, the
+    first-token times and the ids that finished, so a reader never sees a finished
+    request as merely unseen. perf_counter is CLOCK_MONOTONIC, shared by both
+    processes, so first-token times are on the benchmark's clock.
     """
 
-    def __init__(self, engine: Any, clock: Callable[[], float]) -> None:
-        self.engine = engine
-        self.clock = clock
+    def __init__(self, ecfg: Any, t_origin: float) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._cmd_recv, self._cmd_send = ctx.Pipe(duplex=False)
+        self._res_recv, self._res_send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(
+            target=_engine_process_main,
+            args=(ecfg, t_origin, self._cmd_recv, self._res_send),
+            name="engine",
+            daemon=True,
+        )
         self.lock = threading.Lock()
-        self.wake = threading.Event()
-        self.stop = threading.Event()
         self.first: dict[str, float] = {}
         self.done: set[str] = set()
-        self.snapshot: WorkloadSnapshot = engine.snapshot()
+        self.submitted: set[str] = set()
         self.samples: list[BatchSample] = []
-        self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self.error: BaseException | None = None
+        self.snapshot: WorkloadSnapshot | None = None
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read_loop, name="engine-reader", daemon=True)
 
     def start(self) -> None:
-        self.thread.start()
+        self._proc.start()
+        self._reader.start()
+        if not self._ready.wait(600):
+            raise RuntimeError("the engine process did not start")
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                _kind, snap, firsts, done, samples = self._res_recv.recv()
+            except (EOFError, OSError):
+                return
+            with self.lock:
+                self.snapshot = snap
+                self.first.update(firsts)
+                self.done.update(done)
+                self.samples.extend(samples)
+            self._ready.set()
+
+    def submit(
+        self, rid: str, ids: list[int], params: Any, predicted_output_tokens: int | None = None
+    ) -> None:
+        with self.lock:
+            self.submitted.add(rid)
+        self._cmd_send.send((rid, ids, params, predicted_output_tokens))
 
     def close(self) -> None:
-        self.stop.set()
-        self.wake.set()
-        self.thread.join(timeout=60)
-        if self.error is not None:
-            raise RuntimeError("engine thread failed") from self.error
-
-    def _run(self) -> None:
-        try:
-            while not self.stop.is_set():
-                if not self.engine.has_unfinished():
-                    self.wake.wait(0.05)
-                    self.wake.clear()
-                    continue
-                outputs = self.engine.step()
-                t = self.clock()
-                snap = self.engine.snapshot()
-                samples = self.engine.pop_batch_samples()
-                with self.lock:
-                    for out in outputs:
-                        if out.new_token_ids and out.request_id not in self.first:
-                            self.first[out.request_id] = t
-                        if out.finished:
-                            self.done.add(out.request_id)
-                    self.snapshot = snap
-                    self.samples.extend(samples)
-        except BaseException as exc:  # surfaced by close()
-            self.error = exc
+        with contextlib.suppress(OSError):
+            self._cmd_send.send(None)
+        self._proc.join(timeout=60)
+        if self._proc.exitcode not in (0, None):
+            raise RuntimeError(f"engine process failed (exit code {self._proc.exitcode})")
 
     def read(self) -> tuple[WorkloadSnapshot, set[str]]:
         with self.lock:
+            assert self.snapshot is not None
             return self.snapshot, set(self.done)
 
     def take_samples(self) -> list[BatchSample]:
@@ -206,8 +259,12 @@ class EngineThread:
         return s
 
     def wait_idle(self, timeout_s: float) -> None:
+        """Until every submitted request has finished (or the timeout)."""
         deadline = time.monotonic() + timeout_s
-        while self.engine.has_unfinished() and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            with self.lock:
+                if self.submitted <= self.done:
+                    return
             time.sleep(0.01)
 
 
@@ -287,7 +344,6 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from services.worker.engine.config import EngineConfig
-    from services.worker.engine.engine import LLMEngine
     from services.worker.engine.sim import SimEngineConfig
     from shared.sampling import SamplingParams
 
@@ -304,8 +360,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.max_input + args.max_output > ecfg.max_model_len:
         raise SystemExit("--max-input + --max-output must fit --max-model-len")
-    print(f"[1] loading {args.model} (bf16, 1 thread) ...", flush=True)
-    engine = LLMEngine.create(ecfg)
+    print(f"[1] loading {args.model} (bf16, 1 thread, its own process) ...", flush=True)
     corpus = alpaca_token_ids(args.model)
     rng = random.Random(args.seed)
 
@@ -319,7 +374,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
     def clock() -> float:
         return time.perf_counter() - t_origin
 
-    runner = EngineThread(engine, clock)
+    runner = EngineProcess(ecfg, t_origin)
     runner.start()
 
     # 1. Warm-up: bursts of 1..max_num_seqs trace requests, run to completion, so the
@@ -333,9 +388,8 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
             r = next(warm_it)
             out = min(r.num_output_tokens, args.warmup_max_output)
             params = SamplingParams(max_tokens=out, ignore_eos=True, temperature=0)
-            engine.add_request(f"w{n}", prompt_ids(r.num_prompt_tokens), params)
+            runner.submit(f"w{n}", prompt_ids(r.num_prompt_tokens), params)
             n += 1
-        runner.wake.set()
         time.sleep(0.05)
         runner.wait_idle(600)
     warm_samples = runner.take_samples()
@@ -455,8 +509,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         params = SamplingParams(max_tokens=r.num_output_tokens, ignore_eos=True, temperature=0)
         ids = prompt_ids(r.num_prompt_tokens)
         t_add = clock()
-        engine.add_request(rid, ids, params, predicted_output_tokens=pred_out)
-        runner.wake.set()
+        runner.submit(rid, ids, params, predicted_output_tokens=pred_out)
         submitted[rid] = (
             t_add,
             PendingRequest(rid, r.num_prompt_tokens, r.num_output_tokens, pred_out),
@@ -553,9 +606,9 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         },
         "setup": {
             "model": args.model,
-            "in_process": True,
-            "note": "in process: engine stepped in a thread of the benchmark, snapshot read "
-            "from the engine object (no NATS hop, no Redis read)",
+            "in_process": False,
+            "note": "engine stepped in its own process, snapshot sent over a pipe after "
+            "every step (no NATS hop, no Redis read)",
             "engine": {
                 "max_num_seqs": ecfg.max_num_seqs,
                 "max_num_batched_tokens": ecfg.max_num_batched_tokens,
@@ -1230,7 +1283,7 @@ def main() -> None:
             )
             bt = real["batch_time_fit"]
             summary += [
-                "1. TTFT prediction, real CPU engine IN PROCESS (no NATS hop), "
+                "1. TTFT prediction, real CPU engine in its own process (no NATS hop), "
                 f"{real['setup']['model']}, {real['num_measured']} requests at {real['rate_rps']:.2f} req/s "
                 f"({real['num_queued_at_arrival']} found work queued):",
                 f"   MAPE SFS {real['mape_sfs']:.1%} (service's LatencyEstimator; evaluation.estimate_from_now {real['mape_sfs_evaluation']:.1%}; from the snapshot's time, the service before {real['mape_sfs_from_snapshot']:.1%}) vs "
