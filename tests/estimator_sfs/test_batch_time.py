@@ -15,13 +15,7 @@ from services.estimator.sfs.batch_time import (
     BatchTimeModel,
     features,
 )
-from services.estimator.sfs.fit import (
-    OnlineBatchTimeFitter,
-    fit_batch_time,
-    huber_irls,
-    iteration_seconds,
-    iteration_targets,
-)
+from services.estimator.sfs.fit import OnlineBatchTimeFitter, fit_batch_time, huber_irls
 from shared.scheduling.snapshot import BatchSample, describe_batch
 from tests.estimator_sfs.builders import make_scheduler, step
 
@@ -138,21 +132,8 @@ def test_online_fitter_refits_every_k_samples() -> None:
     assert fitter.add(samples[40:60]) is not None  # first fit once min_samples arrived
     assert fitter.add(samples[60:150]) is None  # 90 new < 100
     refit = fitter.add(samples[150:160])
-    # The newest sample waits for the next one's start (its loop gap): 159 are in.
-    assert refit is not None and refit.num_samples == 159
+    assert refit is not None and refit.num_samples == 160
     assert fitter.model == refit.model
-
-
-def test_an_iteration_counts_the_busy_loops_gap_but_not_idleness() -> None:
-    def at(start: float, duration: float) -> BatchSample:
-        return BatchSample(start, duration, 0, 1, [], [100], 1, 0)
-
-    busy, next_busy = at(10.0, 0.020), at(10.023, 0.020)  # 3 ms of loop work between
-    idle_next = at(10.5, 0.020)  # a new request after half a second of idleness
-    assert iteration_seconds(busy, next_busy.wall_time_s) == pytest.approx(0.023)
-    assert iteration_seconds(busy, idle_next.wall_time_s) == pytest.approx(0.020)
-    assert iteration_seconds(busy, None) == pytest.approx(0.020)
-    assert iteration_targets([busy, next_busy, idle_next]) == pytest.approx([0.023, 0.02, 0.02])
 
 
 def test_model_rejects_wrong_shapes() -> None:

@@ -8,14 +8,6 @@ Two-part fit (SFS public code, `two_part_fit.py`, with NNLS):
    deviations, are dropped (GC pauses, scheduler hiccups: one-sided, slow only);
 3. non-negative least squares on the inliers (every coefficient >= 0, intercept too).
 
-What is fitted is the *iteration's* time: the step (`duration_s`: schedule, forward,
-sample) plus, while the engine stays busy, the loop's work before the next step
-starts (publishing the deltas, the snapshot): the gap to the next sample's start
-when it is at most `MAX_LOOP_GAP_S`. The replay advances its clock by one modeled
-iteration per step, so a model of the step alone made every queued TTFT short by
-the loop's share (measured: SFS TTFT -8% to -10% mean signed error on the CPU
-engine). A longer gap is idleness (no request), and the step's own time is used.
-
 Columns are scaled to unit max before solving (S2 is ~1e8 times P), and unscaled after.
 Fit error is reported as MAPE = mean(|predicted - measured| / measured) over inliers
 and over all samples; the stall fraction and mean stall excess (seconds) are kept so
@@ -41,25 +33,6 @@ from services.estimator.sfs.batch_time import (
 from shared.scheduling.snapshot import BatchSample
 
 HUBER_EPSILON = 1.35
-# A gap between one step's end and the next step's start up to this long is the busy
-# loop's own work (part of the iteration); a longer one is the engine idling.
-MAX_LOOP_GAP_S = 0.010
-
-
-def iteration_seconds(sample: BatchSample, next_start_s: float | None) -> float:
-    """The sample's step plus the loop's gap to the next step (see module docstring)."""
-    if next_start_s is None:
-        return sample.duration_s
-    gap = next_start_s - (sample.wall_time_s + sample.duration_s)
-    return sample.duration_s + gap if 0.0 <= gap <= MAX_LOOP_GAP_S else sample.duration_s
-
-
-def iteration_targets(samples: Sequence[BatchSample]) -> list[float]:
-    """iteration_seconds of each sample, the next one in the list giving the gap."""
-    return [
-        iteration_seconds(s, samples[i + 1].wall_time_s if i + 1 < len(samples) else None)
-        for i, s in enumerate(samples)
-    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,10 +126,12 @@ def fit_features(
 
 
 def sample_rows(feature_set: str, samples: Iterable[BatchSample]) -> tuple[np.ndarray, np.ndarray]:
-    """Feature matrix and iteration times (seconds) of recorded iterations, in order."""
-    samples = list(samples)
-    rows = [features_from_raw(feature_set, raw_from_sample(s)) for s in samples]
-    ys = iteration_targets(samples)
+    """Feature matrix and durations (seconds) of recorded iterations."""
+    rows: list[list[float]] = []
+    ys: list[float] = []
+    for s in samples:
+        rows.append(features_from_raw(feature_set, raw_from_sample(s)))
+        ys.append(s.duration_s)
     k = num_features(feature_set)
     return np.asarray(rows, dtype=float).reshape(-1, k), np.asarray(ys, dtype=float)
 
@@ -200,8 +175,6 @@ class OnlineBatchTimeFitter:
         self._ys: deque[float] = deque(maxlen=window)
         self._since_fit = 0
         self.last_fit: FitResult | None = None
-        # The newest sample waits for the next one's start (its loop gap) to be added.
-        self._pending: BatchSample | None = None
 
     @property
     def model(self) -> BatchTimeModel | None:
@@ -214,12 +187,9 @@ class OnlineBatchTimeFitter:
     def add(self, samples: Iterable[BatchSample]) -> FitResult | None:
         """Take new samples; returns the new fit when this call refitted, else None."""
         for s in samples:
-            if self._pending is not None:
-                prev = self._pending
-                self._rows.append(features_from_raw(self.feature_set, raw_from_sample(prev)))
-                self._ys.append(iteration_seconds(prev, s.wall_time_s))
-                self._since_fit += 1
-            self._pending = s
+            self._rows.append(features_from_raw(self.feature_set, raw_from_sample(s)))
+            self._ys.append(s.duration_s)
+            self._since_fit += 1
         due = self._since_fit >= self.refit_every or self.last_fit is None
         if not due or len(self._ys) < self.min_samples:
             return None
