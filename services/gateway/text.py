@@ -72,15 +72,16 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
 
-    def _decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
+        """Plain decode, keeping special tokens when asked (logprobs' token texts too)."""
         if self._keep_special:
             return self._tok.decode(ids, skip_special_tokens=False)
         return self._tok.decode(ids)
 
     def add(self, token_ids: list[int]) -> str:
         self._ids.extend(t for t in token_ids if t not in self._skip)
-        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset :])
+        prefix = self.decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self.decode(self._ids[self._prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
@@ -89,8 +90,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is still held back (at the end of the answer)."""
-        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset :])
+        prefix = self.decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self.decode(self._ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._ids)
         return full[len(prefix) :] if len(full) > len(prefix) else ""
 
@@ -159,4 +160,4 @@ class TextStream:
         return self._cutter.push(self._detok.flush()) + self._cutter.flush()
 
     def token_text(self, token_id: int) -> str:
-        return "" if token_id in self._skip else self._tok.decode([token_id])
+        return "" if token_id in self._skip else self._detok.decode([token_id])

@@ -38,6 +38,8 @@ def test_special_tokens_are_dropped_unless_kept() -> None:
     kept = TextStream(tok, [], skip_ids=set(), keep_special=True)
     assert plain.add(0, ids, None)[0] + plain.finish() == "Paris.more"
     assert kept.add(0, ids, None)[0] + kept.finish() == "Paris.<|im_end|>more"
+    assert plain.token_text(tok.eos_token_id) == ""
+    assert kept.token_text(tok.eos_token_id) == "<|im_end|>"
 
 
 def test_assembler_merges_by_position() -> None:
