@@ -10,6 +10,8 @@ import asyncio
 import dataclasses
 import threading
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -82,9 +84,11 @@ class Client:
         await asyncio.wait_for(self.finished[request_id].wait(), 30)
 
 
-async def run_worker(
+@asynccontextmanager
+async def running_worker(
     nats_url: str, redis_url: str, max_inline_step_tokens: int
-) -> tuple[WorkerService, asyncio.Task[None], StepThreads, Client]:
+) -> AsyncIterator[tuple[WorkerService, StepThreads, Client]]:
+    """A real worker (random-tiny) with the given cap, and a client on the bus."""
     cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
     cfg = dataclasses.replace(
         WorkerServiceConfig.from_cluster(cluster, "random-tiny", "inline"),
@@ -98,20 +102,18 @@ async def run_worker(
     await bus.connect()
     client = Client(bus, cluster.namespace)
     await client.start()
-    return worker, task, threads, client
-
-
-async def stop(worker: WorkerService, task: asyncio.Task[None], client: Client) -> None:
-    await client.bus.close()
-    worker.request_stop()
-    await asyncio.wait_for(task, 10)
+    try:
+        yield worker, threads, client
+    finally:
+        await client.bus.close()
+        worker.request_stop()
+        await asyncio.wait_for(task, 10)
 
 
 async def test_first_step_after_idle_runs_inline_the_rest_in_a_thread(
     nats_url: str, redis_url: str
 ) -> None:
-    worker, task, threads, client = await run_worker(nats_url, redis_url, 16)
-    try:
+    async with running_worker(nats_url, redis_url, 16) as (worker, threads, client):
         # A small prompt on an idle worker: its prefill runs on the loop, its decodes
         # (a busy batch) in the thread.
         await client.generate(worker, 8)
@@ -123,20 +125,15 @@ async def test_first_step_after_idle_runs_inline_the_rest_in_a_thread(
         await client.generate(worker, 16)
         assert threads.take() == [True] + [False] * (MAX_TOKENS - 1)
         assert worker.num_inline_steps == 2
-    finally:
-        await stop(worker, task, client)
 
 
 async def test_zero_max_inline_step_tokens_runs_every_step_in_a_thread(
     nats_url: str, redis_url: str
 ) -> None:
-    worker, task, threads, client = await run_worker(nats_url, redis_url, 0)
-    try:
+    async with running_worker(nats_url, redis_url, 0) as (worker, threads, client):
         await client.generate(worker, 8)
         assert threads.take() == [False] * MAX_TOKENS
         assert worker.num_inline_steps == 0
-    finally:
-        await stop(worker, task, client)
 
 
 def test_the_cluster_file_sets_max_inline_step_tokens() -> None:
