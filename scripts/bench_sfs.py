@@ -158,7 +158,7 @@ def _engine_process_main(
 
     torch.set_num_threads(1)
     engine = LLMEngine.create(ecfg)
-    results.send(("ready", engine.snapshot(), [], [], []))
+    results.send((engine.snapshot(), [], [], []))  # ready
     seen_first: set[str] = set()
     while True:
         # 1. submissions (block briefly while idle, never while there is work)
@@ -182,7 +182,7 @@ def _engine_process_main(
                 firsts.append((out.request_id, t))
         done = [out.request_id for out in outputs if out.finished]
         seen_first.difference_update(done)
-        results.send(("step", engine.snapshot(), firsts, done, engine.pop_batch_samples()))
+        results.send((engine.snapshot(), firsts, done, engine.pop_batch_samples()))
 
 
 class EngineProcess:
@@ -224,7 +224,7 @@ class EngineProcess:
     def _read_loop(self) -> None:
         while True:
             try:
-                _kind, snap, firsts, done, samples = self._res_recv.recv()
+                snap, firsts, done, samples = self._res_recv.recv()
             except (EOFError, OSError):
                 return
             with self.lock:

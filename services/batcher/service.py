@@ -241,7 +241,7 @@ class BatcherService:
     def _tables(
         self, name: str, state: PresetState, table: BTable, used: ChainInputs | None
     ) -> BatchTables:
-        """Publish `table` as the preset's next version (`used`: the estimates behind it)."""
+        """`table` as the preset's next BatchTables version (`used`: the estimates behind it)."""
         st = self.settings
         state.version += 1
         state.used_inputs = used
