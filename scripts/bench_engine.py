@@ -105,7 +105,7 @@ def bf16_agreement(
     outs = {}
     for dt in (torch.float32, torch.bfloat16):
         conf = EngineConfig(model="smollm2-135m", dtype=str(dt).removeprefix("torch."),
-                            max_num_seqs=len(prompts), num_kv_blocks=1024, max_model_len=2048)
+                            max_num_seqs=len(prompts), num_kv_blocks=256, max_model_len=2048)
         engine = LLMEngine(conf, build_model(cfg, dict(state), dt, torch.device("cpu")))  # type: ignore[arg-type]
         outs[dt] = engine.generate(prompts, params)
         del engine
@@ -170,7 +170,7 @@ def main() -> None:
     max_len = max(len(p) for p in prompts) + args.new_tokens + 16
     econf = EngineConfig(
         model="smollm2-135m", dtype=args.dtype, threads=args.threads,
-        max_num_seqs=max_n, num_kv_blocks=max(256, (max_len * max_n) // 16 + 16), max_model_len=2048,
+        max_num_seqs=max_n, num_kv_blocks=max(128, -(-max_len // EngineConfig().block_size) * max_n + 4), max_model_len=2048,
     )
 
     def make_engine(dt: torch.dtype, conf: EngineConfig) -> LLMEngine:
@@ -234,9 +234,11 @@ def main() -> None:
               f"{agree['position_match']:.1%} of positions equal, {agree['prefix_match']:.1%} before "
               f"the first divergence, {agree['identical_answers']:.0%} of answers identical")
 
-    rss = rss_probe(512, args.dtype)
-    result["worker_memory"] = {"num_kv_blocks": 512, "block_size": 16, **{k: round(v, 1) for k, v in rss.items()}}
-    print(f"\nworker peak RSS (SmolLM2, {args.dtype}, 512 KV blocks = 8192 tokens): "
+    # A worker's KV capacity as configs/local.toml sizes it: 8192 tokens.
+    bs = EngineConfig().block_size
+    rss = rss_probe(8192 // bs, args.dtype)
+    result["worker_memory"] = {"num_kv_blocks": 8192 // bs, "block_size": bs, **{k: round(v, 1) for k, v in rss.items()}}
+    print(f"\nworker peak RSS (SmolLM2, {args.dtype}, {8192 // bs} KV blocks = 8192 tokens): "
           f"{rss['peak_rss_mib']:.0f} MiB, of which KV cache {rss['kv_cache_mib']:.0f} MiB")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

@@ -60,7 +60,8 @@ from services.worker.engine.delta import (  # noqa: E402
     read_delta,
     save_delta,
 )
-from services.worker.engine.model import TRIMMED_LOGIT, VOCAB_KEEP_KEY  # noqa: E402
+from services.worker.engine.model import VOCAB_KEEP_KEY  # noqa: E402
+from services.worker.engine.outputs import TRIMMED_LOGIT  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BASE_NAME = "smollm2-135m"

@@ -224,8 +224,8 @@ class InstanceConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=
     replicas: int = 1  # worker processes serving this model
     max_num_seqs: int = 16  # requests running at once
     max_num_batched_tokens: int = 512  # tokens per iteration (the token budget)
-    block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int = 512  # KV capacity in blocks
+    block_size: int = 64  # tokens per KV block (the CPU engine's default; see EngineConfig)
+    num_kv_blocks: int = 128  # KV capacity in blocks
     max_model_len: int = 2048  # tokens, prompt + output
     threads: int = 1  # torch threads
     seed: int = 0  # engine RNG seed

@@ -14,7 +14,8 @@ from services.worker.engine.cpu_kernels import can_pack
 from services.worker.engine.delta import apply_delta, read_delta, save_delta
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.loader import build_model, random_config, random_state_dict
-from services.worker.engine.model import TRIMMED_LOGIT, VOCAB_KEEP_KEY, CausalLM
+from services.worker.engine.model import VOCAB_KEEP_KEY, CausalLM
+from services.worker.engine.outputs import TRIMMED_LOGIT, StepLogits, StepOutputs
 from shared.sampling import SamplingParams
 
 VOCAB, EOS = 512, 2
@@ -156,3 +157,27 @@ def test_an_old_delta_without_vocab_keep_serves_the_full_head(tmp_path: Path) ->
     assert model.vocab_keep is None
     logits = model.compute_logits(torch.randn(2, cfg.hidden_size))
     assert bool((logits != TRIMMED_LOGIT).all())
+
+
+def test_step_logits_greedy_needs_no_full_rows_and_keeps_argmax_ties() -> None:
+    keep = torch.tensor([3, 7, 8, 20, 40])
+    rows = torch.tensor(
+        [
+            [0.5, 2.0, 2.0, -1.0, 2.0],  # a three-way tie: the lowest token id wins
+            [-3.0, -2.0, -9.0, -1.5, -7.0],  # all negative, still above TRIMMED_LOGIT
+        ]
+    )
+    step = StepLogits(rows, keep, vocab_size=64)
+    assert step.greedy() == [7, 20]
+    assert step._full is None  # greedy spread nothing over the vocabulary
+    full = step.full()
+    assert full.shape == (2, 64) and step.greedy() == full.argmax(-1).tolist()
+    assert full[0, 7] == 2.0 and full[0, 0] == TRIMMED_LOGIT
+    assert step.full() is full  # built once
+
+
+def test_hook_outputs_build_full_logits_only_when_read() -> None:
+    step = StepLogits(torch.zeros(1, 2), torch.tensor([1, 5]), vocab_size=8)
+    out = StepOutputs(["r"], [1], step, torch.zeros(1, 4))
+    assert step._full is None
+    assert out.logits.shape == (1, 8) and step._full is not None

@@ -22,8 +22,11 @@ class EngineConfig:
     device: str = "cpu"  # cpu | cuda | cuda:N
     max_num_seqs: int = 16  # running requests at most
     max_num_batched_tokens: int = 512  # tokens per iteration
-    block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int = 512  # KV capacity: num_kv_blocks * block_size tokens
+    # tokens per KV block. 64 on CPU: decode attention multiplies per cache block, and
+    # at 16 the many tiny matmuls cost ~30% more (16 requests, 128-256 tokens of
+    # context); see docs/performance.md.
+    block_size: int = 64
+    num_kv_blocks: int = 128  # KV capacity: num_kv_blocks * block_size tokens
     max_model_len: int = 2048  # prompt + output tokens of one request
     # torch intra-op threads: pin them; 2 threads next to a busy neighbour run ~30x slower.
     threads: int = 1

@@ -20,14 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.engine.cpu_kernels import PackedLinear, can_pack, pack_linears
+from services.worker.engine.outputs import StepLogits
 
 # A trimmed-vocabulary head (CausalLM.set_vocab_keep): the state-dict entry holding the
-# kept token ids, and the logit every other token gets. Finite on purpose: softmax still
-# gives those tokens probability exactly 0 in fp32 (exp underflows), but p * log p stays
-# 0 instead of 0 * -inf = NaN in entropy-style reads of the logits, and it survives
-# temperature scaling by 1e-8 without overflowing.
+# kept token ids; every other token gets TRIMMED_LOGIT (outputs.py says why finite).
 VOCAB_KEEP_KEY = "vocab_keep"
-TRIMMED_LOGIT = -1e30
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +126,11 @@ class AttentionPlan:
     decode_rows: list[int] = field(default_factory=list)
     decode_tokens: torch.Tensor | None = None  # [D] their token rows in the flat batch
     decode_blocks: torch.Tensor | None = None  # [D * max_blocks] padded block ids
-    decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_ctx] True = attend
+    # [D, 1, 1, max_ctx] fp32: 0 where a decode attends, -inf past its context. Additive,
+    # so one op upcasts, scales and masks the scores (see Attention._attend_decodes).
+    decode_bias: torch.Tensor | None = None
+    # Every row of the batch is a decode, in order: queries need no gather or scatter.
+    all_decode: bool = False
     # slot_mapping split into (block, offset), computed once per step by the first layer
     slot_blocks: torch.Tensor | None = None
     slot_offsets: torch.Tensor | None = None
@@ -148,10 +149,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        # HF's LlamaRMSNorm (normalise in fp32, cast, scale); F.rms_norm without a
+        # weight computes the fp32 part bitwise alike in one op.
+        h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 def _rope_scaling(raw: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -200,31 +201,29 @@ class Rotary(nn.Module):
         pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
+        half = inv_freq.shape[0]
+        # sin with its first half negated: rotate_half(x) * sin == x.roll(half) * this,
+        # bitwise (negating a factor commutes with rounding), in two ops instead of four.
+        sign = torch.cat((-torch.ones(half), torch.ones(half)))
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("sin", emb.sin() * sign, persistent=False)
 
     cos: torch.Tensor
-    sin: torch.Tensor
+    sin: torch.Tensor  # signed (see __init__)
 
     def tables(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for the given positions, [T, 1, D]: looked up once per forward."""
+        """cos and signed sin for the given positions, [T, 1, D]: looked up once per
+        forward, for apply_rotary."""
         cos = self.cos[positions].to(dtype).unsqueeze(1)
         sin = self.sin[positions].to(dtype).unsqueeze(1)
         return cos, sin
 
 
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, H, D], k: [T, Hkv, D]; cos/sin from Rotary.tables."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [T, heads, D] (HF's rotate_half convention; sin signed by Rotary)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class Attention(nn.Module):
@@ -254,13 +253,15 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        v = qkv[:, k_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+            q = apply_rotary(self.q_norm(qkv[:, :q_end].view(num_tokens, -1, self.head_dim)), *rope)
+            k = apply_rotary(self.k_norm(qkv[:, q_end:k_end].view(num_tokens, -1, self.head_dim)), *rope)
+        else:
+            # q and k heads side by side in qkv: one rotation for both.
+            qk = apply_rotary(qkv[:, :k_end].view(num_tokens, -1, self.head_dim), *rope)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         # Paged cache: write this step's K/V into their slots, then read contexts.
         # Both index pairs are split by slices, so the indexed shape is [T, Hkv, hd].
         blocks, offsets = plan.block_offsets(v_cache.shape[2])
@@ -334,23 +335,29 @@ class Attention(nn.Module):
         partial outputs are rearranged.
         """
         assert plan.decode_tokens is not None and plan.decode_blocks is not None
-        assert plan.decode_mask is not None
+        assert plan.decode_bias is not None
         num, hkv, hd = len(plan.decode_rows), self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
         bs = v_cache.shape[2]
-        qd = q.index_select(0, plan.decode_tokens).view(num, 1, hkv, group, hd)
+        qd = q if plan.all_decode else q.index_select(0, plan.decode_tokens)
+        qd = qd.view(num, 1, hkv, group, hd)
         k = k_cache.index_select(0, plan.decode_blocks).view(num, -1, hkv, hd, bs)
         v = v_cache.index_select(0, plan.decode_blocks).view(num, -1, hkv, bs, hd)
         nblk = k.shape[1]
         scores = torch.matmul(qd, k)  # [D, nblk, Hkv, G, bs]
         scores = scores.permute(0, 2, 3, 1, 4).reshape(num, hkv, group, nblk * bs)
-        scores = scores.float() * self.scale  # [D, Hkv, G, L]
-        scores.masked_fill_(~plan.decode_mask, float("-inf"))
+        # bias + scale * scores in fp32: the upcast, scale and mask in one op (same
+        # values as scores.float() * scale then a -inf fill).
+        scores = torch.add(plan.decode_bias, scores, alpha=self.scale)  # [D, Hkv, G, L]
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         probs = probs.view(num, hkv, group, nblk, bs).permute(0, 3, 1, 2, 4)
         parts = torch.matmul(probs, v)  # [D, nblk, Hkv, G, hd], one partial per block
         o = parts.sum(1, dtype=torch.float32).to(q.dtype) if nblk > 1 else parts[:, 0]
-        out.index_copy_(0, plan.decode_tokens, o.reshape(num, self.num_heads, hd))
+        o = o.reshape(num, self.num_heads, hd)
+        if plan.all_decode:
+            out.copy_(o)
+        else:
+            out.index_copy_(0, plan.decode_tokens, o)
 
 
 class MLP(nn.Module):
@@ -449,6 +456,12 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [N, vocab] for the given hidden states (TRIMMED_LOGIT outside a
         trimmed head's kept ids)."""
+        return self.head_logits(hidden).full()
+
+    @torch.inference_mode()
+    def head_logits(self, hidden: torch.Tensor) -> StepLogits:
+        """The LM head over the given hidden states; a trimmed head's rows stay
+        trimmed until something needs the whole vocabulary (StepLogits)."""
         if self.packed_head is not None:
             logits = self.packed_head(hidden).float()
         elif self.kept_head is not None:
@@ -456,10 +469,7 @@ class CausalLM(nn.Module):
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(hidden, weight).float()
-        if self.vocab_keep is None:
-            return logits
-        full = logits.new_full((logits.shape[0], self.config.vocab_size), TRIMMED_LOGIT)
-        return full.index_copy_(1, self.vocab_keep, logits)
+        return StepLogits(logits, self.vocab_keep, self.config.vocab_size)
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load weights named as in HF Llama/Qwen3 checkpoints, fusing q/k/v and gate/up."""

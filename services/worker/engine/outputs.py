@@ -34,14 +34,74 @@ class RequestOutput:
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
-@dataclass(slots=True)
-class StepOutputs:
-    """Per-step tensors for the route hook: one row per request that sampled a token."""
+# The logit a trimmed head (CausalLM.set_vocab_keep) gives every token outside its kept
+# ids. Finite on purpose: softmax still gives those tokens probability exactly 0 in
+# fp32 (exp underflows), but p * log p stays 0 instead of 0 * -inf = NaN in
+# entropy-style reads of the logits, and it survives temperature scaling by 1e-8
+# without overflowing.
+TRIMMED_LOGIT = -1e30
 
-    request_ids: list[str]
-    token_ids: list[int]  # the sampled tokens
-    logits: torch.Tensor  # [N, vocab] fp32, last position
-    hidden: torch.Tensor  # [N, hidden] last hidden state (after the final norm)
+
+class StepLogits:
+    """Last-position logits of one forward, one row per sampling request.
+
+    A full head's rows are the vocabulary. A trimmed head computes only its kept
+    columns; `full` spreads them over the vocabulary (TRIMMED_LOGIT elsewhere) the
+    first time something asks, and `greedy` never needs the full rows: the first
+    maximal kept column, mapped through the sorted kept ids, is the first maximal
+    token of the full row. On the small model's serving path that skips a
+    [N, vocab] write and a 4x wider argmax every step.
+    """
+
+    __slots__ = ("_full", "keep", "rows", "vocab_size")
+
+    def __init__(self, rows: torch.Tensor, keep: torch.Tensor | None, vocab_size: int) -> None:
+        self.rows = rows  # [N, K] fp32: K = vocab_size, or the kept ids' columns
+        self.keep = keep  # [K] sorted kept token ids; None for a full head
+        self.vocab_size = vocab_size
+        self._full: torch.Tensor | None = rows if keep is None else None
+
+    def full(self) -> torch.Tensor:
+        """[N, vocab] fp32 (computed once)."""
+        if self._full is None:
+            assert self.keep is not None
+            full = self.rows.new_full((self.rows.shape[0], self.vocab_size), TRIMMED_LOGIT)
+            self._full = full.index_copy_(1, self.keep, self.rows)
+        return self._full
+
+    def greedy(self) -> list[int]:
+        """The first maximal token id of every row (torch.argmax's tie rule).
+
+        max(dim).indices, not argmax: the same first maximal index, but a vectorised
+        CPU reduction (~0.5 vs ~1.4 ms for 8 x 49k fp32 rows on one thread)."""
+        best = self.rows.max(dim=-1).indices
+        return (best if self.keep is None else self.keep[best]).tolist()
+
+
+class StepOutputs:
+    """Per-step tensors for the route hook: one row per request that sampled a token.
+
+    `logits` is [N, vocab] fp32; given a StepLogits it is built on first access only
+    (a hook that routes none of this step's requests never pays for it)."""
+
+    __slots__ = ("_logits", "hidden", "request_ids", "token_ids")
+
+    def __init__(
+        self,
+        request_ids: list[str],
+        token_ids: list[int],
+        logits: torch.Tensor | StepLogits,
+        hidden: torch.Tensor,
+    ) -> None:
+        self.request_ids = request_ids
+        self.token_ids = token_ids  # the sampled tokens
+        self._logits = logits
+        self.hidden = hidden  # [N, hidden] last hidden state (after the final norm)
+
+    @property
+    def logits(self) -> torch.Tensor:
+        lg = self._logits
+        return lg.full() if isinstance(lg, StepLogits) else lg
 
 
 class StepHook(Protocol):

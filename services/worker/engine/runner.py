@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.engine.model import AttentionPlan, CausalLM
+from services.worker.engine.outputs import StepLogits
 from shared.scheduling.scheduler import ScheduledBatch
 
 
@@ -22,7 +23,7 @@ class ForwardResult:
 
     request_ids: list[str]
     hidden: torch.Tensor  # [N, hidden] last-position hidden state (after final norm)
-    logits: torch.Tensor  # [N, vocab] fp32
+    logits: StepLogits  # [N, vocab] fp32 on demand
 
 
 class ModelRunner:
@@ -95,7 +96,11 @@ class ModelRunner:
             plan.decode_blocks = torch.tensor(table, device=self.device)
             ctx = torch.tensor(lens, device=self.device).unsqueeze(1)
             span = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0)
-            plan.decode_mask = (span < ctx).view(len(lens), 1, 1, -1)
+            past = (span >= ctx).view(len(lens), 1, 1, -1)
+            plan.decode_bias = torch.zeros(past.shape, device=self.device).masked_fill_(
+                past, float("-inf")
+            )
+            plan.all_decode = len(plan.decode_rows) == len(batch.chunks)
             plan.decode_tokens = torch.tensor(
                 [plan.query_starts[r] for r in plan.decode_rows], device=self.device
             )
@@ -109,5 +114,5 @@ class ModelRunner:
         last = hidden.index_select(
             0, torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         )
-        logits = self.model.compute_logits(last)
+        logits = self.model.head_logits(last)
         return ForwardResult(sample_ids, last, logits)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.engine.outputs import StepLogits
 from shared.sampling import SamplingParams
 
 
@@ -74,19 +75,19 @@ def _sample_row(row: torch.Tensor, state: SamplingState) -> int:
     return int(torch.multinomial(probs, 1, generator=state.generator).item())
 
 
-def sample(logits: torch.Tensor, states: list[SamplingState]) -> SampleResult:
-    """logits: fp32 [N, vocab], one row per request in states' order."""
-    assert logits.shape[0] == len(states)
+def sample(logits: torch.Tensor | StepLogits, states: list[SamplingState]) -> SampleResult:
+    """logits: fp32 [N, vocab] (or a step's StepLogits), one row per request in states'
+    order. Plain greedy rows never need the full vocabulary."""
+    step = logits if isinstance(logits, StepLogits) else StepLogits(logits, None, logits.shape[1])
+    assert step.rows.shape[0] == len(states)
     greedy = [not s.params.has_penalties and s.params.is_greedy for s in states]
     token_ids: list[int] = []
-    # max(dim).indices, not argmax: the same first maximal index, but a vectorised CPU
-    # reduction (~0.5 vs ~1.4 ms for 8 x 49k fp32 rows on one thread).
-    argmax = logits.max(dim=-1).indices.tolist() if any(greedy) else []
+    argmax = step.greedy() if any(greedy) else []
     for i, state in enumerate(states):
         if greedy[i]:
             token_ids.append(int(argmax[i]))
             continue
-        row = _apply_penalties(logits[i], state)
+        row = _apply_penalties(step.full()[i], state)
         token_ids.append(int(row.argmax()) if state.params.is_greedy else _sample_row(row, state))
     for tok, state in zip(token_ids, states, strict=True):
         state.record(tok)
@@ -94,8 +95,8 @@ def sample(logits: torch.Tensor, states: list[SamplingState]) -> SampleResult:
     want = [s.params.logprobs for s in states]
     if all(w is None for w in want):
         return SampleResult(token_ids, None, None)
-    logp = torch.log_softmax(logits, dim=-1)
-    index = torch.tensor(token_ids, device=logits.device).unsqueeze(1)
+    logp = torch.log_softmax(step.full(), dim=-1)
+    index = torch.tensor(token_ids, device=logp.device).unsqueeze(1)
     chosen = logp.gather(1, index).squeeze(1).tolist()
     k_max = max((w or 0) for w in want)
     top: list[list[tuple[int, float]]] = [[] for _ in states]
