@@ -274,7 +274,7 @@ class Attention(nn.Module):
             out = self._attend_decodes(q, k_cache, v_cache, plan)
         else:
             out = torch.empty_like(q)
-            if plan.decode_rows:
+            if plan.decode_tokens is not None:
                 decoded = self._attend_decodes(q, k_cache, v_cache, plan)
                 out.index_copy_(0, plan.decode_tokens, decoded)
             for r in plan.prefill_rows:
