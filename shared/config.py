@@ -170,9 +170,11 @@ class WorkerConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     drain_timeout_s: float = 10.0  # seconds SIGTERM waits for in-flight requests
     snapshot_ttl_s: float = 30.0  # seconds a snapshot key lives without being rewritten
     max_batch_samples: int = 10_000  # samples kept per instance in Redis
-    # The first step after an idle wait runs on the event loop when it admits at most
-    # this many prompt tokens (the TTFT path skips two thread hand-offs); 0: always a thread.
+    # A step runs on the event loop (not in a thread) when it admits at most this many
+    # prompt tokens and is the first after an idle wait (the TTFT path skips two thread
+    # hand-offs) or follows a step of at most max_inline_step_ms; 0: always a thread.
     max_inline_step_tokens: int = 256
+    max_inline_step_ms: float = 5.0  # 0: only the first step after an idle wait
 
 
 class BatcherConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -321,6 +323,8 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
                 raise ConfigError(f"preset {name!r}: lambda and delta must be >= 0")
         if self.worker.max_inline_step_tokens < 0:
             raise ConfigError("[worker] max_inline_step_tokens must be >= 0")
+        if not self.worker.max_inline_step_ms >= 0:
+            raise ConfigError("[worker] max_inline_step_ms must be >= 0")
         if self.estimator.lambda_ < 0 or self.estimator.delta < 0:
             raise ConfigError("[estimator] lambda and delta must be >= 0")
         b = self.batcher

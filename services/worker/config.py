@@ -38,12 +38,14 @@ class WorkerServiceConfig:
     # The token-level presets this model takes part in (services/worker/routing/).
     token_presets: dict[str, PresetConfig] = field(default_factory=dict)
     relay: RelayConfig = field(default_factory=lambda: RelayConfig())
-    # The first step after an idle wait runs inline on the event loop (not in a
-    # thread) when the prompts it admits total at most this many tokens; 0: every
-    # step runs in a thread. It saves the two thread hand-offs on the TTFT path of
-    # a quiet worker; a busy batch always runs in a thread so the loop stays free
-    # to take the inbox and publish (docs/services.md, worker).
+    # A step runs inline on the event loop (not in a thread) when the prompts it admits
+    # total at most max_inline_step_tokens (0: every step in a thread) and it is the first
+    # after an idle wait or follows a step of at most max_inline_step_ms. Both save the
+    # two thread hand-offs where they cost more than the loop's overlapped I/O (a quiet
+    # worker's TTFT, a fast model's decode); a long step runs in a thread so the loop
+    # stays free to take the inbox and publish (docs/services.md, worker).
     max_inline_step_tokens: int = 256
+    max_inline_step_ms: float = 5.0
 
     @classmethod
     def from_cluster(
@@ -67,6 +69,7 @@ class WorkerServiceConfig:
             snapshot_ttl_s=cluster.worker.snapshot_ttl_s,
             max_batch_samples=cluster.worker.max_batch_samples,
             max_inline_step_tokens=cluster.worker.max_inline_step_tokens,
+            max_inline_step_ms=cluster.worker.max_inline_step_ms,
             token_presets={
                 n: p for n, p in cluster.token_presets().items() if model in p.models
             },

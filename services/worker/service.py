@@ -4,16 +4,20 @@
                                       v
     loop:  1. take inbox     add_request / abort_request (errors -> RequestFailed)
            2. step           engine.step() in a thread (the event loop stays free), or
-                             inline when it is the first step after an idle wait
+                             inline when it is short (below)
            3. publish        one DeltaBatch per owning gateway
            4. record         snapshot + batch samples -> Redis (overlaps the next step)
 
 Only the loop touches the engine, and never while a step runs in the thread,
-so the engine needs no locks. The first step after an idle wait (a quiet
-worker's new request: the TTFT case) runs inline when it admits at most
-`max_inline_step_tokens` prompt tokens: the hand-off to the thread and back
-costs two wake-ups, several ms on a loaded machine. Any other step runs in the
-thread, so a busy loop keeps taking the inbox and publishing while it computes.
+so the engine needs no locks. The hand-off to the thread and back costs two
+wake-ups (and, for a step that is mostly Python, a GIL handed to and fro), ms on
+a loaded machine; a step runs inline on the loop instead when it admits at most
+`max_inline_step_tokens` prompt tokens and either is the first after an idle
+wait (a quiet worker's new request: the TTFT case) or follows a step that took
+at most `max_inline_step_ms` (a fast model's decode batch: the hand-off would
+cost more than overlapping the loop's I/O with the step saves). Any other step
+runs in the thread, so a busy loop keeps taking the inbox and publishing while
+it computes.
 
 SIGTERM (or `request_stop`) drains: stop taking new requests, let running ones
 finish within `drain_timeout_s`, abort the rest with a failure event,
@@ -71,9 +75,10 @@ class WorkerService:
         self._stop = asyncio.Event()
         self._owners: dict[str, str] = {}  # request id -> owning gateway's inbox subject
         self._num_steps = 0
-        self.num_inline_steps = 0  # of them, run on the event loop (first after an idle wait)
+        self.num_inline_steps = 0  # of them, run on the event loop (short steps)
         # Prompt tokens admitted since the last step: the size of an inline step's prefill.
         self._num_new_prompt_tokens = 0
+        self._last_step_s = float("inf")  # wall time of the last step
         self._started_at_s = time.time()
         self._is_draining = False
         self._record_task: asyncio.Task[None] | None = None
@@ -170,6 +175,7 @@ class WorkerService:
         engine = self._engine
         drain_deadline: float | None = None
         is_after_idle = True  # nothing ran since the engine was last empty
+        has_peer_work = False  # peer messages applied since the last step
         while True:
             if self._stop.is_set() and drain_deadline is None:
                 drain_deadline = await self._begin_drain()
@@ -183,7 +189,9 @@ class WorkerService:
             outbox = Outbox()
             if self._link is not None:  # peer messages: start, resume or release copies
                 if self._link.has_messages:
-                    is_after_idle = False  # a peer's copy brings an uncounted sequence: thread
+                    # A peer's copy brings a sequence the prompt count misses: the next
+                    # step runs in the thread.
+                    is_after_idle, has_peer_work = False, True
                 self._link.apply(engine, outbox)
                 await self._link.publish(outbox)
             if not engine.has_unfinished():
@@ -196,14 +204,15 @@ class WorkerService:
             if wait_s is not None:  # nothing runnable yet, or delayed batching holds
                 await self._idle(wait_s)
                 continue
-            # 2. step (off the event loop, unless it is the first after an idle wait)
+            # 2. step (off the event loop, unless it is short: see the module docstring)
             t_step = time.perf_counter()
-            if is_after_idle and 0 < self._num_new_prompt_tokens <= self.cfg.max_inline_step_tokens:
-                outputs = engine.step()  # blocks the loop, which has nothing else to do
+            if not has_peer_work and self._steps_inline(is_after_idle):
+                outputs = engine.step()  # blocks the loop for a short while
                 self.num_inline_steps += 1
             else:
                 outputs = await asyncio.to_thread(engine.step)
-            is_after_idle = False
+            self._last_step_s = time.perf_counter() - t_step
+            is_after_idle = has_peer_work = False
             self._num_new_prompt_tokens = 0
             self._num_steps += 1
             if self.routing is not None and self._link is not None:
@@ -219,6 +228,15 @@ class WorkerService:
             await asyncio.sleep(0)
             # 4. record snapshot and batch samples (written while the next step runs)
             self._record(samples=True)
+
+    def _steps_inline(self, is_after_idle: bool) -> bool:
+        """Whether the next step runs on the event loop rather than in the thread."""
+        new, cap = self._num_new_prompt_tokens, self.cfg.max_inline_step_tokens
+        if cap == 0 or new > cap:
+            return False  # a prefill too long to hold the loop for (cap 0: never inline)
+        if is_after_idle:
+            return new > 0
+        return self._last_step_s * 1000 <= self.cfg.max_inline_step_ms
 
     async def _idle(self, wait_s: float | None = None) -> None:
         """Nothing to run: wait for the inbox (at most wait_s), refreshing the snapshot so

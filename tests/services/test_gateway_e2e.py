@@ -138,17 +138,22 @@ async def test_greedy_is_deterministic_and_seed_repeats(stack: Stack) -> None:
 
 
 async def test_two_concurrent_requests_use_both_workers(stack: Stack) -> None:
-    body = {**CHAT, "stream": True, "max_tokens": 24, "ignore_eos": True}
-    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
-
-        async def one() -> tuple[str, int]:
-            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-                assert resp.status_code == 200
-                events = sse_events([line async for line in resp.aiter_lines()])
-                return resp.headers["x-instance-id"], len(events)
-
-        (a, _), (b, _) = await asyncio.gather(one(), one())
-    assert {a, b} == {"w0", "w1"}  # shortest-queue + ledger: no herding onto one instance
+    # The first request streams (and so runs on its worker) while the second is routed:
+    # a long answer, so that it is surely still running then, however fast the worker.
+    long = {**CHAT, "stream": True, "max_tokens": 200, "ignore_eos": True}
+    short = {**CHAT, "max_tokens": 4, "ignore_eos": True}
+    async with (
+        httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client,
+        client.stream("POST", "/v1/chat/completions", json=long) as first,
+    ):
+        assert first.status_code == 200
+        await anext(first.aiter_lines())  # its first chunk: it runs
+        second = await client.post("/v1/chat/completions", json=short)
+        assert second.status_code == 200
+        assert second.json()["usage"]["completion_tokens"] == 4
+    # Leaving the stream disconnected the first client: its request is aborted.
+    # shortest-queue + ledger: no herding onto one instance
+    assert {first.headers["x-instance-id"], second.headers["x-instance-id"]} == {"w0", "w1"}
 
 
 async def snapshot_of(stack: Stack, instance_id: str) -> WorkloadSnapshot:

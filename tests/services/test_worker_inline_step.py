@@ -1,4 +1,6 @@
-"""The worker runs the first step after an idle wait inline, every other step in a thread.
+"""The worker runs short steps inline on its event loop, every other step in a thread:
+the first step after an idle wait when its prompts are small, and any step after one
+that took at most `max_inline_step_ms`.
 
 A real worker on real NATS and Redis; the test talks to it as a gateway would
 (SubmitRequest in, DeltaBatch out) and records on which thread each step ran.
@@ -86,13 +88,15 @@ class Client:
 
 @asynccontextmanager
 async def running_worker(
-    nats_url: str, redis_url: str, max_inline_step_tokens: int
+    nats_url: str, redis_url: str, max_inline_step_tokens: int, max_inline_step_ms: float = 0.0
 ) -> AsyncIterator[tuple[WorkerService, StepThreads, Client]]:
-    """A real worker (random-tiny) with the given cap, and a client on the bus."""
+    """A real worker (random-tiny) with the given caps, and a client on the bus.
+    max_inline_step_ms 0 (the default here): only first steps after an idle wait."""
     cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
     cfg = dataclasses.replace(
         WorkerServiceConfig.from_cluster(cluster, "random-tiny", "inline"),
         max_inline_step_tokens=max_inline_step_tokens,
+        max_inline_step_ms=max_inline_step_ms,
     )
     threads = StepThreads()
     worker = WorkerService(cfg, engine_factory=threads)
@@ -127,16 +131,28 @@ async def test_first_step_after_idle_runs_inline_the_rest_in_a_thread(
         assert worker.num_inline_steps == 2
 
 
+async def test_steps_after_a_short_step_run_inline(nats_url: str, redis_url: str) -> None:
+    # Every step of random-tiny takes under an hour: each one after a step runs inline.
+    async with running_worker(nats_url, redis_url, 16, 3.6e6) as (worker, threads, client):
+        await client.generate(worker, 8)
+        assert threads.take() == [True] * MAX_TOKENS
+        # A prompt over max_inline_step_tokens: its prefill in the thread, then the
+        # decodes (short steps, no new prompt tokens) inline.
+        await client.generate(worker, 32)
+        assert threads.take() == [False] + [True] * (MAX_TOKENS - 1)
+        assert worker.num_inline_steps == 2 * MAX_TOKENS - 1
+
+
 async def test_zero_max_inline_step_tokens_runs_every_step_in_a_thread(
     nats_url: str, redis_url: str
 ) -> None:
-    async with running_worker(nats_url, redis_url, 0) as (worker, threads, client):
+    async with running_worker(nats_url, redis_url, 0, 3.6e6) as (worker, threads, client):
         await client.generate(worker, 8)
         assert threads.take() == [False] * MAX_TOKENS
         assert worker.num_inline_steps == 0
 
 
-def test_the_cluster_file_sets_max_inline_step_tokens() -> None:
+def test_the_cluster_file_sets_the_inline_step_caps() -> None:
     text = tiny_cluster_text("nats://127.0.0.1:1", "redis://127.0.0.1:1/0")
 
     def with_cap(cap: int) -> str:
@@ -146,3 +162,8 @@ def test_the_cluster_file_sets_max_inline_step_tokens() -> None:
     assert cfg.max_inline_step_tokens == 0
     with pytest.raises(ConfigError, match="max_inline_step_tokens"):
         parse_cluster(with_cap(-1))
+    with_ms = text.replace("[worker]\n", "[worker]\nmax_inline_step_ms = 0.5\n", 1)
+    cfg = WorkerServiceConfig.from_cluster(parse_cluster(with_ms), "random-tiny", "w")
+    assert cfg.max_inline_step_ms == 0.5
+    with pytest.raises(ConfigError, match="max_inline_step_ms"):
+        parse_cluster(text.replace("[worker]\n", "[worker]\nmax_inline_step_ms = -1\n", 1))
