@@ -353,8 +353,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         dtype="bfloat16",
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=16,
-        num_kv_blocks=args.num_kv_blocks,
+        num_kv_blocks=args.num_kv_blocks,  # of the engine's default block size, as workers run
         max_model_len=args.max_model_len,
         threads=1,
     )
@@ -1207,7 +1206,7 @@ def main() -> None:
     g1.add_argument("--max-model-len", type=int, default=1024)
     g1.add_argument("--max-num-seqs", type=int, default=32)
     g1.add_argument("--max-num-batched-tokens", type=int, default=256)
-    g1.add_argument("--num-kv-blocks", type=int, default=2048)
+    g1.add_argument("--num-kv-blocks", type=int, default=512, help="KV blocks of 64 tokens")
     g1.add_argument("--feature-set", default="six-term", choices=["six-term", "four-term"])
     g1.add_argument(
         "--fit",
