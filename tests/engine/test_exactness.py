@@ -86,3 +86,27 @@ def test_smollm2_matches_hf_alone_and_batched(smollm2_state) -> None:  # type: i
     assert batched == expected
     # The answer is English, not noise: the loader read real weights.
     assert "Paris" in tok.decode(expected[0])
+
+
+def test_a_hand_built_prefill_plan_matches_hf_logits() -> None:
+    """The model's forward driven without the runner, as the training and scoring scripts
+    do (scripts/train_routers.py prefill_hidden): a plan that lists whole sequences and no
+    decode rows attends every one of them, and the logits equal HF's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from train_routers import Sequence, prefill_hidden
+
+    cfg = random_config(num_hidden_layers=2)
+    state = random_state_dict(cfg, seed=5)
+    engine = make_engine(cfg, state)
+    rng = random.Random(1)
+    seqs = [Sequence([rng.randrange(3, cfg.vocab_size) for _ in range(n)], 1) for n in (9, 70)]
+    hf = hf_twin(build_model(cfg, dict(state), torch.float32, torch.device("cpu")))
+    with torch.inference_mode():
+        hidden = prefill_hidden(engine, seqs)
+        for s, h in zip(seqs, hidden, strict=True):
+            ours = engine.model.compute_logits(h)
+            theirs = hf(torch.tensor([s.ids])).logits[0]
+            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)

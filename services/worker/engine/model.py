@@ -131,10 +131,17 @@ class AttentionPlan:
     decode_bias: torch.Tensor | None = None
     # Every row of the batch is a decode, in order: queries need no gather or scatter.
     all_decode: bool = False
-    prefill_rows: list[int] = field(default_factory=list)  # requests with > 1 new token
     # slot_mapping split into (block, offset), computed once per step by the first layer
     slot_blocks: torch.Tensor | None = None
     slot_offsets: torch.Tensor | None = None
+    _prefill_rows: list[int] | None = None  # see prefill_rows()
+
+    def prefill_rows(self) -> list[int]:
+        """The requests not in decode_rows (attended one by one), found once per step."""
+        if self._prefill_rows is None:
+            decodes = set(self.decode_rows)
+            self._prefill_rows = [r for r in range(len(self.query_lens)) if r not in decodes]
+        return self._prefill_rows
 
     def block_offsets(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.slot_blocks is None or self.slot_offsets is None:
@@ -277,7 +284,7 @@ class Attention(nn.Module):
             if plan.decode_tokens is not None:
                 decoded = self._attend_decodes(q, k_cache, v_cache, plan)
                 out.index_copy_(0, plan.decode_tokens, decoded)
-            for r in plan.prefill_rows:
+            for r in plan.prefill_rows():
                 start, end = plan.query_starts[r], plan.query_starts[r] + plan.query_lens[r]
                 self._attend_prefill(
                     q[start:end], k[start:end], v[start:end], k_cache, v_cache, plan, r,

@@ -71,7 +71,6 @@ class ModelRunner:
             if chunk.num_new_tokens == 1:
                 plan.decode_rows.append(r)
             else:
-                plan.prefill_rows.append(r)
                 num_blocks = -(-chunk.end // bs)
                 plan.block_tables.append(torch.tensor(blocks[:num_blocks], device=self.device))
             if chunk.samples:
