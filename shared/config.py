@@ -11,7 +11,8 @@ never at import time.
     [gateway]    host, port, max_in_flight, ...
     [estimator]  policy, snapshot_max_age_s, ...
     [worker]     heartbeat_interval_s, heartbeat_ttl_s, drain_timeout_s, ...
-    [batcher]    hold_timeout_ms, publish_interval_s, max_n, min_*, half_life_s, fixed_b
+    [batcher]    hold_timeout_ms, publish_interval_s, max_n, min_*, half_life_s, fixed_b,
+                 max_compute_share
     [models.<name>]     engine, dtype, device, tokenizer, price_*_per_mtok
     [[instances]]       model, replicas, max_num_seqs, max_model_len, ...
     [presets.<name>]    models, policy
@@ -188,6 +189,9 @@ class BatcherConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     # recompute only when p, tokens/visit or a fitted step time moved by this fraction
     recompute_rel_change: float = 0.05
     nice: int = 10  # the batcher process's CPU niceness (its chain must not slow the workers)
+    # The chain's recomputes take at most this share of one core over time: after one
+    # that took t seconds the next waits t / share (a table for N = 1..16 costs ~2 s).
+    max_compute_share: float = 0.1
     # Experiments: publish this (B_entry, B_large) for every N instead of the chain's
     # choice (clamped to the deadlock bound per N); empty = the chain decides.
     fixed_b: list[int] = []
@@ -328,10 +332,14 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
         if self.estimator.lambda_ < 0 or self.estimator.delta < 0:
             raise ConfigError("[estimator] lambda and delta must be >= 0")
         b = self.batcher
-        if not 1 <= b.max_n <= 20:  # a table costs ~N^5 (16: ~10 s on one core, 20: ~40 s)
+        if not 1 <= b.max_n <= 20:  # a table costs ~N^5 (16: ~2 s on one core, 20: ~8 s)
             raise ConfigError(f"[batcher] max_n must be in 1..20, got {b.max_n}")
         if b.fixed_b and (len(b.fixed_b) != 2 or min(b.fixed_b) < 1):
             raise ConfigError(f"[batcher] fixed_b must be two values >= 1, got {b.fixed_b}")
+        if not 0 < b.max_compute_share <= 1:
+            raise ConfigError(
+                f"[batcher] max_compute_share must be in (0, 1], got {b.max_compute_share}"
+            )
         if b.hold_timeout_ms <= 0 or b.publish_interval_s <= 0 or b.half_life_s <= 0:
             raise ConfigError(
                 "[batcher] hold_timeout_ms, publish_interval_s, half_life_s must be > 0"

@@ -5,7 +5,8 @@
     every publish_interval_s, per preset:
         1. estimates ready?  no  -> the all-ones table (eager async), until the first estimate
                              yes -> if they moved by recompute_rel_change: the chain's B*(N),
-                                    N = 1..max_n, computed off the event loop
+                                    N = 1..max_n, computed off the event loop (the first
+                                    at once, later ones within max_compute_share of a core)
         2. a new table gets the next version
         3. publish BatchTables on `subjects.batcher_tables` and SET `keys.batch_tables`
            (so a worker that starts later reads the newest without waiting)
@@ -107,6 +108,8 @@ class BatcherService:
         self._stop = asyncio.Event()
         self.num_rejected = 0  # reports that failed check_stats
         self.num_recomputes = 0
+        # Monotonic time before which no chain is recomputed ([batcher] max_compute_share).
+        self.next_compute_s = 0.0
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -202,9 +205,12 @@ class BatcherService:
                 return state.tables  # eager until the first estimate; then keep the last one
             table = fixed_table(st.max_n, *st.fixed_b) if st.fixed_b else eager_table(st.max_n)
             used = None
-        elif state.used_inputs is None or inputs.moved_from(
-            state.used_inputs, st.recompute_rel_change, st.max_n
+        elif state.used_inputs is None or (
+            time.monotonic() >= self.next_compute_s
+            and inputs.moved_from(state.used_inputs, st.recompute_rel_change, st.max_n)
         ):
+            # A preset's first estimated table is computed at once; later ones wait out
+            # the compute budget ([batcher] max_compute_share), the last table standing.
             t0 = time.perf_counter()
             chain = await asyncio.to_thread(compute_table, inputs, st.max_n)
             table, used = chain, inputs
@@ -233,6 +239,8 @@ class BatcherService:
                 eager_tok_s=[round(x, 1) for x in chain.eager_throughput_tok_s],
                 seconds=round(time.perf_counter() - t0, 3),
             )
+            elapsed = time.perf_counter() - t0
+            self.next_compute_s = time.monotonic() + elapsed / st.max_compute_share
         else:
             assert state.tables is not None
             return state.tables

@@ -193,3 +193,41 @@ async def test_fixed_b_pins_the_table_for_every_n(stack) -> None:  # type: ignor
 def test_fixed_b_must_be_a_pair_of_positive_values() -> None:
     with pytest.raises(ConfigError, match="fixed_b"):
         parse_cluster("[batcher]\nfixed_b = [0, 2]\n", environ={})
+
+
+@pytest.mark.parametrize("share", [1.0, 1e-6])
+async def test_recomputes_stay_within_the_compute_budget(stack, share: float) -> None:  # type: ignore[no-untyped-def]
+    cfg, bus, tables = stack
+    budgeted = msgspec.structs.replace(
+        cfg, batcher=msgspec.structs.replace(cfg.batcher, max_compute_share=share)
+    )
+    service, task = await run_service(budgeted)
+    stats_subject = subjects.batcher_stats(cfg.namespace)
+    try:
+        for _ in range(5):
+            await bus.publish(stats_subject, report(0, 1000, 100, SMALL))
+            await bus.publish(stats_subject, report(1, 100, 100, LARGE))
+        await tables.wait_for(lambda t: t.is_estimated)
+        assert service.num_recomputes == 1  # the first estimated table: at once
+        # p moves from 0.1 towards 0.5: the estimates move well past recompute_rel_change.
+        for _ in range(10):
+            await bus.publish(stats_subject, report(0, 1000, 500, SMALL))
+            await bus.publish(stats_subject, report(1, 500, 500, LARGE))
+        await bus.flush()
+        await asyncio.sleep(1.0)  # ten publish intervals
+        if share == 1.0:
+            assert service.num_recomputes >= 2
+        else:  # the first table's compute time / 1e-6 is far in the future: held
+            assert service.num_recomputes == 1
+            estimated = {t.version: t.p for t in tables.seen if t.is_estimated}
+            assert len(set(estimated.values())) == 1  # the same estimate, republished
+    finally:
+        await stop(service, task)
+
+
+def test_max_compute_share_must_be_a_fraction() -> None:
+    text = "[batcher]\nmax_compute_share = {}\n[models.a]\n[presets.p]\nmodels = [\"a\"]\n"
+    assert parse_cluster(text.format(0.5), environ={}).batcher.max_compute_share == 0.5
+    for bad in (0, 1.5, -0.1):
+        with pytest.raises(ConfigError, match="max_compute_share"):
+            parse_cluster(text.format(bad), environ={})
