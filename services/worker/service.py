@@ -6,7 +6,8 @@
            2. step           engine.step() in a thread (the event loop stays free), or
                              inline when it is short (below)
            3. publish        one DeltaBatch per owning gateway
-           4. record         snapshot + batch samples -> Redis (overlaps the next step)
+           4. record         snapshot + batch samples -> Redis (overlaps the next step;
+                             one write at a time, the newest snapshot each)
 
 Only the loop touches the engine, and never while a step runs in the thread,
 so the engine needs no locks. The hand-off to the thread and back costs two
@@ -81,7 +82,9 @@ class WorkerService:
         self._last_step_s = float("inf")  # wall time of the last step
         self._started_at_s = time.time()
         self._is_draining = False
-        self._record_task: asyncio.Task[None] | None = None
+        self._record_task: asyncio.Task[None] | None = None  # the snapshot writer, if running
+        self._record_pending = False  # a step ended since the writer took its snapshot
+        self._unsent_samples: list[Any] = []  # batch samples not yet written
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._closing = False
         # The estimator's fitted batch-time model of this instance, read with the
@@ -356,36 +359,40 @@ class WorkerService:
             await self._bus.publish(reply_to, msg)
 
     def _record(self, *, samples: bool) -> None:
-        """Write the snapshot (and new batch samples) in the background, one write at a time."""
-        snapshot = self._engine.snapshot()
-        cal = self.calibration
-        if cal is not None:
-            snapshot = msgspec.structs.replace(
-                snapshot, batch_time_features=cal.feature_set, batch_time_coefs=list(cal.coefs)
-            )
-        data = encode(snapshot)
-        batch = (
-            [msgspec.msgpack.encode(s) for s in self._engine.pop_batch_samples()] if samples else []
-        )
-        previous = self._record_task
-        self._record_task = asyncio.create_task(self._write_record(previous, data, batch))
+        """Have the snapshot (and the steps' new batch samples) written in the background.
 
-    async def _write_record(
-        self, previous: asyncio.Task[None] | None, snapshot: bytes, samples: list[bytes]
-    ) -> None:
-        if previous is not None:
-            await asyncio.gather(previous, return_exceptions=True)
-        try:
-            await self._store.write_snapshot(
-                self.cfg.instance_id,
-                self._num_steps,
-                snapshot,
-                ttl_s=self.cfg.snapshot_ttl_s,
-                samples=samples,
-                max_samples=self.cfg.max_batch_samples,
-            )
-        except Exception as exc:  # Redis hiccup: the next iteration writes again
-            log.warning("snapshot_write_failed", error=str(exc))
+        One write runs at a time. Steps that end while it runs are folded into the next
+        write, which takes the newest snapshot and every sample since: when steps
+        outpace Redis (a fast model), fewer and fuller writes instead of a queue of
+        stale ones, and no encoding of snapshots nobody will read."""
+        if samples:
+            self._unsent_samples.extend(self._engine.pop_batch_samples())
+        self._record_pending = True
+        if self._record_task is None or self._record_task.done():
+            self._record_task = asyncio.create_task(self._write_records())
+
+    async def _write_records(self) -> None:
+        while self._record_pending:
+            self._record_pending = False
+            snapshot = self._engine.snapshot()
+            cal = self.calibration
+            if cal is not None:
+                snapshot = msgspec.structs.replace(
+                    snapshot, batch_time_features=cal.feature_set, batch_time_coefs=list(cal.coefs)
+                )
+            batch = [msgspec.msgpack.encode(s) for s in self._unsent_samples]
+            self._unsent_samples = []
+            try:
+                await self._store.write_snapshot(
+                    self.cfg.instance_id,
+                    self._num_steps,
+                    encode(snapshot),
+                    ttl_s=self.cfg.snapshot_ttl_s,
+                    samples=batch,
+                    max_samples=self.cfg.max_batch_samples,
+                )
+            except Exception as exc:  # Redis hiccup: the next iteration writes again
+                log.warning("snapshot_write_failed", error=str(exc))
 
     # -- inbox, heartbeat, drain ----------------------------------------------
 
