@@ -156,6 +156,24 @@ async def test_two_concurrent_requests_use_both_workers(stack: Stack) -> None:
     assert {first.headers["x-instance-id"], second.headers["x-instance-id"]} == {"w0", "w1"}
 
 
+async def test_a_burst_spreads_over_both_workers(stack: Stack) -> None:
+    # Eight requests at once, routed one after another within a few ms: shortest-queue
+    # (snapshots, the ledger of dispatched requests not yet in them, ties rotated)
+    # must not herd them onto one instance. (The ledger's own bookkeeping is tested
+    # in tests/estimator; here the whole path is.)
+    body = {**CHAT, "stream": True, "max_tokens": 200, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+
+        async def one() -> str:
+            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                assert resp.status_code == 200
+                await anext(resp.aiter_lines())
+                return resp.headers["x-instance-id"]
+
+        instances = await asyncio.gather(*(one() for _ in range(8)))
+    assert sorted(instances.count(w) for w in ("w0", "w1")) == [4, 4]
+
+
 async def snapshot_of(stack: Stack, instance_id: str) -> WorkloadSnapshot:
     blob = (await stack.gateway.store.read_snapshots([instance_id]))[instance_id]
     assert blob is not None
