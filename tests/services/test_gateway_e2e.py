@@ -160,7 +160,7 @@ async def test_a_burst_spreads_over_both_workers(stack: Stack) -> None:
     # Eight requests at once, routed one after another within a few ms: shortest-queue
     # (snapshots, the ledger of dispatched requests not yet in them, ties rotated)
     # must not herd them onto one instance. (The ledger's own bookkeeping is tested
-    # in tests/estimator; here the whole path is.)
+    # in tests/services/test_estimator_*.py; here the whole path is.)
     body = {**CHAT, "stream": True, "max_tokens": 200, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
 
