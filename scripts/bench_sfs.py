@@ -1207,7 +1207,9 @@ def main() -> None:
     g1.add_argument("--max-num-seqs", type=int, default=32)
     g1.add_argument("--max-num-batched-tokens", type=int, default=256)
     g1.add_argument("--num-kv-blocks", type=int, default=512, help="KV blocks of 64 tokens")
-    g1.add_argument("--feature-set", default="six-term", choices=["six-term", "four-term"])
+    g1.add_argument(
+        "--feature-set", default="seven-term", choices=["seven-term", "six-term", "four-term"]
+    )
     g1.add_argument(
         "--fit",
         default="online",

@@ -134,7 +134,7 @@ def test_from_now_on_an_idle_engine_is_the_probe_alone() -> None:
     got = estimate_from_now(snap, MODEL, Probe(10, 5, 20), [], 0.5)
     assert got.in_flight_s == 0.0
     # one batch: the probe's 10-token prefill, context 10 after the step
-    assert got.ttft_s == pytest.approx(MODEL.predict_raw([1, 10, 100, 0, 10, 100, 0, 55]))
+    assert got.ttft_s == pytest.approx(MODEL.predict_raw([1, 10, 100, 0, 10, 100, 0, 55, 0]))
 
 
 def test_from_now_counts_only_what_is_left_of_the_step_in_flight() -> None:

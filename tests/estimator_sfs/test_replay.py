@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from services.estimator.sfs.batch_time import FOUR_TERM, SIX_TERM, BatchTimeModel
+from services.estimator.sfs.batch_time import FOUR_TERM, SEVEN_TERM, SIX_TERM, BatchTimeModel
 from services.estimator.sfs.replay import (
     PROBE_ID,
     OutputPolicy,
@@ -71,14 +71,20 @@ def test_replay_equals_live_scheduler(seed: int) -> None:
     assert trace == live_batches
 
 
-@pytest.mark.parametrize("feature_set", [SIX_TERM, FOUR_TERM])
+OTHER_MODELS = {
+    SIX_TERM: MODEL,
+    FOUR_TERM: BatchTimeModel(FOUR_TERM, (1e-2, 3e-4, 2e-6, 1e-6)),
+    # The decode group's closed form must price D^2 over its bulk-skipped steps too.
+    SEVEN_TERM: BatchTimeModel(SEVEN_TERM, (*MODEL.coefs, 4e-5)),
+}
+
+
+@pytest.mark.parametrize("feature_set", [SIX_TERM, FOUR_TERM, SEVEN_TERM])
 def test_fast_kernel_equals_scheduler_on_random_workloads(feature_set: str) -> None:
     """The flat-counter kernel (decode group, bulk skips) against the real Scheduler:
     same batches, same TTFT and E2E, same step counts, preemptions and requests parked
     for a peer (never scheduled, KV held) included."""
-    model = (
-        MODEL if feature_set == SIX_TERM else BatchTimeModel(FOUR_TERM, (1e-2, 3e-4, 2e-6, 1e-6))
-    )
+    model = OTHER_MODELS[feature_set]
     rng = random.Random(11)
     policy = OutputPolicy(default_output_tokens=25)
     num_preempted = 0

@@ -2,7 +2,13 @@
 their robust fit, the scheduler replay that predicts TTFT/E2E from a snapshot, the
 throughput and LPS-queue baselines, and the routing utilities. Pure: no I/O."""
 
-from services.estimator.sfs.batch_time import FOUR_TERM, SIX_TERM, BatchTimeModel, features
+from services.estimator.sfs.batch_time import (
+    FOUR_TERM,
+    SEVEN_TERM,
+    SIX_TERM,
+    BatchTimeModel,
+    features,
+)
 from services.estimator.sfs.fit import FitResult, OnlineBatchTimeFitter, fit_batch_time
 from services.estimator.sfs.replay import (
     OutputPolicy,
@@ -16,6 +22,7 @@ from services.estimator.sfs.replay import (
 
 __all__ = [
     "FOUR_TERM",
+    "SEVEN_TERM",
     "SIX_TERM",
     "BatchTimeModel",
     "FitResult",
