@@ -71,7 +71,7 @@ def test_replay_equals_live_scheduler(seed: int) -> None:
     assert trace == live_batches
 
 
-OTHER_MODELS = {
+MODEL_PER_SET = {
     SIX_TERM: MODEL,
     FOUR_TERM: BatchTimeModel(FOUR_TERM, (1e-2, 3e-4, 2e-6, 1e-6)),
     # The decode group's closed form must price D^2 over its bulk-skipped steps too.
@@ -84,7 +84,7 @@ def test_fast_kernel_equals_scheduler_on_random_workloads(feature_set: str) -> N
     """The flat-counter kernel (decode group, bulk skips) against the real Scheduler:
     same batches, same TTFT and E2E, same step counts, preemptions and requests parked
     for a peer (never scheduled, KV held) included."""
-    model = OTHER_MODELS[feature_set]
+    model = MODEL_PER_SET[feature_set]
     rng = random.Random(11)
     policy = OutputPolicy(default_output_tokens=25)
     num_preempted = 0
