@@ -61,11 +61,7 @@ from services.worker.routing.policies.training import (  # noqa: E402
     threshold_for_share,
     youden_threshold,
 )
-from shared.model_store import (  # noqa: E402
-    load_tokenizer,
-    model_digest,
-    resolve,
-)
+from shared.model_store import load_tokenizer, model_digest  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 DEFAULT_PROMPTS = REPO.parent / "shared" / "data" / "prompts" / "alpaca_5000_random.json"
@@ -177,17 +173,6 @@ def create_engine(model: str, dtype: str) -> LLMEngine:
     )
 
 
-def model_fingerprint(model: str) -> str:
-    """Changes when the model's files change (the cache key of its features)."""
-    src = resolve(model)
-    parts = [model]
-    for p in (src.path, src.delta):
-        if p is not None:
-            st = p.stat()
-            parts.append(f"{p.name}:{st.st_size}:{int(st.st_mtime)}")
-    return ":".join(parts)
-
-
 CACHE_BLOCK = 100  # prompts per cache file: a larger --train reuses the blocks it has
 
 
@@ -201,8 +186,9 @@ def cached_views(
     for b, block in enumerate(blocks):
         key = json.dumps(
             [
-                model_fingerprint(args.small),
-                model_fingerprint(args.large),
+                # The weights' digests, not file times: a fresh clone reuses a cache.
+                [args.small, model_digest(args.small)],
+                [args.large, model_digest(args.large)],
                 args.dtype,
                 args.topk,
                 [s.ids for s in block],
