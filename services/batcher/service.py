@@ -216,6 +216,7 @@ class BatcherService:
             table, used = chain, inputs
             if st.fixed_b:  # pinned (experiments): publish the pair, log what the chain says
                 table = await asyncio.to_thread(pinned_table, inputs, chain, st.fixed_b)
+            elapsed = time.perf_counter() - t0
             self.num_recomputes += 1
             log.info(
                 "tables_recomputed",
@@ -237,9 +238,8 @@ class BatcherService:
                 chain_b_large=chain.b_large,
                 chain_tok_s=[round(x, 1) for x in chain.throughput_tok_s],
                 eager_tok_s=[round(x, 1) for x in chain.eager_throughput_tok_s],
-                seconds=round(time.perf_counter() - t0, 3),
+                seconds=round(elapsed, 3),
             )
-            elapsed = time.perf_counter() - t0
             self.next_compute_s = time.monotonic() + elapsed / st.max_compute_share
         else:
             assert state.tables is not None
