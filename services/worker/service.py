@@ -10,7 +10,8 @@
                              one write at a time, the newest snapshot each)
 
 Only the loop touches the engine, and never while a step runs in the thread,
-so the engine needs no locks. The hand-off to the thread and back costs two
+so the engine needs no locks (the snapshot writer's `engine.snapshot()` is the one
+read that may overlap a step: it returns the last published snapshot object). The hand-off to the thread and back costs two
 wake-ups (and, for a step that is mostly Python, a GIL handed to and fro), ms on
 a loaded machine; a step runs inline on the loop instead when it admits at most
 `max_inline_step_tokens` prompt tokens and either is the first after an idle
@@ -52,6 +53,7 @@ from shared.messages.worker import (
     SubmitRequest,
     WorkerInbound,
 )
+from shared.scheduling.snapshot import BatchSample
 from shared.store import Store
 
 log = get_logger(component="worker")
@@ -84,7 +86,8 @@ class WorkerService:
         self._is_draining = False
         self._record_task: asyncio.Task[None] | None = None  # the snapshot writer, if running
         self._record_pending = False  # a step ended since the writer took its snapshot
-        self._unsent_samples: list[Any] = []  # batch samples not yet written
+        self._unsent_samples: list[BatchSample] = []  # not yet written (at most
+        # max_batch_samples: Redis keeps no more, so a stalled write drops the oldest)
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._closing = False
         # The estimator's fitted batch-time model of this instance, read with the
@@ -367,6 +370,7 @@ class WorkerService:
         stale ones, and no encoding of snapshots nobody will read."""
         if samples:
             self._unsent_samples.extend(self._engine.pop_batch_samples())
+            del self._unsent_samples[: -self.cfg.max_batch_samples]
         self._record_pending = True
         if self._record_task is None or self._record_task.done():
             self._record_task = asyncio.create_task(self._write_records())
