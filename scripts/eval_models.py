@@ -171,10 +171,13 @@ def markdown(rows: list[Row]) -> str:
         "| argmax coverage | ref. ppl | ref. coverage | file MB |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    def step(ms: float, rel: float) -> str:
+        return f"{ms:.1f} ({rel:.2f}x)" if ms > 0 else "-"  # "-": not measured (--no-latency)
+
     for r in rows:
         lines.append(
-            f"| {r.name} | {len(r.layers)} | {r.vocab} | {r.ms_b1:.1f} ({r.rel_b1:.2f}x) "
-            f"| {r.ms_b8:.1f} ({r.rel_b8:.2f}x) | {r.agreement:.3f} | {r.argmax_coverage:.4f} "
+            f"| {r.name} | {len(r.layers)} | {r.vocab} | {step(r.ms_b1, r.rel_b1)} "
+            f"| {step(r.ms_b8, r.rel_b8)} | {r.agreement:.3f} | {r.argmax_coverage:.4f} "
             f"| {r.perplexity:.2f} | {r.ref_coverage:.4f} | {r.file_mb:.1f} |"
         )
     return "\n".join(lines)
