@@ -6,7 +6,9 @@
    worker per instance replica, gateway, each
    `python -m services.<name>` in its own process group, logging JSON lines
    to logs/<name>.log
-3. wait until the gateway's /health is ready, print the URL and a curl example
+3. wait until the gateway's /health is ready and lists every worker started (so
+   the printed curl example, or any model of the cluster, answers at once), print
+   the URL and a curl example
 4. supervise: a child that exits stops the deployment (nothing fails silently)
 5. Ctrl-C / SIGTERM: stop gateway, workers (they drain), estimator/relay/batcher, then the
    servers started in step 1; every step bounded, stragglers SIGKILLed
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -71,6 +74,7 @@ class Launcher:
     ready_timeout_s: float = 600.0
     servers: list[ServerProcess] = field(default_factory=list)
     children: list[Child] = field(default_factory=list)
+    worker_ids: list[str] = field(default_factory=list)  # instance ids of the workers started
     nats_url: str = ""
     redis_url: str = ""
     _stopping: bool = False
@@ -157,6 +161,7 @@ class Launcher:
                 continue
             for i in range(inst.replicas):
                 iid = f"{inst.model}-{i}"
+                self.worker_ids.append(iid)
                 self.children.append(
                     Child(
                         f"worker {iid}",
@@ -174,9 +179,13 @@ class Launcher:
     # 3. readiness -----------------------------------------------------------
 
     def _wait_ready(self) -> bool:
+        """Until /health is ready and lists every worker started. A deployment where some
+        workers are still missing at the timeout serves anyway (and says which)."""
         url = self._base_url() + "/health"
         deadline = time.monotonic() + self.ready_timeout_s
         last_note = 0.0
+        missing: list[str] = list(self.worker_ids)
+        is_ready = False
         while time.monotonic() < deadline:
             dead = self._dead_child()
             if dead is not None:
@@ -186,14 +195,23 @@ class Launcher:
                 return False
             try:
                 with urllib.request.urlopen(url, timeout=1) as resp:
-                    if resp.status == 200:
+                    live = set(json.loads(resp.read()).get("workers", []))
+                    is_ready = resp.status == 200
+                    missing = [w for w in self.worker_ids if w not in live]
+                    if is_ready and not missing:
                         return True
-            except OSError:
+            except (OSError, ValueError):  # not up yet (503 is an OSError), or a torn body
                 pass
             if time.monotonic() - last_note > 10:
-                self.say("waiting for the models to load ...")
+                done = len(self.worker_ids) - len(missing)
+                self.say(
+                    f"waiting for the models to load ({done} of {len(self.worker_ids)} ready) ..."
+                )
                 last_note = time.monotonic()
             time.sleep(0.5)
+        if is_ready:
+            self.say(f"still loading after {self.ready_timeout_s:.0f} s: {', '.join(missing)}")
+            return True
         self.say(
             f"no worker became ready within {self.ready_timeout_s:.0f} s: see the logs in {self.log_dir}/"
         )

@@ -68,6 +68,9 @@ def test_launcher_serves_and_stops_cleanly(tmp_path: Path, repo_root: Path) -> N
         assert "started nats-server" in out and "started redis-server" in out
         kids = children_of(proc.pid)
         assert len(kids) == 6  # nats, redis, estimator, 2 workers, gateway
+        # "serving" is printed once every worker it started is ready, not just the first.
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
+        assert set(health["workers"]) == {"random-tiny-0", "random-tiny-1"}, health
         resp = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"model": "random-tiny", "prompt": "Hi", "max_tokens": 3},
