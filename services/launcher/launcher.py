@@ -2,6 +2,7 @@
 
 1. infrastructure: NATS (JetStream) and Redis, started from local binaries
    only when nothing answers at the cluster file's URLs
+   (refusing a namespace whose workers are live: two deployments would share them)
 2. services: estimator, relay and batcher (when a preset routes per token), one
    worker per instance replica, gateway, each
    `python -m services.<name>` in its own process group, logging JSON lines
@@ -16,6 +17,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import json
@@ -38,6 +40,7 @@ from services.launcher.servers import (
     stop_process_group,
 )
 from shared.config import ClusterConfig
+from shared.store import Store
 
 _PR_SET_PDEATHSIG = 1
 
@@ -89,6 +92,7 @@ class Launcher:
         try:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self._start_infrastructure()
+            self._check_namespace_free()
             self._start_services()
             if not self._wait_ready():
                 return 1
@@ -127,6 +131,39 @@ class Launcher:
             self.servers.append(server)
             self.redis_url = self.cluster.redis_url
             self.say(f"started redis-server at {self.redis_url}")
+
+    def _check_namespace_free(self) -> None:
+        """Refuse to start a second deployment in a namespace whose workers are live.
+
+        Two deployments on one NATS/Redis and namespace share workers, snapshots and
+        relay subjects without knowing it (hand-offs time out, routing counts the other's
+        load). A deployment that was killed leaves registrations that expire within the
+        heartbeat TTL, so one wait of that long tells a dead deployment from a live one.
+        """
+        if not any(s.name == "redis" for s in self.servers):
+            live = self._live_worker_ids()
+            if live:
+                time.sleep(self.cluster.worker.heartbeat_ttl_s + 0.5)
+                live = self._live_worker_ids()
+            if live:
+                raise ServerError(
+                    f"namespace {self.cluster.namespace!r} at {self.redis_url} already has live "
+                    f"workers ({', '.join(live)}): another Baton deployment is running there. "
+                    "Stop it, or give this one its own namespace "
+                    "(BATON_NAMESPACE=<name> or `namespace` in the cluster file)"
+                )
+
+    def _live_worker_ids(self) -> list[str]:
+        store = Store(self.redis_url, self.cluster.namespace)
+
+        async def read() -> list[str]:
+            await store.connect()
+            try:
+                return [w.instance_id for w in await store.live_workers()]
+            finally:
+                await store.close()
+
+        return asyncio.run(read())
 
     # 2. services ------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -12,6 +13,8 @@ from pathlib import Path
 import httpx
 
 from services.launcher.servers import free_port
+from shared.messages.registry import WorkerInfo
+from shared.store import Store
 from tests.services.conftest import tiny_cluster_text
 
 
@@ -98,6 +101,62 @@ def test_launcher_serves_and_stops_cleanly(tmp_path: Path, repo_root: Path) -> N
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_launcher_refuses_a_namespace_with_live_workers(
+    tmp_path: Path, repo_root: Path, redis_url: str
+) -> None:
+    """A second deployment on the same Redis and namespace would share the first one's
+    workers without knowing it: the launcher says so and starts nothing."""
+    namespace = "shared_ns"
+    store = Store(redis_url, namespace)
+    info = WorkerInfo(
+        instance_id="other-0",
+        model="random-tiny",
+        inbox="x",
+        max_model_len=256,
+        max_num_seqs=4,
+        started_at_s=time.time(),
+        heartbeat_at_s=time.time(),
+    )
+
+    async def register() -> None:
+        await store.connect()
+        await store.register(info, ttl_s=60)
+        await store.close()
+
+    asyncio.run(register())
+    nats_url = f"nats://127.0.0.1:{free_port()}"
+    port = free_port()
+    (tmp_path / "cluster.toml").write_text(
+        tiny_cluster_text(nats_url, redis_url, namespace=namespace, port=port)
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.launcher",
+            str(tmp_path / "cluster.toml"),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        cwd=repo_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "other-0" in run.stdout and "BATON_NAMESPACE" in run.stdout, run.stdout
+    assert not (tmp_path / "logs" / "gateway.log").exists()  # no service was started
+    with httpx.Client() as client:  # nothing serves on the port
+        try:
+            client.get(f"http://127.0.0.1:{port}/health", timeout=1)
+            serving = True
+        except httpx.TransportError:
+            serving = False
+    assert not serving
 
 
 def test_launcher_help() -> None:
