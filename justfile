@@ -63,6 +63,10 @@ predictors *args:
 bench-sfs *args:
     ./baton python scripts/bench_sfs.py "$@"
 
+# SFS's own TTFT error on a simulated engine (no machine noise): bare vs measured length ratios
+sfs-bias *args:
+    ./baton python scripts/sfs_bias.py "$@"
+
 # train the token-level routers (R2R, CITER, Co-LLM) from the family's own labels
 routers *args:
     ./baton python scripts/train_routers.py "$@"

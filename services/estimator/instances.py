@@ -201,6 +201,7 @@ class LatencyEstimator:
         `LedgerEntry.dispatched_at_s`).
         """
         base, visible = self._parse(state.instance_id, snap)
+        policy = self.policy.for_snapshot(snap)
         st = base.copy()
         snap_t = state.snapshot_wall_time_s
         age_s = max(0.0, now_wall_s - snap_t)
@@ -210,7 +211,7 @@ class LatencyEstimator:
         early_ids = {e.request_id for e in pending if e.dispatched_at_s < snap_t}
         for rid, prompt, max_tokens, predicted in entries:
             if rid in early_ids:
-                target = self.policy.target(predicted, max_tokens, 0)
+                target = policy.target(predicted, max_tokens, 0)
                 st.waiting.append(st.add(rid, prompt, 0, 0, 0, target))
         # 2. The iteration in flight since the snapshot (none: the engine is idle).
         in_flight_s = max(0.0, st.step(model.raw, None))
@@ -221,7 +222,7 @@ class LatencyEstimator:
             later,
             probe,
             model.raw,
-            self.policy,
+            policy,
             max_model_len=snap.max_model_len,
             want_e2e=False,
             max_steps=self.max_steps,

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from shared.scheduling.blocks import BlockManager, blocks_for
+from shared.scheduling.lengths import LengthRatios
 from shared.scheduling.request import RequestStatus, SchedRequest
 
 
@@ -114,6 +115,7 @@ class Scheduler:
         self.running: list[SchedRequest] = []  # admission order: oldest first
         self.pending: dict[str, SchedRequest] = {}
         self.requests: dict[str, SchedRequest] = {}
+        self.length_ratios = LengthRatios()  # actual / predicted output, finished requests
         self._next_arrival = 0
 
     # ---- lifecycle -------------------------------------------------------------
@@ -140,10 +142,18 @@ class Scheduler:
         self.waiting.append(req)
         return req
 
-    def finish(self, req: SchedRequest) -> None:
-        """Drop req from every queue and free its KV. Idempotent."""
+    def finish(self, req: SchedRequest, *, completed: bool = False) -> None:
+        """Drop req from every queue and free its KV. Idempotent.
+
+        completed: it ended by itself (a stop or its length, not an abort), so its
+        output length is recorded against its prediction (`length_ratios`).
+        """
         if req.status is RequestStatus.FINISHED:
             return
+        if completed:
+            self.length_ratios.record(
+                req.predicted_output_tokens, req.num_output_tokens, req.max_tokens
+            )
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:

@@ -43,6 +43,9 @@ class WorkloadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     pending: list[RequestCounters] = []  # parked while a peer writes
     batch_time_features: str = ""  # name of the feature set of batch_time_coefs
     batch_time_coefs: list[float] = []  # seconds per feature unit, publisher's calibration
+    # quantiles of actual / predicted output length of requests finished here lately
+    # (shared.scheduling.lengths); [] until enough of them had a prediction
+    output_length_ratios: list[float] = []
 
     @property
     def num_requests(self) -> int:
@@ -101,6 +104,7 @@ def take_snapshot(scheduler: Scheduler, version: int, wall_time_s: float) -> Wor
         running=[_counters(r) for r in scheduler.running],
         waiting=[_counters(r) for r in scheduler.waiting],
         pending=[_counters(r) for r in scheduler.pending.values()],
+        output_length_ratios=scheduler.length_ratios.quantiles(),
     )
 
 

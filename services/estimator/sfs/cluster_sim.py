@@ -39,7 +39,8 @@ from services.estimator.instances import InstanceState, LatencyEstimator, create
 from services.estimator.ledger import Ledger, LedgerEntry
 from services.estimator.policies import InstanceView, Policy, Scores
 from services.estimator.sfs.batch_time import BatchTimeModel
-from services.estimator.sfs.replay import Probe
+from services.estimator.sfs.evaluation import estimate_from_now
+from services.estimator.sfs.replay import OutputPolicy, PendingRequest, Probe
 from services.worker.engine.outputs import FinishReason
 from services.worker.engine.sim import SimEngine, SimEngineConfig, SimSequence
 from shared.config import ClusterConfig
@@ -530,3 +531,61 @@ def simulate_single(
             break
     ttft = {rid: first[rid] - t if rid in first else math.inf for rid, t in start.items()}
     return SingleRun(ttft, busy, engine.now(), steps)
+
+
+def sfs_errors_on_sim(
+    config: SimEngineConfig,
+    model: BatchTimeModel,
+    arrivals: Sequence[Arrival],
+    predicted_output_tokens: Mapping[str, int],
+    policy: OutputPolicy,
+) -> tuple[list[float], list[float]]:
+    """(predicted, actual) TTFT of every request when each is estimated at its arrival
+    from the instance's latest snapshot, as the estimator service does
+    (`evaluation.estimate_from_now`), on one SimEngine with a virtual clock.
+
+    Batch times are exactly `model`, so every error is the replay's own: output lengths
+    it has to predict, and requests that arrive after the probe (it cannot know them).
+    Arrivals during an iteration are estimated from the snapshot taken when it began
+    and join the next iteration; the ones before them in that iteration are queued
+    ahead of the probe (`pending`), those from the iteration before are `joined`.
+    """
+    if config.clock != "virtual":
+        raise ValueError("sfs_errors_on_sim needs clock='virtual'")
+    engine = SimEngine(config, model)
+    predicted: dict[str, float] = {}
+    added: dict[str, float] = {}
+    first: dict[str, float] = {}
+    joined: list[PendingRequest] = []
+    i = 0
+    while i < len(arrivals) or engine.has_unfinished():
+        # 1. An idle engine jumps to the next arrival.
+        if i < len(arrivals) and not engine.has_unfinished():
+            engine.advance_to(max(engine.now(), arrivals[i].arrival_s))
+        snap, snap_t = engine.snapshot(), engine.now()
+        # 2. The iteration in flight; who arrives during it is estimated from `snap`.
+        for out in engine.step() if engine.has_unfinished() else []:
+            if out.new_token_ids:
+                first.setdefault(out.request_id, engine.now())
+        later: list[PendingRequest] = []
+        while i < len(arrivals) and arrivals[i].arrival_s <= engine.now():
+            a = arrivals[i]
+            pred = predicted_output_tokens[a.request_id]
+            probe = Probe(a.num_prompt_tokens, pred, a.num_output_tokens)
+            est = estimate_from_now(
+                snap, model, probe, later, a.arrival_s - snap_t, joined=joined, policy=policy
+            )
+            predicted[a.request_id], added[a.request_id] = est.ttft_s, a.arrival_s
+            later.append(
+                PendingRequest(a.request_id, a.num_prompt_tokens, a.num_output_tokens, pred)
+            )
+            engine.add_request(
+                a.request_id,
+                [PROMPT_TOKEN_ID] * a.num_prompt_tokens,
+                SamplingParams(max_tokens=a.num_output_tokens, ignore_eos=True),
+                predicted_output_tokens=pred,
+            )
+            i += 1
+        joined = later  # in the inbox: they join the next iteration
+    rids = [a.request_id for a in arrivals]
+    return [predicted[r] for r in rids], [first[r] - added[r] for r in rids]

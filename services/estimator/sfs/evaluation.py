@@ -145,7 +145,7 @@ def estimate_from_now(
     before its iteration in flight began (they queue ahead of it and may be in it);
     `pending`: the ones that arrived since (they queue behind it, ahead of the probe).
     """
-    policy = policy or OutputPolicy()
+    policy = (policy or OutputPolicy()).for_snapshot(snapshot)
     st = kernel_state(snapshot, policy)
     coefs = model.raw
     early, _ = admissible_pending(joined, snapshot)

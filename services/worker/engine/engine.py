@@ -353,7 +353,7 @@ class LLMEngine:
         seq.emitted = len(out_ids)
         seq.new_logprobs, seq.new_top = [], []
         if finish_reason is not None:
-            self.scheduler.finish(seq.sched)
+            self.scheduler.finish(seq.sched, completed=finish_reason != FinishReason.ABORT)
             del self._seqs[seq.sched.request_id]
             self._inbox.release(seq.sched.request_id)
         return output

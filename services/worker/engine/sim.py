@@ -348,7 +348,7 @@ class SimEngine:
         )
         seq.emitted = len(seq.output_ids)
         if finish_reason is not None:
-            self.scheduler.finish(seq.sched)
+            self.scheduler.finish(seq.sched, completed=finish_reason != FinishReason.ABORT)
             del self._seqs[seq.sched.request_id]
             self._inbox.release(seq.sched.request_id)
         return output

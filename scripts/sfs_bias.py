@@ -1,0 +1,106 @@
+"""SFS's TTFT error where the machine cannot add any: bench_sfs part 1's trace and load on
+a SimEngine with a virtual clock, so batch times are exactly the batch-time model and
+every error left is the replay's own (output lengths it predicts, requests that arrive
+after the probe). Prints MAPE and mean signed error per length-prediction error, with
+running requests ending at their bare predictions and at their expected lengths given
+the snapshot's measured length ratios (the estimator's default; docs/sfs.md, "Bias
+from length predictions"). Deterministic; about a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import bench_sfs  # noqa: E402  (the same trace mapping and load calibration)
+
+from services.estimator.sfs.batch_time import SEVEN_TERM, BatchTimeModel  # noqa: E402
+from services.estimator.sfs.cluster_sim import Arrival, sfs_errors_on_sim  # noqa: E402
+from services.estimator.sfs.evaluation import mape, signed_relative_errors  # noqa: E402
+from services.estimator.sfs.replay import OutputPolicy  # noqa: E402
+from services.worker.engine.sim import SimEngineConfig  # noqa: E402
+
+# A seven-term fit of smollm2-small (bf16, one thread) from bench_sfs part 1 on the
+# development machine, 2026-11-30: used when --batch-time-json has none.
+FALLBACK_COEFS = (0.0187, 2.89e-4, 7.83e-8, 4.55e-4, 0.0, 1.50e-8, 3.52e-5)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument(
+        "--batch-time-json",
+        type=Path,
+        default=REPO / "results" / "bench_sfs.json",
+        help="bench_sfs output whose final seven-term fit prices the batches",
+    )
+    ap.add_argument("--length-errors", type=float, nargs="+", default=[0.0, 0.3, 0.6])
+    ap.add_argument("--ttft-inflation", type=float, default=3.0)
+    ap.add_argument("--duration-s", type=float, default=240.0)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+
+    coefs, source = FALLBACK_COEFS, "built-in fit (2026-11-30)"
+    if args.batch_time_json.is_file():
+        fit = json.loads(args.batch_time_json.read_text()).get("ttft_prediction", {})
+        fit = fit.get("batch_time_fit", {})
+        if fit.get("feature_set") == SEVEN_TERM:
+            coefs, source = tuple(fit["final_coefs"]), str(args.batch_time_json)
+    model = BatchTimeModel(SEVEN_TERM, coefs)
+    trace_args = argparse.Namespace(
+        trace=bench_sfs.DEFAULT_DATA_DIR / "traces" / "azure_llm_2023_conv.csv",
+        trace_start_s=600.0,
+        warmup_requests=200,
+        input_scale=0.125,
+        output_scale=0.5,
+        max_input=448,
+        max_output=256,
+    )
+    cfg = SimEngineConfig(
+        max_num_seqs=32,
+        max_num_batched_tokens=256,
+        block_size=64,
+        num_kv_blocks=512,
+        max_model_len=1024,
+        clock="virtual",
+    )
+    _, rows = bench_sfs.trace_requests(trace_args)
+    scale, idle = bench_sfs.calibrate_scale(cfg, model, rows, args.ttft_inflation, args.duration_s)
+    plan = [r for r in rows if r.offset_s * scale < args.duration_s]
+    arrivals = [
+        Arrival(f"m{i}", r.offset_s * scale, r.num_prompt_tokens, r.num_output_tokens)
+        for i, r in enumerate(plan)
+    ]
+    print(
+        f"{len(arrivals)} requests in {args.duration_s:.0f} s (trace time x{scale:.3f}, modeled "
+        f"mean TTFT {args.ttft_inflation:g}x the idle {idle * 1e3:.0f} ms); batch times: {source}"
+    )
+    print(
+        f"{'length prediction':<26} {'running requests end at':<34} {'MAPE':>7} {'mean signed':>12}"
+    )
+    for err in args.length_errors:
+        rng = random.Random(args.seed)
+        predicted = {
+            a.request_id: max(1, round(a.num_output_tokens * (1 + rng.uniform(-err, err))))
+            for a in arrivals
+        }
+        for measured in (False, True):
+            policy = OutputPolicy(trace_args.max_output, use_measured_ratios=measured)
+            pred, actual = sfs_errors_on_sim(cfg, model, arrivals, predicted, policy)
+            rel = signed_relative_errors(pred, actual)
+            how = "expected end (measured ratios)" if measured else "the bare prediction"
+            label = "exact" if err == 0 else f"true x U({1 - err:.1f}, {1 + err:.1f})"
+            print(
+                f"{label:<26} {how:<34} {mape(pred, actual):>7.1%} {statistics.fmean(rel):>+12.1%}"
+            )
+
+
+if __name__ == "__main__":
+    main()
