@@ -414,6 +414,8 @@ def run_stack(args: argparse.Namespace, work: Path) -> tuple[list, str, str]:  #
     text = text.replace(
         "[estimator]", '[presets.bench-model]\nmodels = ["' + args.model + '"]\n[estimator]'
     )
+    if args.worker:  # [worker] settings under test, e.g. pipeline_steps=false
+        text += "\n[worker]\n" + "".join(f"{kv}\n" for kv in args.worker)
     cluster = work / "cluster.toml"
     cluster.write_text(text)
     env = {
@@ -479,6 +481,13 @@ def main() -> int:
         help="also split the gateway TTFT at the two bus crossings (a passive NATS observer)",
     )
     parser.add_argument("--out", type=Path, default=None, help="write JSON here")
+    parser.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a [worker] setting of the cluster file (TOML value), e.g. pipeline_steps=false",
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
@@ -497,6 +506,7 @@ def main() -> int:
         "model": args.model,
         "dtype": args.dtype,
         "streams": args.streams,
+        "worker_settings": args.worker,
         "new_tokens": args.new_tokens,
         "idle_ms_before_ttft_request": args.idle_ms,
         "engine": engine,
