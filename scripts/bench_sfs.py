@@ -1161,7 +1161,8 @@ def jsonable(x: Any) -> Any:
     return x
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """Every knob of the benchmark (scripts/sfs_bias.py reads part 1's defaults here)."""
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -1257,6 +1258,11 @@ def main() -> None:
         "--ledger-depth", type=int, default=4, help="dispatches not yet in any snapshot"
     )
     g4.add_argument("--decision-instances", type=int, nargs="+", default=[3, 13])
+    return ap
+
+
+def main() -> None:
+    ap = build_parser()
     args = ap.parse_args()
     if args.ttft_inflation <= 1:
         ap.error("--ttft-inflation must be > 1")

@@ -26,6 +26,7 @@ from services.estimator.sfs.batch_time import SEVEN_TERM, BatchTimeModel  # noqa
 from services.estimator.sfs.cluster_sim import Arrival, sfs_errors_on_sim  # noqa: E402
 from services.estimator.sfs.evaluation import mape, signed_relative_errors  # noqa: E402
 from services.estimator.sfs.replay import OutputPolicy  # noqa: E402
+from services.worker.engine.config import EngineConfig  # noqa: E402
 from services.worker.engine.sim import SimEngineConfig  # noqa: E402
 
 # A seven-term fit of smollm2-small (bf16, one thread) from bench_sfs part 1 on the
@@ -42,8 +43,8 @@ def main() -> None:
         help="bench_sfs output whose final seven-term fit prices the batches",
     )
     ap.add_argument("--length-errors", type=float, nargs="+", default=[0.0, 0.3, 0.6])
-    ap.add_argument("--ttft-inflation", type=float, default=3.0)
-    ap.add_argument("--duration-s", type=float, default=240.0)
+    ap.add_argument("--ttft-inflation", type=float, default=None, help="default: bench_sfs's")
+    ap.add_argument("--duration-s", type=float, default=None, help="default: bench_sfs's")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
 
@@ -54,33 +55,28 @@ def main() -> None:
         if fit.get("feature_set") == SEVEN_TERM:
             coefs, source = tuple(fit["final_coefs"]), str(args.batch_time_json)
     model = BatchTimeModel(SEVEN_TERM, coefs)
-    trace_args = argparse.Namespace(
-        trace=bench_sfs.DEFAULT_DATA_DIR / "traces" / "azure_llm_2023_conv.csv",
-        trace_start_s=600.0,
-        warmup_requests=200,
-        input_scale=0.125,
-        output_scale=0.5,
-        max_input=448,
-        max_output=256,
+    # part 1's trace mapping and engine limits, from bench_sfs's own defaults
+    part1 = bench_sfs.build_parser().parse_args([])
+    engine = EngineConfig(  # as bench_sfs part 1 configures its real engine
+        model=part1.model,
+        max_num_seqs=part1.max_num_seqs,
+        max_num_batched_tokens=part1.max_num_batched_tokens,
+        num_kv_blocks=part1.num_kv_blocks,
+        max_model_len=part1.max_model_len,
     )
-    cfg = SimEngineConfig(
-        max_num_seqs=32,
-        max_num_batched_tokens=256,
-        block_size=64,
-        num_kv_blocks=512,
-        max_model_len=1024,
-        clock="virtual",
-    )
-    _, rows = bench_sfs.trace_requests(trace_args)
-    scale, idle = bench_sfs.calibrate_scale(cfg, model, rows, args.ttft_inflation, args.duration_s)
-    plan = [r for r in rows if r.offset_s * scale < args.duration_s]
+    cfg = SimEngineConfig.like(engine, clock="virtual")
+    inflation = args.ttft_inflation or part1.ttft_inflation
+    duration_s = args.duration_s or part1.duration_s
+    _, rows = bench_sfs.trace_requests(part1)
+    scale, idle = bench_sfs.calibrate_scale(cfg, model, rows, inflation, duration_s)
+    plan = [r for r in rows if r.offset_s * scale < duration_s]
     arrivals = [
         Arrival(f"m{i}", r.offset_s * scale, r.num_prompt_tokens, r.num_output_tokens)
         for i, r in enumerate(plan)
     ]
     print(
-        f"{len(arrivals)} requests in {args.duration_s:.0f} s (trace time x{scale:.3f}, modeled "
-        f"mean TTFT {args.ttft_inflation:g}x the idle {idle * 1e3:.0f} ms); batch times: {source}"
+        f"{len(arrivals)} requests in {duration_s:.0f} s (trace time x{scale:.3f}, modeled "
+        f"mean TTFT {inflation:g}x the idle {idle * 1e3:.0f} ms); batch times: {source}"
     )
     print(
         f"{'length prediction':<26} {'running requests end at':<34} {'MAPE':>7} {'mean signed':>12}"
@@ -92,7 +88,7 @@ def main() -> None:
             for a in arrivals
         }
         for measured in (False, True):
-            policy = OutputPolicy(trace_args.max_output, use_measured_ratios=measured)
+            policy = OutputPolicy(part1.max_output, use_measured_ratios=measured)
             pred, actual = sfs_errors_on_sim(cfg, model, arrivals, predicted, policy)
             rel = signed_relative_errors(pred, actual)
             how = "expected end (measured ratios)" if measured else "the bare prediction"

@@ -39,20 +39,19 @@ def is_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def launcher_cmd(tmp_path: Path) -> list[str]:
+    """`python -m services.launcher` on tmp_path/cluster.toml, logs in tmp_path/logs."""
+    cluster, logs = str(tmp_path / "cluster.toml"), str(tmp_path / "logs")
+    return [sys.executable, "-m", "services.launcher", cluster, "--log-dir", logs]
+
+
 def test_launcher_serves_and_stops_cleanly(tmp_path: Path, repo_root: Path) -> None:
     nats_url, redis_url = f"nats://127.0.0.1:{free_port()}", f"redis://127.0.0.1:{free_port()}/0"
     port = free_port()
     (tmp_path / "cluster.toml").write_text(tiny_cluster_text(nats_url, redis_url, port=port))
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.launcher",
-            str(tmp_path / "cluster.toml"),
-            "--log-dir",
-            str(tmp_path / "logs"),
-        ],
+        launcher_cmd(tmp_path),
         cwd=repo_root,
         env=env,
         stdout=subprocess.PIPE,
@@ -133,14 +132,7 @@ def test_launcher_refuses_a_namespace_with_live_workers(
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
     run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.launcher",
-            str(tmp_path / "cluster.toml"),
-            "--log-dir",
-            str(tmp_path / "logs"),
-        ],
+        launcher_cmd(tmp_path),
         cwd=repo_root,
         env=env,
         capture_output=True,
