@@ -239,9 +239,13 @@ class Generation:
             "model": self.model,
         }
         extra = {"usage": None} if include_usage else {}
+        # Chunks are coalesced into one write where they are ready together: the chat
+        # role chunk goes out with the first token's, the usage chunk and [DONE] with
+        # the last one's (each write is a wake-up of the client; the first one is TTFT).
+        pending = b""
         try:
             if self.p.is_chat:
-                yield sse(
+                pending = sse(
                     {
                         **head,
                         "choices": [
@@ -279,9 +283,14 @@ class Generation:
                     if self.is_finished and not include_usage
                     else {}
                 )
-                yield sse({**head, "choices": [choice], **extra, **tail})
+                chunk = pending + sse({**head, "choices": [choice], **extra, **tail})
+                pending = b""
+                if self.is_finished:
+                    pending = chunk  # the end follows at once
+                else:
+                    yield chunk
             if include_usage:
-                yield sse(
+                pending += sse(
                     {
                         **head,
                         "choices": [],
@@ -289,11 +298,10 @@ class Generation:
                         "baton": self.baton_summary(),
                     }
                 )
-            yield SSE_DONE
+            yield pending + SSE_DONE
         except GatewayError as exc:  # headers are sent: report in-band, as OpenAI does
             self._count(str(exc.status))
-            yield sse(error_body(exc.message, exc.type, exc.code))
-            yield SSE_DONE
+            yield pending + sse(error_body(exc.message, exc.type, exc.code)) + SSE_DONE
         except ClientDisconnected:  # seen just before streaming began: nobody to tell
             return
         finally:
