@@ -2,9 +2,9 @@
 a SimEngine with a virtual clock, so batch times are exactly the batch-time model and
 every error left is the replay's own (output lengths it predicts, requests that arrive
 after the probe). Prints MAPE and mean signed error per length-prediction error, with
-running requests ending at their bare predictions and at their expected lengths given
-the snapshot's measured length ratios (the estimator's default; docs/sfs.md, "Bias
-from length predictions"). Deterministic; about a minute.
+running requests ending at their bare predictions and at an end drawn from the
+snapshot's measured length ratios (the estimator's default; docs/sfs.md, "Bias from
+length predictions"). Deterministic; about a minute.
 """
 
 from __future__ import annotations
@@ -46,6 +46,18 @@ def main() -> None:
     ap.add_argument("--ttft-inflation", type=float, default=None, help="default: bench_sfs's")
     ap.add_argument("--duration-s", type=float, default=None, help="default: bench_sfs's")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="every request's cap (default: twice bench_sfs's --max-output, above every length)",
+    )
+    ap.add_argument(
+        "--cap-at-truth",
+        action="store_true",
+        help="cap each request at its true length, as part 1 on the real engine must (the "
+        "cap then tells the replay the length wherever a prediction overshoots it)",
+    )
     args = ap.parse_args()
 
     coefs, source = FALLBACK_COEFS, "built-in fit (2026-11-30)"
@@ -78,6 +90,8 @@ def main() -> None:
         f"{len(arrivals)} requests in {duration_s:.0f} s (trace time x{scale:.3f}, modeled "
         f"mean TTFT {inflation:g}x the idle {idle * 1e3:.0f} ms); batch times: {source}"
     )
+    cap = None if args.cap_at_truth else (args.max_tokens or 2 * part1.max_output)
+    print(f"max_tokens: {'each true length' if cap is None else cap}")
     print(
         f"{'length prediction':<26} {'running requests end at':<34} {'MAPE':>7} {'mean signed':>12}"
     )
@@ -89,9 +103,11 @@ def main() -> None:
         }
         for measured in (False, True):
             policy = OutputPolicy(part1.max_output, use_measured_ratios=measured)
-            pred, actual = sfs_errors_on_sim(cfg, model, arrivals, predicted, policy)
+            pred, actual = sfs_errors_on_sim(
+                cfg, model, arrivals, predicted, policy, max_tokens=cap
+            )
             rel = signed_relative_errors(pred, actual)
-            how = "expected end (measured ratios)" if measured else "the bare prediction"
+            how = "an end drawn from measured ratios" if measured else "the bare prediction"
             label = "exact" if err == 0 else f"true x U({1 - err:.1f}, {1 + err:.1f})"
             print(
                 f"{label:<26} {how:<34} {mape(pred, actual):>7.1%} {statistics.fmean(rel):>+12.1%}"

@@ -138,8 +138,11 @@ class LatencyEstimator:
         self.policy = OutputPolicy(settings.default_output_tokens)
         self.max_steps = max_steps  # replay iterations before a probe counts as never served
         # instance -> ((version, wall time) of the snapshot, its parsed state, the ids
-        # it shows); parsed off the decision path, copied by each decision.
-        self._parsed: dict[str, tuple[tuple[int, float], KernelState, frozenset[str]]] = {}
+        # it shows, the output policy with its length ratios); parsed off the decision
+        # path, copied by each decision.
+        self._parsed: dict[
+            str, tuple[tuple[int, float], KernelState, frozenset[str], OutputPolicy]
+        ] = {}
 
     def forget(self, instance_id: str) -> None:
         self._parsed.pop(instance_id, None)
@@ -154,13 +157,14 @@ class LatencyEstimator:
 
     def _parse(
         self, instance_id: str, snapshot: WorkloadSnapshot
-    ) -> tuple[KernelState, frozenset[str]]:
+    ) -> tuple[KernelState, frozenset[str], OutputPolicy]:
         key = (snapshot.version, snapshot.wall_time_s)
         hit = self._parsed.get(instance_id)
         if hit is None or hit[0] != key:
-            hit = (key, kernel_state(snapshot, self.policy), snapshot_ids(snapshot))
+            policy = self.policy.for_snapshot(snapshot)
+            hit = (key, kernel_state(snapshot, policy), snapshot_ids(snapshot), policy)
             self._parsed[instance_id] = hit
-        return hit[1], hit[2]
+        return hit[1], hit[2], hit[3]
 
     def ttft(
         self,
@@ -200,8 +204,7 @@ class LatencyEstimator:
         ages and dispatch times are wall times (the store's time of the snapshot,
         `LedgerEntry.dispatched_at_s`).
         """
-        base, visible = self._parse(state.instance_id, snap)
-        policy = self.policy.for_snapshot(snap)
+        base, visible, policy = self._parse(state.instance_id, snap)
         st = base.copy()
         snap_t = state.snapshot_wall_time_s
         age_s = max(0.0, now_wall_s - snap_t)
@@ -211,7 +214,7 @@ class LatencyEstimator:
         early_ids = {e.request_id for e in pending if e.dispatched_at_s < snap_t}
         for rid, prompt, max_tokens, predicted in entries:
             if rid in early_ids:
-                target = policy.target(predicted, max_tokens, 0)
+                target = policy.target(predicted, max_tokens, 0, rid)
                 st.waiting.append(st.add(rid, prompt, 0, 0, 0, target))
         # 2. The iteration in flight since the snapshot (none: the engine is idle).
         in_flight_s = max(0.0, st.step(model.raw, None))

@@ -50,4 +50,4 @@ class LengthRatios:
                 self._quantiles = [
                     round(s[min(n - 1, int((k + 0.5) * n / q))], 4) for k in range(q)
                 ]
-        return self._quantiles
+        return list(self._quantiles)  # a copy: every snapshot gets its own list

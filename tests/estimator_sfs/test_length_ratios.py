@@ -1,11 +1,13 @@
 """Measured length ratios: the engine records actual / predicted output lengths, its
-snapshot carries their quantiles, and the replay ends running requests at their
-expected length given that they still run (no low bias from noisy predictions)."""
+snapshot carries their quantiles, and the replay ends each running request at one of
+its possible ends still ahead of it, drawn by its id (no bias from noisy predictions)."""
 
 from __future__ import annotations
 
 import random
 import statistics
+
+import pytest
 
 from services.estimator.sfs.batch_time import SEVEN_TERM, BatchTimeModel
 from services.estimator.sfs.cluster_sim import Arrival, sfs_errors_on_sim
@@ -46,16 +48,19 @@ def test_only_completed_requests_are_recorded_and_the_snapshot_carries_them() ->
     assert take_snapshot(s, 2, 0.0).output_length_ratios == [0.5, 1.5]
 
 
-def test_target_is_the_expected_end_given_the_request_still_runs() -> None:
-    p = OutputPolicy(length_ratios=(0.5, 1.0, 1.5))
-    assert p.target(100, 1000, 0) == 100  # mean of 50, 100, 150
-    assert p.target(100, 1000, 60) == 125  # 50 is behind it: mean of 100, 150
-    assert p.target(100, 1000, 120) == 150  # past its prediction: only 150 is left
-    assert p.target(100, 1000, 160) == 161  # past every ratio: the next token ends it
-    assert p.target(100, 120, 0) == 90  # 50, 100, 120 (capped)
-    assert p.target(None, 1000, 0) == 128  # no prediction: the default, unscaled
-    bare = OutputPolicy()
-    assert bare.target(100, 1000, 120) == 121  # the point prediction: ends at once
+def test_target_is_one_of_the_ends_still_ahead_fixed_by_the_request_id() -> None:
+    p = OutputPolicy(length_ratios=(1.5, 0.5, 1.0))  # sorted on construction
+    assert p.length_ratios == (0.5, 1.0, 1.5)
+    ids = [f"req-{i}" for i in range(60)]
+    fresh = [p.target(100, 1000, 0, rid) for rid in ids]
+    assert set(fresh) == {50, 100, 150}  # every possible end is drawn by some id
+    assert fresh == [p.target(100, 1000, 0, rid) for rid in ids]  # and always the same one
+    assert {p.target(100, 1000, 60, rid) for rid in ids} == {100, 150}  # 50 is behind it
+    assert {p.target(100, 1000, 120, rid) for rid in ids} == {150}  # past its prediction
+    assert {p.target(100, 1000, 160, rid) for rid in ids} == {161}  # past every end
+    assert {p.target(100, 120, 0, rid) for rid in ids} == {50, 100, 120}  # capped
+    assert p.target(None, 1000, 0, "x") == 128  # no prediction: the default, unscaled
+    assert OutputPolicy().target(100, 1000, 120, "x") == 121  # bare: ends at once
 
 
 def test_policy_takes_the_snapshots_ratios_unless_told_otherwise() -> None:
@@ -80,15 +85,14 @@ def test_policy_takes_the_snapshots_ratios_unless_told_otherwise() -> None:
     assert kernel_state(snap, given).target == [45]
 
 
-def _signed_errors(
-    *, measured: bool, seed: int = 3, rate: float = 2.0, seqs: int = 32
-) -> list[float]:
+def _signed_errors(*, measured: bool, seed: int) -> list[float]:
     """SFS TTFT estimates on a SimEngine (virtual clock: batch times are exactly the
-    model) with +-40% output length predictions; signed relative errors. The defaults
-    queue requests as bench_sfs part 1 does (a full batch is 32 requests)."""
+    model) with +-40% output length predictions; signed relative errors. Requests
+    queue as in bench_sfs part 1 (a full batch is 32); max_tokens 512 lies above every
+    true length (<= 256), so the cap tells the replay nothing."""
     model = BatchTimeModel(SEVEN_TERM, (0.0187, 2.9e-4, 7.8e-8, 4.6e-4, 0.0, 1.5e-8, 3.5e-5))
     cfg = SimEngineConfig(
-        max_num_seqs=seqs,
+        max_num_seqs=32,
         max_num_batched_tokens=256,
         block_size=64,
         num_kv_blocks=512,
@@ -97,21 +101,22 @@ def _signed_errors(
     )
     rng = random.Random(seed)
     t, arrivals, predicted = 0.0, [], {}
-    for i in range(260):
-        t += rng.expovariate(rate)
+    for i in range(300):
+        t += rng.expovariate(2.0)
         out = rng.randint(20, 256)
         arrivals.append(Arrival(f"q{i}", t, rng.randint(16, 300), out))
         predicted[f"q{i}"] = max(1, round(out * (1 + rng.uniform(-0.4, 0.4))))
     policy = OutputPolicy(256, use_measured_ratios=measured)
-    pred, actual = sfs_errors_on_sim(cfg, model, arrivals, predicted, policy)
+    pred, actual = sfs_errors_on_sim(cfg, model, arrivals, predicted, policy, max_tokens=512)
     return signed_relative_errors(pred, actual)
 
 
-def test_measured_ratios_remove_most_of_the_bias_of_noisy_length_predictions() -> None:
-    bare = statistics.fmean(_signed_errors(measured=False))
-    measured = statistics.fmean(_signed_errors(measured=True))
-    # Noisy predictions alone: queued estimates run short (-6.9% here); what is left
-    # with the ratios (-2.2%) is mostly later arrivals filling the probe's last step.
+@pytest.mark.parametrize("seed", [1, 2])
+def test_measured_ratios_remove_most_of_the_bias_of_noisy_length_predictions(seed: int) -> None:
+    bare = statistics.fmean(_signed_errors(measured=False, seed=seed))
+    measured = statistics.fmean(_signed_errors(measured=True, seed=seed))
+    # Bare predictions run queued estimates short (seed 1: -5.0%, seed 2: -12.2%);
+    # the measured ratios leave -1.8% and -0.8%.
     assert bare < -0.04
     assert abs(measured) < abs(bare) / 2, (bare, measured)
 
@@ -121,12 +126,15 @@ def test_vectorised_targets_equal_the_scalar_rule() -> None:
     the same integers, half-way roundings and caps below the prediction included."""
     rng = random.Random(5)
     for _ in range(300):
-        p = OutputPolicy(length_ratios=tuple(sorted(rng.uniform(0.3, 2.5) for _ in range(8))))
+        p = OutputPolicy(length_ratios=tuple(rng.uniform(0.3, 2.5) for _ in range(8)))
         n = rng.randint(1, 40)
         pred = [rng.randint(1, 300) for _ in range(n)]
         caps = [rng.randint(1, 300) for _ in range(n)]
         outs = [rng.randint(0, 400) for _ in range(n)]
-        want = [p.target(a, b, c) for a, b, c in zip(pred, caps, outs, strict=True)]
-        assert p.ratio_targets(pred, caps, outs) == want
-    half = OutputPolicy(length_ratios=(0.5, 1.5))  # 5 x 0.5 = 2.5 and 5 x 1.5 = 7.5
-    assert half.target(5, 100, 0) == half.ratio_targets([5], [100], [0])[0] == 5  # (2 + 8) / 2
+        ids = [f"r{rng.randint(0, 10**6)}" for _ in range(n)]
+        want = [p.target(*row) for row in zip(pred, caps, outs, ids, strict=True)]
+        assert p.ratio_targets(pred, caps, outs, ids) == want
+    half = OutputPolicy(length_ratios=(0.5, 1.5))  # 5 x 0.5 = 2.5 -> 2, 5 x 1.5 = 7.5 -> 8
+    keys = [f"k{i}" for i in range(20)]
+    ends = {half.target(5, 100, 0, k) for k in keys}
+    assert ends == {2, 8} == set(half.ratio_targets([5] * 20, [100] * 20, [0] * 20, keys))

@@ -539,6 +539,8 @@ def sfs_errors_on_sim(
     arrivals: Sequence[Arrival],
     predicted_output_tokens: Mapping[str, int],
     policy: OutputPolicy,
+    *,
+    max_tokens: int | None = None,
 ) -> tuple[list[float], list[float]]:
     """(predicted, actual) TTFT of every request when each is estimated at its arrival
     from the instance's latest snapshot, as the estimator service does
@@ -549,10 +551,21 @@ def sfs_errors_on_sim(
     Arrivals during an iteration are estimated from the snapshot taken when it began
     and join the next iteration; the ones before them in that iteration are queued
     ahead of the probe (`pending`), those from the iteration before are `joined`.
+
+    Each request generates `num_output_tokens` (the truth) under a cap of `max_tokens`
+    (at most what the context leaves); None caps it at the truth, which tells the
+    replay every length exactly wherever a prediction overshoots it (a request ends at
+    min(prediction, cap)), so use a cap above the lengths to measure predictions.
+    A request that never gets a first token (it cannot fit) reads as inf.
     """
     if config.clock != "virtual":
         raise ValueError("sfs_errors_on_sim needs clock='virtual'")
-    engine = SimEngine(config, model)
+
+    def cap_of(a: Arrival) -> int:
+        room = config.max_model_len - a.num_prompt_tokens
+        return min(room, a.num_output_tokens if max_tokens is None else max_tokens)
+
+    engine = WorkloadSimEngine(config, model)
     predicted: dict[str, float] = {}
     added: dict[str, float] = {}
     first: dict[str, float] = {}
@@ -570,22 +583,21 @@ def sfs_errors_on_sim(
         later: list[PendingRequest] = []
         while i < len(arrivals) and arrivals[i].arrival_s <= engine.now():
             a = arrivals[i]
-            pred = predicted_output_tokens[a.request_id]
-            probe = Probe(a.num_prompt_tokens, pred, a.num_output_tokens)
+            pred, cap = predicted_output_tokens[a.request_id], cap_of(a)
+            probe = Probe(a.num_prompt_tokens, pred, cap)
             est = estimate_from_now(
                 snap, model, probe, later, a.arrival_s - snap_t, joined=joined, policy=policy
             )
             predicted[a.request_id], added[a.request_id] = est.ttft_s, a.arrival_s
-            later.append(
-                PendingRequest(a.request_id, a.num_prompt_tokens, a.num_output_tokens, pred)
-            )
+            later.append(PendingRequest(a.request_id, a.num_prompt_tokens, cap, pred))
+            engine.expect(a.request_id, a.num_output_tokens)
             engine.add_request(
                 a.request_id,
                 [PROMPT_TOKEN_ID] * a.num_prompt_tokens,
-                SamplingParams(max_tokens=a.num_output_tokens, ignore_eos=True),
+                SamplingParams(max_tokens=cap),
                 predicted_output_tokens=pred,
             )
             i += 1
         joined = later  # in the inbox: they join the next iteration
     rids = [a.request_id for a in arrivals]
-    return [predicted[r] for r in rids], [first[r] - added[r] for r in rids]
+    return [predicted[r] for r in rids], [first.get(r, math.inf) - added[r] for r in rids]

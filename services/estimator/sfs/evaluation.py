@@ -150,7 +150,7 @@ def estimate_from_now(
     coefs = model.raw
     early, _ = admissible_pending(joined, snapshot)
     for rid, prompt, max_tokens, predicted in early:
-        target = policy.target(predicted, max_tokens, 0)
+        target = policy.target(predicted, max_tokens, 0, rid)
         st.waiting.append(st.add(rid, prompt, 0, 0, 0, target))
     in_flight = st.step(coefs, None)
     if in_flight < 0:  # nothing schedulable: an idle engine

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -79,23 +80,36 @@ class PendingRequest:
     predicted_output_tokens: int | None = None  # tokens
 
 
+def ratio_draw(key: str) -> int:
+    """A request's fixed draw among its possible ends (stable across processes and
+    decisions: CRC-32 of its id)."""
+    return zlib.crc32(key.encode())
+
+
 @dataclass(frozen=True, slots=True)
 class OutputPolicy:
     """How many output tokens each simulated request produces before it finishes.
 
     With `length_ratios` (quantiles of actual / predicted output length, as measured
-    on finished requests) a request finishes at its expected length *given that it is
-    still running*: the mean of min(predicted x r, max_tokens) over the ratios r that
-    put the end past the tokens it already has. Point predictions alone bias every
-    queued estimate low: half of the running requests outlive a symmetric-error
-    prediction, and a request past its prediction would be replayed as ending at the
-    next step, so the replay frees slots and budget too early (docs/sfs.md, "Bias").
+    on finished requests) each request with a prediction ends at one of its possible
+    ends still ahead of it, min(predicted x r, max_tokens) for the quantiles r that
+    put the end past the tokens it has, the one its id draws (`ratio_draw`). Point
+    predictions bias queued estimates low: a request past its prediction was replayed
+    as ending at the next step, so slots and budget freed too early. A point estimate
+    per request (its conditional mean or median) overshoots instead: a queued probe
+    waits for the *earliest* of the running requests to end, and the earliest of
+    their expected ends is later than their expected earliest end. A fixed draw per
+    request keeps the running set's spread of ends, so its earliest one, unbiased
+    (docs/sfs.md, "Bias from length predictions").
     """
 
     default_output_tokens: int = 128  # for requests without a prediction
     min_remaining_tokens: int = 1  # for requests past every ratio's end
     length_ratios: tuple[float, ...] = ()  # quantiles of actual / predicted; () = trust it
     use_measured_ratios: bool = True  # for_snapshot takes the snapshot's measured ratios
+
+    def __post_init__(self) -> None:  # ascending, so a request's possible ends are too
+        object.__setattr__(self, "length_ratios", tuple(sorted(self.length_ratios)))
 
     def for_snapshot(self, snapshot: WorkloadSnapshot) -> OutputPolicy:
         """This policy with the ratios the instance measured (its snapshot's
@@ -106,37 +120,48 @@ class OutputPolicy:
             return self
         return dataclasses.replace(self, length_ratios=tuple(snapshot.output_length_ratios))
 
-    def target(self, predicted: int | None, max_tokens: int, num_output: int) -> int:
+    def target(
+        self, predicted: int | None, max_tokens: int, num_output: int, request_id: str = ""
+    ) -> int:
         """Output count at which the request finishes: at most max_tokens (unless it
         already has more), always > num_output."""
         t = self.default_output_tokens if predicted is None else predicted
         t = min(max(t, 1), max_tokens)
         if self.length_ratios and predicted is not None:
+            if num_output <= 0:  # every end (>= 1) is ahead: the drawn one alone
+                r = self.length_ratios[ratio_draw(request_id) % len(self.length_ratios)]
+                return min(max(1, round(t * r)), max_tokens)
             alive = [
                 e
                 for r in self.length_ratios
                 if (e := min(max(1, round(t * r)), max_tokens)) > num_output
             ]
             if alive:
-                return max(round(sum(alive) / len(alive)), num_output + 1)
+                return alive[ratio_draw(request_id) % len(alive)]
         return max(t, num_output + self.min_remaining_tokens)
 
     def ratio_targets(
-        self, predicted: Sequence[int], max_tokens: Sequence[int], num_output: Sequence[int]
+        self,
+        predicted: Sequence[int],
+        max_tokens: Sequence[int],
+        num_output: Sequence[int],
+        request_ids: Sequence[str],
     ) -> list[int]:
         """`target` with `length_ratios` for many predicted requests at once (numpy:
         a 64-request snapshot in tens of microseconds, where the loop takes ~0.5 ms).
-        Same integers as `target`: rint and round both round half to even."""
+        Same integers as `target` (rint and round both round half to even; the ends
+        ascend with the ratios, so the ones still ahead are a suffix)."""
         r = np.asarray(self.length_ratios, dtype=np.float64)
         t = np.minimum(np.maximum(np.asarray(predicted, dtype=np.float64), 1.0), max_tokens)
         caps = np.asarray(max_tokens, dtype=np.float64)[:, None]
         out = np.asarray(num_output, dtype=np.float64)
         ends = np.minimum(np.maximum(np.rint(t[:, None] * r[None, :]), 1.0), caps)
-        alive = ends > out[:, None]
-        count = alive.sum(axis=1)
-        mean = np.rint((ends * alive).sum(axis=1) / np.maximum(count, 1))
+        count = (ends > out[:, None]).sum(axis=1)
+        draws = np.asarray([ratio_draw(k) for k in request_ids], dtype=np.int64)
+        pick = len(r) - count + draws % np.maximum(count, 1)
+        chosen = ends[np.arange(len(t)), np.minimum(pick, len(r) - 1)]
         past = np.maximum(t, out + self.min_remaining_tokens)  # past every ratio's end
-        return [int(x) for x in np.where(count > 0, np.maximum(mean, out + 1), past)]
+        return [int(x) for x in np.where(count > 0, chosen, past)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +230,7 @@ def kernel_state(
                 [order[i].predicted_output_tokens or 0 for i in rows],
                 [caps[i] for i in rows],
                 [outs[i] for i in rows],
+                [order[i].request_id for i in rows],
             )
             for i, e in zip(rows, ends, strict=True):
                 targets[i] = e
@@ -275,7 +301,8 @@ def run_on_state(
 ) -> RunResult:
     """Append ledger entries and the probe to `st` (mutated) and replay."""
     for rid, prompt, max_tokens, predicted in entries:
-        st.waiting.append(st.add(rid, prompt, 0, 0, 0, policy.target(predicted, max_tokens, 0)))
+        target = policy.target(predicted, max_tokens, 0, rid)
+        st.waiting.append(st.add(rid, prompt, 0, 0, 0, target))
     cap = probe_max_tokens(probe, max_model_len)
     if probe.num_prompt_tokens < 1 or cap < 1:
         return RunResult(math.inf, math.inf if want_e2e else math.nan, 0, 0)
@@ -411,14 +438,16 @@ def replay_exact(
     sched = restore_scheduler(snapshot)
     policy = policy.for_snapshot(snapshot)
     targets = {
-        c.request_id: policy.target(c.predicted_output_tokens, c.max_tokens, c.num_output_tokens)
+        c.request_id: policy.target(
+            c.predicted_output_tokens, c.max_tokens, c.num_output_tokens, c.request_id
+        )
         for c in (*snapshot.running, *snapshot.waiting)
     }
     entries, num_visible = admissible_pending(pending, snapshot)
     for rid, prompt, max_tokens, predicted in entries:
         req = sched.add(rid, prompt, max_tokens)
         req.predicted_output_tokens = predicted
-        targets[rid] = policy.target(predicted, max_tokens, 0)
+        targets[rid] = policy.target(predicted, max_tokens, 0, rid)
     batches: list[list[tuple[str, int]]] = []
     times: list[float] = []
     cap = probe_max_tokens(probe, snapshot.max_model_len)
