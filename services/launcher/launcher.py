@@ -30,6 +30,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from redis.exceptions import RedisError
+
 from services.launcher.servers import (
     ServerError,
     ServerProcess,
@@ -143,7 +145,12 @@ class Launcher:
         if not any(s.name == "redis" for s in self.servers):
             live = self._live_worker_ids()
             if live:
-                time.sleep(self.cluster.worker.heartbeat_ttl_s + 0.5)
+                wait_s = self.cluster.worker.heartbeat_ttl_s + 0.5
+                self.say(
+                    f"namespace {self.cluster.namespace!r} lists workers ({', '.join(live)}); "
+                    f"waiting {wait_s:.1f} s for the registrations of a stopped deployment to expire"
+                )
+                time.sleep(wait_s)
                 live = self._live_worker_ids()
             if live:
                 raise ServerError(
@@ -157,13 +164,16 @@ class Launcher:
         store = Store(self.redis_url, self.cluster.namespace)
 
         async def read() -> list[str]:
-            await store.connect()
             try:
+                await store.connect()
                 return [w.instance_id for w in await store.live_workers()]
             finally:
                 await store.close()
 
-        return asyncio.run(read())
+        try:
+            return asyncio.run(read())
+        except RedisError as exc:  # it answers on the port but not as we need (auth, ...)
+            raise ServerError(f"the Redis server at {self.redis_url} failed: {exc}") from None
 
     # 2. services ------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -107,7 +108,7 @@ def test_launcher_refuses_a_namespace_with_live_workers(
 ) -> None:
     """A second deployment on the same Redis and namespace would share the first one's
     workers without knowing it: the launcher says so and starts nothing."""
-    namespace = "shared_ns"
+    namespace = f"ns{uuid.uuid4().hex[:8]}"
     store = Store(redis_url, namespace)
     info = WorkerInfo(
         instance_id="other-0",
@@ -141,6 +142,7 @@ def test_launcher_refuses_a_namespace_with_live_workers(
     )
     assert run.returncode == 1, run.stdout + run.stderr
     assert "other-0" in run.stdout and "BATON_NAMESPACE" in run.stdout, run.stdout
+    assert "waiting" in run.stdout  # it gave a stopped deployment's registrations time
     assert not (tmp_path / "logs" / "gateway.log").exists()  # no service was started
     with httpx.Client() as client:  # nothing serves on the port
         try:
@@ -149,6 +151,60 @@ def test_launcher_refuses_a_namespace_with_live_workers(
         except httpx.TransportError:
             serving = False
     assert not serving
+
+
+def test_launcher_starts_once_a_stopped_deployments_registrations_expire(
+    tmp_path: Path, repo_root: Path, redis_url: str
+) -> None:
+    """A registration left by a killed deployment (not renewed) expires within the
+    heartbeat TTL: the launcher waits it out and then serves."""
+    namespace = f"ns{uuid.uuid4().hex[:8]}"
+    store = Store(redis_url, namespace)
+    info = WorkerInfo(
+        instance_id="killed-0",
+        model="random-tiny",
+        inbox="x",
+        max_model_len=256,
+        max_num_seqs=4,
+        started_at_s=time.time(),
+        heartbeat_at_s=time.time(),
+    )
+
+    async def register() -> None:
+        await store.connect()
+        await store.register(info, ttl_s=0.8)  # the tiny cluster's heartbeat TTL is 1 s
+        await store.close()
+
+    asyncio.run(register())
+    nats_url = f"nats://127.0.0.1:{free_port()}"
+    (tmp_path / "cluster.toml").write_text(
+        tiny_cluster_text(nats_url, redis_url, namespace=namespace, port=free_port())
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
+    proc = subprocess.Popen(
+        launcher_cmd(tmp_path),
+        cwd=repo_root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "serving the OpenAI API" in line or "error" in line or len(lines) > 50:
+                break
+        out = "".join(lines)
+        assert "killed-0" in out and "waiting" in out, out
+        assert "serving the OpenAI API" in out, out
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_launcher_help() -> None:
