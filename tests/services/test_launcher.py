@@ -103,15 +103,10 @@ def test_launcher_serves_and_stops_cleanly(tmp_path: Path, repo_root: Path) -> N
             proc.wait()
 
 
-def test_launcher_refuses_a_namespace_with_live_workers(
-    tmp_path: Path, repo_root: Path, redis_url: str
-) -> None:
-    """A second deployment on the same Redis and namespace would share the first one's
-    workers without knowing it: the launcher says so and starts nothing."""
-    namespace = f"ns{uuid.uuid4().hex[:8]}"
-    store = Store(redis_url, namespace)
+def register_worker(redis_url: str, namespace: str, instance_id: str, *, ttl_s: float) -> None:
+    """Register a worker as a deployment's would (nothing behind it), for ttl_s."""
     info = WorkerInfo(
-        instance_id="other-0",
+        instance_id=instance_id,
         model="random-tiny",
         inbox="x",
         max_model_len=256,
@@ -121,11 +116,21 @@ def test_launcher_refuses_a_namespace_with_live_workers(
     )
 
     async def register() -> None:
+        store = Store(redis_url, namespace)
         await store.connect()
-        await store.register(info, ttl_s=60)
+        await store.register(info, ttl_s=ttl_s)
         await store.close()
 
     asyncio.run(register())
+
+
+def test_launcher_refuses_a_namespace_with_live_workers(
+    tmp_path: Path, repo_root: Path, redis_url: str
+) -> None:
+    """A second deployment on the same Redis and namespace would share the first one's
+    workers without knowing it: the launcher says so and starts nothing."""
+    namespace = f"ns{uuid.uuid4().hex[:8]}"
+    register_worker(redis_url, namespace, "other-0", ttl_s=60)
     nats_url = f"nats://127.0.0.1:{free_port()}"
     port = free_port()
     (tmp_path / "cluster.toml").write_text(
@@ -159,23 +164,7 @@ def test_launcher_starts_once_a_stopped_deployments_registrations_expire(
     """A registration left by a killed deployment (not renewed) expires within the
     heartbeat TTL: the launcher waits it out and then serves."""
     namespace = f"ns{uuid.uuid4().hex[:8]}"
-    store = Store(redis_url, namespace)
-    info = WorkerInfo(
-        instance_id="killed-0",
-        model="random-tiny",
-        inbox="x",
-        max_model_len=256,
-        max_num_seqs=4,
-        started_at_s=time.time(),
-        heartbeat_at_s=time.time(),
-    )
-
-    async def register() -> None:
-        await store.connect()
-        await store.register(info, ttl_s=0.8)  # the tiny cluster's heartbeat TTL is 1 s
-        await store.close()
-
-    asyncio.run(register())
+    register_worker(redis_url, namespace, "killed-0", ttl_s=0.8)  # the tiny cluster's TTL: 1 s
     nats_url = f"nats://127.0.0.1:{free_port()}"
     (tmp_path / "cluster.toml").write_text(
         tiny_cluster_text(nats_url, redis_url, namespace=namespace, port=free_port())
