@@ -46,12 +46,10 @@ def launcher_cmd(tmp_path: Path) -> list[str]:
     return [sys.executable, "-m", "services.launcher", cluster, "--log-dir", logs]
 
 
-def test_launcher_serves_and_stops_cleanly(tmp_path: Path, repo_root: Path) -> None:
-    nats_url, redis_url = f"nats://127.0.0.1:{free_port()}", f"redis://127.0.0.1:{free_port()}/0"
-    port = free_port()
-    (tmp_path / "cluster.toml").write_text(tiny_cluster_text(nats_url, redis_url, port=port))
+def start_launcher(tmp_path: Path, repo_root: Path) -> subprocess.Popen[str]:
+    """The launcher on tmp_path/cluster.toml, no BATON_ variables, output piped."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         launcher_cmd(tmp_path),
         cwd=repo_root,
         env=env,
@@ -59,14 +57,26 @@ def test_launcher_serves_and_stops_cleanly(tmp_path: Path, repo_root: Path) -> N
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def read_until_serving(proc: subprocess.Popen[str]) -> str:
+    """Its output up to "serving" (or an error, or 50 lines)."""
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if "serving the OpenAI API" in line or "error" in line or len(lines) > 50:
+            break
+    return "".join(lines)
+
+
+def test_launcher_serves_and_stops_cleanly(tmp_path: Path, repo_root: Path) -> None:
+    nats_url, redis_url = f"nats://127.0.0.1:{free_port()}", f"redis://127.0.0.1:{free_port()}/0"
+    port = free_port()
+    (tmp_path / "cluster.toml").write_text(tiny_cluster_text(nats_url, redis_url, port=port))
+    proc = start_launcher(tmp_path, repo_root)
     try:
-        lines = []
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if "serving the OpenAI API" in line or len(lines) > 50:
-                break
-        out = "".join(lines)
+        out = read_until_serving(proc)
         assert f"http://127.0.0.1:{port}/v1" in out, out
         assert "started nats-server" in out and "started redis-server" in out
         kids = children_of(proc.pid)
@@ -169,23 +179,9 @@ def test_launcher_starts_once_a_stopped_deployments_registrations_expire(
     (tmp_path / "cluster.toml").write_text(
         tiny_cluster_text(nats_url, redis_url, namespace=namespace, port=free_port())
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
-    proc = subprocess.Popen(
-        launcher_cmd(tmp_path),
-        cwd=repo_root,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = start_launcher(tmp_path, repo_root)
     try:
-        lines = []
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if "serving the OpenAI API" in line or "error" in line or len(lines) > 50:
-                break
-        out = "".join(lines)
+        out = read_until_serving(proc)
         assert "killed-0" in out and "waiting" in out, out
         assert "serving the OpenAI API" in out, out
         proc.send_signal(signal.SIGINT)
