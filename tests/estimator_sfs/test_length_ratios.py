@@ -10,10 +10,11 @@ import statistics
 import pytest
 
 from services.estimator.sfs.batch_time import SEVEN_TERM, BatchTimeModel
-from services.estimator.sfs.cluster_sim import Arrival, sfs_errors_on_sim
+from services.estimator.sfs.cluster_sim import Arrival, WorkloadSimEngine, sfs_errors_on_sim
 from services.estimator.sfs.evaluation import signed_relative_errors
 from services.estimator.sfs.replay import OutputPolicy, kernel_state
 from services.worker.engine.sim import SimEngineConfig
+from shared.sampling import SamplingParams
 from shared.scheduling.lengths import LengthRatios
 from shared.scheduling.snapshot import take_snapshot
 from tests.estimator_sfs.builders import make_scheduler
@@ -138,3 +139,24 @@ def test_vectorised_targets_equal_the_scalar_rule() -> None:
     keys = [f"k{i}" for i in range(20)]
     ends = {half.target(5, 100, 0, k) for k in keys}
     assert ends == {2, 8} == set(half.ratio_targets([5] * 20, [100] * 20, [0] * 20, keys))
+
+
+def test_an_engine_records_finished_requests_but_not_aborted_ones() -> None:
+    """Through a (simulated) engine: two requests run to their true lengths, one is
+    aborted half-way; the snapshot's quantiles hold the two finished ones only."""
+    cfg = SimEngineConfig(
+        max_num_seqs=4, max_num_batched_tokens=64, block_size=4, max_model_len=256, clock="virtual"
+    )
+    engine = WorkloadSimEngine(cfg, BatchTimeModel(SEVEN_TERM, (0.01, 0, 0, 0, 0, 0, 0)))
+    engine.scheduler.length_ratios = LengthRatios(min_samples=2, num_quantiles=2)
+    for rid, true in (("long", 20), ("short", 5), ("gone", 30)):
+        engine.expect(rid, true)
+        engine.add_request(
+            rid, [17] * 8, SamplingParams(max_tokens=100), predicted_output_tokens=10
+        )
+    for step in range(40):
+        engine.step()
+        if step == 10:
+            engine.abort_request("gone")
+    assert not engine.has_unfinished()
+    assert engine.snapshot().output_length_ratios == [0.5, 2.0]
