@@ -159,4 +159,5 @@ def test_an_engine_records_finished_requests_but_not_aborted_ones() -> None:
         if step == 10:
             engine.abort_request("gone")
     assert not engine.has_unfinished()
+    assert len(engine.scheduler.length_ratios) == 2  # "gone" is not among them
     assert engine.snapshot().output_length_ratios == [0.5, 2.0]
