@@ -14,6 +14,7 @@ records.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 
 
 class LengthRatios:
@@ -29,6 +30,10 @@ class LengthRatios:
 
     def __len__(self) -> int:
         return len(self._ratios)
+
+    def __iter__(self) -> Iterator[float]:
+        """The window's ratios, oldest first."""
+        return iter(self._ratios)
 
     def record(self, predicted: int | None, actual: int, max_tokens: int) -> None:
         """One finished request. The prediction is clamped to max_tokens first (the
