@@ -2,9 +2,9 @@
 
 An engine records actual / predicted output length for every request that finished
 normally (not aborted) and had a prediction; its snapshots carry the ratio's
-quantiles, so the estimator's replay can end each running request at its expected
-length *given that it is still running* (`OutputPolicy` in
-`services/estimator/sfs/replay.py`) instead of at the bare prediction, which biases
+quantiles, so the estimator's replay can end each running request at one of the
+ends still ahead of it, drawn by its id (`OutputPolicy` in
+`services/estimator/sfs/replay.py`), instead of at the bare prediction, which biases
 every queued TTFT estimate low (docs/sfs.md, "Bias from length predictions").
 
 Pure and cheap: a bounded window of floats, quantiles recomputed only after new

@@ -223,7 +223,7 @@ def kernel_state(
     wanted = [(1 if t < 1 else t) for t in wanted]
     wanted = [(m if t > m else t) for t, m in zip(wanted, caps, strict=True)]
     targets = [(o + extra if t < o + extra else t) for t, o in zip(wanted, outs, strict=True)]
-    if policy.length_ratios:  # expected end given the request still runs (OutputPolicy)
+    if policy.length_ratios:  # an end drawn per request from the ratios (OutputPolicy)
         rows = [i for i, c in enumerate(order) if c.predicted_output_tokens is not None]
         if rows:
             ends = policy.ratio_targets(
