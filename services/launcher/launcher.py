@@ -1,8 +1,8 @@
 """Start a whole deployment on this machine and stop it cleanly.
 
-1. infrastructure: NATS (JetStream) and Redis, started from local binaries
-   only when nothing answers at the cluster file's URLs
-   (refusing a namespace whose workers are live: two deployments would share them)
+1. infrastructure: Redis, then NATS (JetStream), each started from local binaries
+   only when nothing answers at the cluster file's URLs; between the two, refuse a
+   namespace whose workers are live on that Redis (two deployments would share them)
 2. services: estimator, relay and batcher (when a preset routes per token), one
    worker per instance replica, gateway, each
    `python -m services.<name>` in its own process group, logging JSON lines
@@ -93,8 +93,9 @@ class Launcher:
         signal.signal(signal.SIGTERM, lambda *_: self._raise_stop())
         try:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._start_infrastructure()
-            self._check_namespace_free()
+            self._start_redis()
+            self._check_namespace_free()  # before NATS: a refusal starts nothing
+            self._start_nats()
             self._start_services()
             if not self._wait_ready():
                 return 1
@@ -114,7 +115,7 @@ class Launcher:
 
     # 1. infrastructure ------------------------------------------------------
 
-    def _start_infrastructure(self) -> None:
+    def _start_nats(self) -> None:
         host, port = host_port(self.cluster.nats_url, 4222)
         if is_reachable(host, port):
             self.say(f"using the NATS server at {self.cluster.nats_url}")
@@ -124,6 +125,8 @@ class Launcher:
             self.servers.append(server)
             self.nats_url = server.url
             self.say(f"started nats-server (JetStream) at {server.url}")
+
+    def _start_redis(self) -> None:
         host, port = host_port(self.cluster.redis_url, 6379)
         if is_reachable(host, port):
             self.say(f"using the Redis server at {self.cluster.redis_url}")

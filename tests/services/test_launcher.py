@@ -159,6 +159,7 @@ def test_launcher_refuses_a_namespace_with_live_workers(
     assert "other-0" in run.stdout and "BATON_NAMESPACE" in run.stdout, run.stdout
     assert "waiting" in run.stdout  # it gave a stopped deployment's registrations time
     assert not (tmp_path / "logs" / "gateway.log").exists()  # no service was started
+    assert "nats-server" not in run.stdout  # nor NATS: the check comes first
     with httpx.Client() as client:  # nothing serves on the port
         try:
             client.get(f"http://127.0.0.1:{port}/health", timeout=1)
