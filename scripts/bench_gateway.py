@@ -414,7 +414,7 @@ def run_stack(args: argparse.Namespace, work: Path) -> tuple[list, str, str]:  #
     text = text.replace(
         "[estimator]", '[presets.bench-model]\nmodels = ["' + args.model + '"]\n[estimator]'
     )
-    if args.worker:  # [worker] settings under test, e.g. pipeline_steps=false
+    if args.worker:  # [worker] settings under test, e.g. max_inline_step_ms=0
         text += "\n[worker]\n" + "".join(f"{kv}\n" for kv in args.worker)
     cluster = work / "cluster.toml"
     cluster.write_text(text)
@@ -486,7 +486,7 @@ def main() -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a [worker] setting of the cluster file (TOML value), e.g. pipeline_steps=false",
+        help="a [worker] setting of the cluster file (TOML value), e.g. max_inline_step_ms=0",
     )
     args = parser.parse_args()
 

@@ -107,6 +107,9 @@ class Env:
     )
     LOG_LEVEL = EnvVar("BATON_LOG_LEVEL", "debug | info | warning | error")
     LOG_DIR = EnvVar("BATON_LOG_DIR", "launcher: where per-service logs go (default logs/)")
+    CACHE_DIR = EnvVar(
+        "BATON_CACHE_DIR", "derived artefacts: tokenizers, converted weights (default .cache/)"
+    )
 
     @classmethod
     def all(cls) -> list[EnvVar]:

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from shared.config import Env
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,7 +32,7 @@ RANDOM_TINY = "random-tiny"
 
 def cache_dir() -> Path:
     """Derived artefacts (tokenizer.json, converted weights). BATON_CACHE_DIR overrides."""
-    root = os.environ.get("BATON_CACHE_DIR") or str(REPO_ROOT / ".cache")
+    root = Env.CACHE_DIR.get() or str(REPO_ROOT / ".cache")
     path = Path(root) / "baton"
     path.mkdir(parents=True, exist_ok=True)
     return path

@@ -13,8 +13,10 @@ def main(argv: list[str] | None = None) -> int:
     env_help = "\n".join(f"  {v.name:<20} {v.help}" for v in Env.all())
     parser = argparse.ArgumentParser(
         prog="python -m services.launcher",
-        description="Start NATS and Redis (when none is reachable), then the estimator, one worker per "
-        "model instance and the gateway; serve the OpenAI API; stop everything on Ctrl-C.",
+        description="Start Redis and NATS (when none is reachable; a namespace with live workers "
+        "is refused), then the estimator, the relay and batcher (when a preset routes per token), "
+        "one worker per model instance and the gateway; serve the OpenAI API once every worker "
+        "is ready; stop everything on Ctrl-C.",
         epilog=f"environment variables:\n{env_help}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -30,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         "--ready-timeout",
         type=float,
         default=600.0,
-        help="seconds to wait for a worker (default 600)",
+        help="seconds to wait for every worker to load (default 600); then it serves what is ready",
     )
     args = parser.parse_args(argv)
     path = Path(args.cluster or Env.CLUSTER.get() or DEFAULT_CLUSTER_FILE)
