@@ -1373,10 +1373,9 @@ def main() -> None:
     if args.docs_img is not None:
         args.docs_img.mkdir(parents=True, exist_ok=True)
         for p in pngs:
-            if (
-                p.resolve() != (args.docs_img / p.name).resolve()
-            ):  # --docs-img may be --out's folder
-                shutil.copy(p, args.docs_img / p.name)
+            dest = args.docs_img / p.name
+            if p.resolve() != dest.resolve():  # --docs-img may be --out's folder
+                shutil.copy(p, dest)
     print()
     print("\n".join(summary))
     print(f"load: before [{result['load_before']}] after [{result['load_after']}]")

@@ -1,7 +1,7 @@
 """What the estimator knows of each live instance, kept current off the decision path.
 
     refresh loop (every snapshot_refresh_s):  snapshots of every live instance (one round
-        trip) -> a new version is decoded once, parsed once (SfsReplayer.prepare) and
+        trip) -> a new version is decoded once, parsed once (LatencyEstimator.prepare) and
         reconciled with the ledger
     fit loop (every fit_interval_s):  new batch samples -> OnlineBatchTimeFitter ->
         on a refit: log MAPE, publish BatchTimeCalibration (the worker copies it into

@@ -359,8 +359,11 @@ class SfsReplayer:
     def __init__(self, policy: OutputPolicy | None = None, *, max_steps: int = 200_000) -> None:
         self.policy = policy or OutputPolicy()
         self.max_steps = max_steps
-        # instance -> ((version, wall time), parsed state, [ids the snapshot shows])
-        self._cache: dict[str, tuple[tuple[int, float], KernelState, list[frozenset[str]]]] = {}
+        # instance -> ((version, wall time), parsed state, [ids the snapshot shows], the
+        # policy with the snapshot's length ratios)
+        self._cache: dict[
+            str, tuple[tuple[int, float], KernelState, list[frozenset[str]], OutputPolicy]
+        ] = {}
 
     def forget(self, instance_id: str) -> None:
         self._cache.pop(instance_id, None)
@@ -372,15 +375,14 @@ class SfsReplayer:
 
     def _base(
         self, instance_id: str, snapshot: WorkloadSnapshot
-    ) -> tuple[KernelState, list[frozenset[str]]]:
+    ) -> tuple[KernelState, list[frozenset[str]], OutputPolicy]:
         key = (snapshot.version, snapshot.wall_time_s)
         hit = self._cache.get(instance_id)
-        if hit is not None and hit[0] == key:
-            return hit[1], hit[2]
-        ids: list[frozenset[str]] = []
-        entry = (key, kernel_state(snapshot, self.policy), ids)
-        self._cache[instance_id] = entry
-        return entry[1], entry[2]
+        if hit is None or hit[0] != key:
+            policy = self.policy.for_snapshot(snapshot)
+            hit = (key, kernel_state(snapshot, policy), [], policy)
+            self._cache[instance_id] = hit
+        return hit[1], hit[2], hit[3]
 
     def estimate(
         self,
@@ -397,7 +399,7 @@ class SfsReplayer:
         model = model or BatchTimeModel.from_snapshot(snapshot)
         if model is None:
             raise ValueError(f"no batch-time model for {instance_id}")
-        base, ids = self._base(instance_id, snapshot)
+        base, ids, policy = self._base(instance_id, snapshot)
         pending = list(pending)
         if pending and not ids:
             ids.append(snapshot_ids(snapshot))  # once per snapshot, lazily
@@ -407,7 +409,7 @@ class SfsReplayer:
             entries,
             probe,
             model.raw,
-            self.policy.for_snapshot(snapshot),
+            policy,
             max_model_len=snapshot.max_model_len,
             want_e2e=want_e2e,
             max_steps=self.max_steps,
