@@ -76,6 +76,7 @@ from services.estimator.instances import (  # noqa: E402
 )
 from services.estimator.ledger import Ledger, LedgerEntry  # noqa: E402
 from services.estimator.policies import create_policy  # noqa: E402
+from services.estimator.sfs import kernel, native, replay  # noqa: E402
 from services.estimator.sfs.baselines import profile_throughput, throughput_ttft_s  # noqa: E402
 from services.estimator.sfs.batch_time import SFS_H100_QWEN3, BatchTimeModel  # noqa: E402
 from services.estimator.sfs.cluster_sim import (  # noqa: E402
@@ -901,132 +902,29 @@ async def _decision_async(
     store = store_cls(url, f"bench-sfs-{os.getpid()}")
     await store.connect()
     enc = msgspec.msgpack.Encoder()
-    dec = msgspec.msgpack.Decoder(WorkloadSnapshot)
     rng = random.Random(args.seed)
-    models = list(SFS_H100_QWEN3.items())
-    out: dict[str, Any] = {}
     try:
-        for regime in ("with_reads", "service_path", "service_path_cpu", "read_only"):
-            out[regime] = {"p50": {}, "p99": {}}
         pool = [
             enc.encode(live_snapshot(rng, v, rng.randint(20, 50)))
             for v in tqdm(range(32), desc="[4] building snapshots", unit="snap")
         ]
-        for n in args.decision_instances:
-            est = EstimatorConfig(snapshot_max_age_s=60.0)
-            cluster = ClusterConfig(
-                estimator=est,
-                models={
-                    name: ModelConfig(
-                        engine="sim",
-                        batch_time_features=m.feature_set,
-                        batch_time_coefs=list(m.coefs),
-                        quality={"default": 0.3 + 0.3 * k},
-                        price_input_per_mtok=0.05 * (k + 1),
-                        price_output_per_mtok=0.2 * (k + 1),
-                    )
-                    for k, (name, m) in enumerate(models)
-                },
-            )
-            states: list[InstanceState] = []
-            for j in range(n):
-                name = models[j % len(models)][0]
-                info = WorkerInfo(
-                    instance_id=f"i{j}",
-                    model=name,
-                    inbox="x",
-                    max_model_len=8192,
-                    max_num_seqs=64,
-                    started_at_s=0.0,
-                    heartbeat_at_s=0.0,
-                )
-                states.append(create_instance_state(info, cluster.models[name], est))
-            latency = LatencyEstimator(est)
-            ledger = Ledger(60.0)
-            policy = create_policy("sfs-constraint", 200.0, 0.0)
-            ids = [s.instance_id for s in states]
-            gc.collect()
-            gc.freeze()  # long-lived snapshots and states: keep full collections out of timing
-            in_flight: deque[str] = deque()
-            service_cpu: list[float] = []
-            with_reads: list[float] = []
-            service: list[float] = []
-            reads: list[float] = []
-            version = 0
-            for d in tqdm(range(args.decisions), desc=f"[4] {n} instances", unit="decision"):
-                # untimed: every worker writes a new snapshot version (worst case: all new)
-                for j, iid in enumerate(ids):
-                    version += 1
-                    await store.write_snapshot(iid, version, pool[(d + j) % len(pool)], ttl_s=60.0)
-                request = RouteRequest(
-                    request_id=f"r{d}",
-                    model="auto",
-                    num_prompt_tokens=rng.randint(20, 3000),
-                    max_tokens=1024,
-                    task=None,
-                    predicted_output_tokens=rng.randint(50, 500),
-                )
-                probe = Probe(request.num_prompt_tokens, request.predicted_output_tokens or 1, 1024)
-                # timed A: read + decode + parse + reconcile + replay + choose
-                t0 = time.perf_counter()
-                blobs = await store.read_snapshots(ids)
-                t_read = time.perf_counter()
-                for state in states:
-                    blob = blobs[state.instance_id]
-                    assert blob is not None
-                    snap = dec.decode(blob.data)
-                    state.snapshot, state.snapshot_key = snap, (blob.version, blob.wall_time_s)
-                    state.snapshot_wall_time_s = blob.wall_time_s
-                    state.visible = {
-                        c.request_id for g in (snap.running, snap.waiting, snap.pending) for c in g
-                    }
-                    ledger.reconcile(state.instance_id, state.visible)
-                    latency.prepare(state)
-                t_parsed, c_parsed = time.perf_counter(), time.thread_time()
-                views = build_views(
-                    cluster,
-                    policy,
-                    latency,
-                    ledger,
-                    states,
-                    request,
-                    probe,
-                    time.time(),
-                    time.monotonic(),
-                )
-                chosen = policy.choose(request, views)
-                t1 = time.perf_counter()
-                service_cpu.append((time.thread_time() - c_parsed) * 1e6)
-                ledger.add(
-                    LedgerEntry(
-                        request.request_id,
-                        chosen.instance_id,
-                        request.num_prompt_tokens,
-                        1024,
-                        time.monotonic(),
-                        request.predicted_output_tokens,
-                    )
-                )
-                # The service's ledger holds dispatches until a snapshot shows them (one
-                # refresh, ~20 ms): keep the last `ledger_depth` in flight, as a steady
-                # state at a few hundred decisions per second would.
-                in_flight.append(request.request_id)
-                if len(in_flight) > args.ledger_depth:
-                    ledger.remove(in_flight.popleft())
-                with_reads.append((t1 - t0) * 1e6)
-                reads.append((t_read - t0) * 1e6)
-                service.append((t1 - t_parsed) * 1e6)
-            for regime, xs in (
-                ("with_reads", with_reads),
-                ("service_path", service),
-                ("service_path_cpu", service_cpu),
-                ("read_only", reads),
-            ):
-                out[regime]["p50"][str(n)] = pct(xs, 50)
-                out[regime]["p99"][str(n)] = pct(xs, 99)
+        # The kernel that runs (its mypyc build where one exists), then the plain
+        # module side by side, swapped in where the replay instantiates it.
+        impls = [("native", native.IMPL.KernelState)] if native.NATIVE else []
+        impls.append(("plain", kernel.KernelState))
+        runs: dict[str, dict[str, Any]] = {}
+        try:
+            for name, impl in impls:
+                replay.KernelStateImpl = impl
+                runs[name] = await _decision_runs(args, store, pool, random.Random(args.seed), name)
+        finally:
+            replay.KernelStateImpl = native.IMPL.KernelState
     finally:
         await store.close()
+    out = runs[impls[0][0]]
+    plain = runs["plain"]
     return {
+        "sfs_kernel": native.IMPL_NOTE,
         "decision_us_p50": out["with_reads"]["p50"],
         "decision_us_p99": out["with_reads"]["p99"],
         "service_path_us_p50": out["service_path"]["p50"],
@@ -1035,14 +933,141 @@ async def _decision_async(
         "service_path_cpu_us_p99": out["service_path_cpu"]["p99"],
         "redis_read_us_p50": out["read_only"]["p50"],
         "redis_read_us_p99": out["read_only"]["p99"],
+        "plain_kernel_decision_us_p50": plain["with_reads"]["p50"],
+        "plain_kernel_service_path_us_p50": plain["service_path"]["p50"],
         "target_p50_us_13": TARGET_DECISION_P50_US_13,
         "note": "with_reads: one pipelined Redis read of every instance's snapshot (all new "
         "versions), msgpack decode, parse, ledger reconcile, SFS replay per instance and "
         "sfs-constraint choice; service_path: the replay and choice alone (the estimator "
         "reads and parses snapshots in its background refresh loop); snapshots of 20-50 "
         "running requests from a live scheduler (bench_sfs_decision.live_snapshot); the ledger "
-        f"holds the last {args.ledger_depth} dispatches",
+        f"holds the last {args.ledger_depth} dispatches; plain_kernel_*: the same with the "
+        "replay kernel as plain Python (the headline figures use the kernel named in sfs_kernel)",
     }
+
+
+async def _decision_runs(
+    args: argparse.Namespace, store: Any, pool: list[bytes], rng: random.Random, label: str
+) -> dict[str, Any]:
+    """Timed decisions for each instance count with the kernel currently installed."""
+    dec = msgspec.msgpack.Decoder(WorkloadSnapshot)
+    models = list(SFS_H100_QWEN3.items())
+    out: dict[str, Any] = {}
+    for regime in ("with_reads", "service_path", "service_path_cpu", "read_only"):
+        out[regime] = {"p50": {}, "p99": {}}
+    for n in args.decision_instances:
+        est = EstimatorConfig(snapshot_max_age_s=60.0)
+        cluster = ClusterConfig(
+            estimator=est,
+            models={
+                name: ModelConfig(
+                    engine="sim",
+                    batch_time_features=m.feature_set,
+                    batch_time_coefs=list(m.coefs),
+                    quality={"default": 0.3 + 0.3 * k},
+                    price_input_per_mtok=0.05 * (k + 1),
+                    price_output_per_mtok=0.2 * (k + 1),
+                )
+                for k, (name, m) in enumerate(models)
+            },
+        )
+        states: list[InstanceState] = []
+        for j in range(n):
+            name = models[j % len(models)][0]
+            info = WorkerInfo(
+                instance_id=f"i{j}",
+                model=name,
+                inbox="x",
+                max_model_len=8192,
+                max_num_seqs=64,
+                started_at_s=0.0,
+                heartbeat_at_s=0.0,
+            )
+            states.append(create_instance_state(info, cluster.models[name], est))
+        latency = LatencyEstimator(est)
+        ledger = Ledger(60.0)
+        policy = create_policy("sfs-constraint", 200.0, 0.0)
+        ids = [s.instance_id for s in states]
+        gc.collect()
+        gc.freeze()  # long-lived snapshots and states: keep full collections out of timing
+        in_flight: deque[str] = deque()
+        service_cpu: list[float] = []
+        with_reads: list[float] = []
+        service: list[float] = []
+        reads: list[float] = []
+        version = 0
+        for d in tqdm(range(args.decisions), desc=f"[4] {label}, {n} instances", unit="decision"):
+            # untimed: every worker writes a new snapshot version (worst case: all new)
+            for j, iid in enumerate(ids):
+                version += 1
+                await store.write_snapshot(iid, version, pool[(d + j) % len(pool)], ttl_s=60.0)
+            request = RouteRequest(
+                request_id=f"r{d}",
+                model="auto",
+                num_prompt_tokens=rng.randint(20, 3000),
+                max_tokens=1024,
+                task=None,
+                predicted_output_tokens=rng.randint(50, 500),
+            )
+            probe = Probe(request.num_prompt_tokens, request.predicted_output_tokens or 1, 1024)
+            # timed A: read + decode + parse + reconcile + replay + choose
+            t0 = time.perf_counter()
+            blobs = await store.read_snapshots(ids)
+            t_read = time.perf_counter()
+            for state in states:
+                blob = blobs[state.instance_id]
+                assert blob is not None
+                snap = dec.decode(blob.data)
+                state.snapshot, state.snapshot_key = snap, (blob.version, blob.wall_time_s)
+                state.snapshot_wall_time_s = blob.wall_time_s
+                state.visible = {
+                    c.request_id for g in (snap.running, snap.waiting, snap.pending) for c in g
+                }
+                ledger.reconcile(state.instance_id, state.visible)
+                latency.prepare(state)
+            t_parsed, c_parsed = time.perf_counter(), time.thread_time()
+            views = build_views(
+                cluster,
+                policy,
+                latency,
+                ledger,
+                states,
+                request,
+                probe,
+                time.time(),
+                time.monotonic(),
+            )
+            chosen = policy.choose(request, views)
+            t1 = time.perf_counter()
+            service_cpu.append((time.thread_time() - c_parsed) * 1e6)
+            ledger.add(
+                LedgerEntry(
+                    request.request_id,
+                    chosen.instance_id,
+                    request.num_prompt_tokens,
+                    1024,
+                    time.monotonic(),
+                    request.predicted_output_tokens,
+                )
+            )
+            # The service's ledger holds dispatches until a snapshot shows them (one
+            # refresh, ~20 ms): keep the last `ledger_depth` in flight, as a steady
+            # state at a few hundred decisions per second would.
+            in_flight.append(request.request_id)
+            if len(in_flight) > args.ledger_depth:
+                ledger.remove(in_flight.popleft())
+            with_reads.append((t1 - t0) * 1e6)
+            reads.append((t_read - t0) * 1e6)
+            service.append((t1 - t_parsed) * 1e6)
+        for regime, xs in (
+            ("with_reads", with_reads),
+            ("service_path", service),
+            ("service_path_cpu", service_cpu),
+            ("read_only", reads),
+        ):
+            out[regime]["p50"][str(n)] = pct(xs, 50)
+            out[regime]["p99"][str(n)] = pct(xs, 99)
+    return out
 
 
 # =============================================================================
@@ -1366,6 +1391,13 @@ def main() -> None:
                 for n in res4["service_path_us_p50"]
             )
             + f"; target p50 <= {TARGET_DECISION_P50_US_13:.0f} us at 13; paper C++ ~{PAPER_DECISION_US:.0f} us"
+            + f"\n   kernel: {res4['sfs_kernel']}; the plain-Python kernel side by side: "
+            + ", ".join(
+                f"{n} inst {res4['plain_kernel_decision_us_p50'][n]:.0f} with reads, "
+                f"{res4['plain_kernel_service_path_us_p50'][n]:.0f} path "
+                f"({res4['plain_kernel_service_path_us_p50'][n] / res4['service_path_us_p50'][n]:.2f}x)"
+                for n in res4["service_path_us_p50"]
+            )
         )
 
     result["load_after"] = load_average()

@@ -108,7 +108,11 @@ class Env:
     LOG_LEVEL = EnvVar("BATON_LOG_LEVEL", "debug | info | warning | error")
     LOG_DIR = EnvVar("BATON_LOG_DIR", "launcher: where per-service logs go (default logs/)")
     CACHE_DIR = EnvVar(
-        "BATON_CACHE_DIR", "derived artefacts: tokenizers, converted weights (default .cache/)"
+        "BATON_CACHE_DIR",
+        "derived artefacts: tokenizers, converted weights, native builds (default .cache/)",
+    )
+    NATIVE = EnvVar(
+        "BATON_NATIVE", "0: run the SFS replay kernel as plain Python, not its mypyc build"
     )
 
     @classmethod

@@ -38,6 +38,7 @@ from services.estimator.instances import InstanceState, LatencyEstimator, create
 from services.estimator.ledger import LedgerEntry, SharedLedger, encode_entries
 from services.estimator.policies import InstanceView, Policy, Scores, create_policy
 from services.estimator.predictors import Prediction, Predictors
+from services.estimator.sfs import native
 from services.estimator.sfs.replay import Probe
 from shared import subjects
 from shared.bus import Bus
@@ -137,6 +138,7 @@ class EstimatorService:
             policy=self._default_policy.name,
             live_workers=len(self.workers),
             predictors=self.predictors is not None,
+            sfs_kernel=native.IMPL_NOTE,
         )
 
     async def run(self) -> None:

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from services.estimator.sfs import kernel, native, replay
 from services.estimator.sfs.batch_time import FOUR_TERM, SEVEN_TERM, SIX_TERM, BatchTimeModel
 from services.estimator.sfs.replay import (
     PROBE_ID,
@@ -27,8 +28,21 @@ from tests.estimator_sfs.builders import MODEL, as_pairs, make_scheduler, random
 RUN_TO_MAX = OutputPolicy(default_output_tokens=10**6)  # no prediction: run to max_tokens
 
 
+@pytest.fixture(params=["plain", "native"])
+def kernel_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test on the plain kernel module and on its mypyc build (which
+    `./baton install` compiles; skipped where none exists for this kernel.py)."""
+    if request.param == "native":
+        if not native.NATIVE:
+            pytest.skip(native.IMPL_NOTE)
+        monkeypatch.setattr(replay, "KernelStateImpl", native.IMPL.KernelState)
+    else:
+        monkeypatch.setattr(replay, "KernelStateImpl", kernel.KernelState)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("seed", range(40))
-def test_replay_equals_live_scheduler(seed: int) -> None:
+def test_replay_equals_live_scheduler(seed: int, kernel_impl: str) -> None:
     """Snapshot a live scheduler, then let the live one go on with the same ledger
     arrivals and the probe: the replay's batches are the live batches, in order."""
     rng = random.Random(seed)
@@ -80,7 +94,9 @@ MODEL_PER_SET = {
 
 
 @pytest.mark.parametrize("feature_set", [SIX_TERM, FOUR_TERM, SEVEN_TERM])
-def test_fast_kernel_equals_scheduler_on_random_workloads(feature_set: str) -> None:
+def test_fast_kernel_equals_scheduler_on_random_workloads(
+    feature_set: str, kernel_impl: str
+) -> None:
     """The flat-counter kernel (decode group, bulk skips) against the real Scheduler:
     same batches, same TTFT and E2E, same step counts, preemptions and requests parked
     for a peer (never scheduled, KV held) included."""

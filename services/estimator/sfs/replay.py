@@ -18,7 +18,7 @@ Two implementations of the same replay:
 * `estimate` / `SfsReplayer` run `kernel.KernelState`, the same policy on flat
   counters with a lazy decode group and bulk skips: on a 64-request snapshot ~80x
   cheaper to the first token and ~300x to the last; checked against `replay_exact`
-  batch for batch in tests.
+  batch for batch in tests. Its mypyc build runs when one exists (`native`).
 
 Request lengths in the replay (`OutputPolicy`): a request finishes when its output
 reaches min(predicted_output_tokens, max_tokens); requests without a prediction use
@@ -41,6 +41,7 @@ import numpy as np
 
 from services.estimator.sfs.batch_time import BatchTimeModel
 from services.estimator.sfs.kernel import KernelState, RunResult
+from services.estimator.sfs.native import KernelStateImpl
 from shared.scheduling.snapshot import WorkloadSnapshot, restore_scheduler
 
 PROBE_ID = "__sfs_probe__"
@@ -195,7 +196,7 @@ def kernel_state(
     # Pending requests hold KV and count against the running cap; the replay never
     # resumes them, so the cap left to running requests is fixed.
     cap = max(0, snapshot.max_num_seqs - len(snapshot.pending))
-    st = KernelState(cap, snapshot.max_num_batched_tokens, bs, 0)
+    st = KernelStateImpl(cap, snapshot.max_num_batched_tokens, bs, 0)
     dflt, extra = policy.default_output_tokens, policy.min_remaining_tokens
     order = (*snapshot.running, *snapshot.pending, *snapshot.waiting)
     num_held = len(snapshot.running) + len(snapshot.pending)
