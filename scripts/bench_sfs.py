@@ -352,7 +352,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     ecfg = EngineConfig(
         model=args.model,
-        dtype="bfloat16",
+        dtype="auto",  # as workers run it: bf16 where the CPU computes it natively
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks,  # of the engine's default block size, as workers run
@@ -361,7 +361,10 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.max_input + args.max_output > ecfg.max_model_len:
         raise SystemExit("--max-input + --max-output must fit --max-model-len")
-    print(f"[1] loading {args.model} (bf16, 1 thread, its own process) ...", flush=True)
+    print(
+        f"[1] loading {args.model} ({ecfg.resolved_dtype}, 1 thread, its own process) ...",
+        flush=True,
+    )
     corpus = alpaca_token_ids(args.model)
     rng = random.Random(args.seed)
 
@@ -618,6 +621,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
             "note": "engine stepped in its own process, snapshot sent over a pipe after "
             "every step (no NATS hop, no Redis read)",
             "engine": {
+                "dtype": ecfg.resolved_dtype,
                 "max_num_seqs": ecfg.max_num_seqs,
                 "max_num_batched_tokens": ecfg.max_num_batched_tokens,
                 "num_kv_blocks": ecfg.num_kv_blocks,

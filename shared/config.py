@@ -96,7 +96,7 @@ class Env:
     REDIS_URL = EnvVar("BATON_REDIS_URL", "Redis URL")
     HOST = EnvVar("BATON_HOST", "gateway bind address")
     PORT = EnvVar("BATON_PORT", "gateway HTTP port")
-    DTYPE = EnvVar("BATON_DTYPE", "engine dtype for every model: float32 | bfloat16")
+    DTYPE = EnvVar("BATON_DTYPE", "engine dtype for every model: auto | float32 | bfloat16")
     DEVICE = EnvVar("BATON_DEVICE", "engine device for every model: cpu | cuda")
     THREADS = EnvVar("BATON_THREADS", "torch threads per worker process")
     INSTANCE_ID = EnvVar("BATON_INSTANCE_ID", "worker instance id (default: model-host-pid)")
@@ -206,7 +206,9 @@ class BatcherConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 class ModelConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     engine: EngineKind = "torch"  # torch: real forward | sim: scheduler + batch-time model
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    # auto: bf16 where the device computes it natively (AVX-512 BF16, AMX, CUDA),
+    # else fp32; services/worker/engine/config.py resolve_dtype
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     device: str = "cpu"  # torch device
     tokenizer: str | None = None  # tokenizer name; default: the model's own
     price_input_per_mtok: float = 0.0  # cost units per million prompt tokens

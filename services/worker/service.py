@@ -115,7 +115,13 @@ class WorkerService:
     async def _start(self) -> None:
         t0 = time.perf_counter()
         self._engine = await asyncio.to_thread(self._engine_factory, self.cfg)
-        log.info("engine_loaded", model=self.cfg.model, seconds=round(time.perf_counter() - t0, 2))
+        engine_config = getattr(self._engine, "config", None)  # the sim engine has none
+        log.info(
+            "engine_loaded",
+            model=self.cfg.model,
+            dtype=getattr(engine_config, "resolved_dtype", None),
+            seconds=round(time.perf_counter() - t0, 2),
+        )
         await self._bus.connect()
         await self._store.connect()
         await self._bus.subscribe(self.inbox_subject, WORKER_INBOUND_DECODER, self._on_inbound)

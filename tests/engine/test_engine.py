@@ -262,3 +262,23 @@ def test_finished_requests_record_their_length_ratio_aborted_ones_do_not(
     drain(engine)
     assert len(ratios) == before + 1
     assert list(ratios)[-1] == 2.0
+
+
+def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it() -> None:
+    """`auto` resolves per device: bf16 with AVX-512 BF16 or AMX, fp32 elsewhere on
+    CPU (this CPU's flags decide which branch runs); explicit names pass through;
+    BATON_DTYPE=auto is accepted; a bad name is a clear error."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    native = bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+    cfg = EngineConfig(model="random-tiny")
+    assert cfg.dtype == "auto"
+    assert cfg.resolved_dtype == ("bfloat16" if native else "float32")
+    assert cfg.torch_dtype == (torch.bfloat16 if native else torch.float32)
+    assert EngineConfig(dtype="float32").with_env({"BATON_DTYPE": "auto"}).dtype == "auto"
+    assert EngineConfig(dtype="bfloat16").resolved_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="auto"):
+        EngineConfig(dtype="fp8")
+    engine = LLMEngine.create(
+        EngineConfig(model="random-tiny", num_kv_blocks=16, max_model_len=256)
+    )
+    assert next(engine.model.parameters()).dtype == cfg.torch_dtype
