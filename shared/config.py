@@ -268,6 +268,13 @@ class RelayConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     # A peer that holds the pen this long without answering is given up on: the
     # origin gets the request back and finishes it alone.
     peer_timeout_s: float = 10.0
+    # Safety nets on the workers for a relay that is itself gone (it answers nothing):
+    # an origin whose request has been away this long takes it back and finishes
+    # alone (keep it above peer_timeout_s, which normally decides first) ...
+    origin_wait_s: float = 30.0
+    # ... and a peer's copy that no visit has touched this long is dropped (a later
+    # visit fails back to the origin, which then finishes alone).
+    guest_idle_s: float = 300.0
     registry_refresh_s: float = 0.5  # how often the relay re-reads live workers and loads
     stats_interval_s: float = 1.0  # workers send RoutingStats to the batcher this often
 
@@ -353,6 +360,14 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
             raise ConfigError(
                 "[batcher] hold_timeout_ms, publish_interval_s, half_life_s must be > 0"
             )
+        r = self.relay
+        if r.peer_timeout_s <= 0 or r.origin_wait_s <= r.peer_timeout_s:
+            raise ConfigError(
+                "[relay] peer_timeout_s must be > 0 and origin_wait_s above it "
+                f"(got {r.peer_timeout_s} and {r.origin_wait_s})"
+            )
+        if r.guest_idle_s <= 0:
+            raise ConfigError(f"[relay] guest_idle_s must be > 0, got {r.guest_idle_s}")
         if not 0 < self.gateway.port < 65536:
             raise ConfigError(f"gateway port out of range: {self.gateway.port}")
 

@@ -57,6 +57,7 @@ from shared.scheduling.snapshot import BatchSample
 from shared.store import Store
 
 log = get_logger(component="worker")
+EXPIRY_CHECK_S = 0.5  # how often parked token-routing requests are checked for silence
 
 EngineFactory = Callable[[WorkerServiceConfig], Any]
 
@@ -82,6 +83,7 @@ class WorkerService:
         # Prompt tokens admitted since the last step: the size of an inline step's prefill.
         self._num_new_prompt_tokens = 0
         self._last_step_s = float("inf")  # wall time of the last step
+        self._next_expiry_s = 0.0  # monotonic time of the next expire_parked check
         self._started_at_s = time.time()
         self._is_draining = False
         self._record_task: asyncio.Task[None] | None = None  # the snapshot writer, if running
@@ -205,6 +207,13 @@ class WorkerService:
                     # step runs in the thread.
                     is_after_idle, has_peer_work = False, True
                 self._link.apply(engine, outbox)
+                if self.routing is not None and time.monotonic() >= self._next_expiry_s:
+                    # the relay's own timeouts failing (a dead relay): see expire_parked
+                    self._next_expiry_s = time.monotonic() + EXPIRY_CHECK_S
+                    relay = self.cfg.relay
+                    self.routing.expire_parked(
+                        time.monotonic(), relay.origin_wait_s, relay.guest_idle_s, engine, outbox
+                    )
                 await self._link.publish(outbox)
             if not engine.has_unfinished():
                 if drain_deadline is not None:

@@ -198,6 +198,66 @@ def test_failed_hand_back_lets_the_origin_finish_alone() -> None:
     assert engine.scheduler.blocks.num_free_blocks == BLOCKS
 
 
+def test_a_silent_relay_never_strands_a_request_or_a_copy() -> None:
+    """The relay itself is gone: nothing answers a hand-off. The origin takes the
+    request back after origin_wait_s and finishes alone; the peer's late answer is
+    dropped, not spliced in; the peer's idle copy is dropped after guest_idle_s;
+    both engines end with every KV block free."""
+    pair = Pair("baton")
+    pair.submit("a", [3, 4, 5])
+    small, small_engine = pair.books["w-small"], pair.engines["w-small"]
+    large, large_engine = pair.books["w-large"], pair.engines["w-large"]
+    for _ in range(10):
+        outbox = Outbox()
+        for out in small.on_outputs(small_engine.step(), outbox):
+            pair.client["a"].extend(out.new_token_ids)
+        small.on_handoffs(small_engine.pop_handoffs(), small_engine, outbox)
+        if outbox.peer:
+            break
+    (sent,) = outbox.peer
+    assert isinstance(sent, PeerReq)
+    t_parked = small.requests["a"].parked_at_s
+    # Not yet: within origin_wait_s nothing happens.
+    outbox = Outbox()
+    small.expire_parked(t_parked + 29.0, 30.0, 300.0, small_engine, outbox)
+    assert small.requests["a"].parked and not outbox.peer
+    # The hand-off did reach the peer (the relay died after that): it writes and
+    # hands back into the void.
+    large.on_peer(sent, large_engine, Outbox())
+    back = Outbox()
+    while not back.peer:
+        large.on_outputs(large_engine.step(), back)
+        large.on_handoffs(large_engine.pop_handoffs(), large_engine, back)
+    (answer,) = back.peer
+    assert isinstance(answer, PeerReq) and answer.to_model == 0
+    # Past origin_wait_s: the origin resumes alone and releases the peers.
+    outbox = Outbox()
+    small.expire_parked(t_parked + 31.0, 30.0, 300.0, small_engine, outbox)
+    assert [type(m) for m in outbox.peer] == [PeerRelease]
+    assert small.num_peer_failures == 1 and not small.requests["a"].parked
+    late_delivered = False
+    while small_engine.has_unfinished():
+        outbox = Outbox()
+        for out in small.on_outputs(small_engine.step(), outbox):
+            pair.client["a"].extend(out.new_token_ids)
+        if len(pair.client["a"]) >= 12 and not late_delivered:  # the late answer, mid-way
+            small.on_peer(answer, small_engine, Outbox())
+            late_delivered = True
+        small.on_handoffs(small_engine.pop_handoffs(), small_engine, outbox)
+        assert not any(isinstance(m, PeerReq) for m in outbox.peer)
+    assert late_delivered and len(pair.client["a"]) == NEW_TOKENS
+    assert small_engine.scheduler.blocks.num_free_blocks == BLOCKS
+    # The peer's copy (its release was lost with the relay) expires on its own.
+    t_guest = large.requests["a"].parked_at_s
+    large.expire_parked(t_guest + 299.0, 30.0, 300.0, large_engine, Outbox())
+    assert "a" in large.requests
+    large.expire_parked(t_guest + 301.0, 30.0, 300.0, large_engine, Outbox())
+    assert "a" not in large.requests
+    large_engine.step()  # the abort applies at the next iteration
+    assert large_engine.scheduler.blocks.num_free_blocks == BLOCKS
+    assert not large_engine.has_unfinished()
+
+
 def test_no_kv_leak_after_500_mixed_requests_with_aborts() -> None:
     """500 requests of mixed lengths through both engines, a fifth aborted by the
     client at a random moment (some while the large model holds the pen): at the end

@@ -64,6 +64,7 @@ class Tracked:
     seq_no: int = 0  # highest PeerReq seq_no sent or received
     echo: int = 0  # tokens resumed into the engine that its next outputs will repeat
     parked: bool = False  # the pen is elsewhere
+    parked_at_s: float = 0.0  # monotonic time the pen last left (meaningful while parked)
     ready_since_s: float = 0.0  # monotonic time the request last became ready here
     routing_off: bool = False  # a peer failed: finish alone, never hand off again
     num_active: int = 0  # N the origin last reported (guests) for the B* tables
@@ -287,6 +288,7 @@ class TokenRouting:
             tracked.seq = list(h.token_ids)
             tracked.echo = 0
             tracked.parked = True
+            tracked.parked_at_s = time.monotonic()
             tracked.state.run_length = 0
             self.num_handoffs += 1
             if self.presets[tracked.preset].mode == "std_serving":
@@ -349,6 +351,11 @@ class TokenRouting:
                 log.debug("late_peer_answer", request_id=msg.request_id)
                 return
             self._start_guest(msg, engine)
+            return
+        if tracked.is_origin and tracked.routing_off and not tracked.parked:
+            # The origin gave up on its peers (a failed hand-back, or no answer within
+            # origin_wait_s) and writes alone: a late answer must not splice in.
+            log.info("late_peer_answer_dropped", request_id=msg.request_id)
             return
         if msg.seq_no <= tracked.seq_no:
             raise PeerError(f"stale PeerReq seq_no {msg.seq_no} <= {tracked.seq_no}")
@@ -432,6 +439,39 @@ class TokenRouting:
             tracked.parked = False
             tracked.ready_since_s = time.monotonic()
             engine.resume_request(msg.request_id, [])
+
+    def expire_parked(
+        self, now_s: float, origin_wait_s: float, guest_idle_s: float, engine: Any, outbox: Outbox
+    ) -> None:
+        """Safety net for when the relay itself is gone (it bounds every peer's answer
+        with its own peer timeout, but a dead relay answers nothing).
+
+        An origin whose request has been away `origin_wait_s` takes it back and
+        finishes alone, as after a failed hand-back, and releases the peers' copies
+        (if a relay carries it). A guest copy no visit has touched for `guest_idle_s`
+        is dropped: its KV is freed, and a later visit for it fails back to the
+        origin (unknown request with an anchor > 0), which then finishes alone.
+        """
+        for rid, tracked in list(self.requests.items()):
+            if not tracked.parked:
+                continue
+            waited = now_s - tracked.parked_at_s
+            if tracked.is_origin and waited > origin_wait_s:
+                log.warning("peer_silent", request_id=rid, waited_s=round(waited, 1))
+                self.num_peer_failures += 1
+                tracked.routing_off = True
+                tracked.parked = False
+                tracked.ready_since_s = now_s
+                engine.resume_request(rid, [])
+                outbox.peer.append(
+                    PeerRelease(
+                        request_id=rid, preset=tracked.preset, origin_instance=self.instance_id
+                    )
+                )
+            elif not tracked.is_origin and waited > guest_idle_s:
+                log.info("guest_copy_expired", request_id=rid, idle_s=round(waited, 1))
+                engine.abort_request(rid)
+                del self.requests[rid]
 
     def on_release(self, msg: PeerRelease, engine: Any) -> None:
         """The origin ended the request: free this worker's copy."""

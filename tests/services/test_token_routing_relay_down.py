@@ -1,0 +1,70 @@
+"""Token-level routing when the relay itself dies mid-answer: nothing answers the
+hand-offs, so the workers' own safety nets must finish every request (the origin
+after `[relay] origin_wait_s`) and free every KV block (the peers' copies after
+`guest_idle_s`). Real NATS and Redis, gateway, estimator, two workers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import httpx
+import pytest
+
+from services.relay.service import RelayService
+from services.worker.routing.policies import TOKEN_POLICIES
+from shared.config import parse_cluster
+from tests.routing.test_runtime import EveryThird
+from tests.services.conftest import start_stack, tiny_cluster_text
+from tests.services.test_token_routing_e2e import PAIR, blocks_in_use
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SAFETY_NETS = """
+peer_timeout_s = 1.0
+origin_wait_s = 1.5
+guest_idle_s = 2.0
+"""
+
+
+async def test_dead_relay_never_strands_a_request_or_its_kv(nats_url: str, redis_url: str) -> None:
+    TOKEN_POLICIES["every-third"] = EveryThird
+    text = tiny_cluster_text(nats_url, redis_url).replace("replicas = 2", "replicas = 1")
+    cluster = parse_cluster(text + PAIR.replace("peer_timeout_s = 2.0\n", SAFETY_NETS))
+    relay = RelayService(cluster)
+    relay_task = asyncio.create_task(relay.run())
+    stack = await start_stack(cluster, 2, ["random-tiny", "random-tiny-big"])
+    try:
+
+        async def post(i: int, client: httpx.AsyncClient) -> httpx.Response:
+            body = {
+                "model": "pair",
+                "prompt": f"relay down {i}",
+                "max_tokens": 120,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            return await client.post("/v1/completions", json=body)
+
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+            pending = [asyncio.create_task(post(i, client)) for i in range(4)]
+            while relay.books.counters.forwarded < 4:  # hand-offs are under way
+                await asyncio.sleep(0.005)
+            relay_task.cancel()  # the relay dies: its books and timers with it
+            with contextlib.suppress(asyncio.CancelledError):
+                await relay_task
+            # bounded: without the safety nets these requests would wait forever
+            resps = await asyncio.wait_for(asyncio.gather(*pending), 30)
+        for resp in resps:
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["usage"]["completion_tokens"] == 120
+        failures = [w.routing.num_peer_failures for w in stack.workers if w.routing is not None]
+        assert sum(failures) > 0  # the origins took requests back
+        for _ in range(100):  # the large worker's copies expire after guest_idle_s
+            if blocks_in_use(stack) == [0, 0]:
+                break
+            await asyncio.sleep(0.1)
+        assert blocks_in_use(stack) == [0, 0]
+    finally:
+        await stack.stop()
+        del TOKEN_POLICIES["every-third"]
