@@ -27,7 +27,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from services.worker.engine.config import EngineConfig  # noqa: E402
+from services.worker.engine.config import EngineConfig, resolve_dtype  # noqa: E402
 from services.worker.engine.engine import LLMEngine  # noqa: E402
 from services.worker.engine.loader import build_model, load_gguf  # noqa: E402
 from shared.model_store import load_tokenizer, smollm2_gguf_path  # noqa: E402
@@ -152,7 +152,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="alternate engine and HF runs this many times per N; report medians "
                          "(shared machines drift: alternating keeps the comparison fair)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="auto (as workers run): bf16 where the CPU computes it natively, else fp32")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--variants-at", type=int, default=8, help="N for the dtype/threads variants (0 = skip)")
     ap.add_argument("--agreement-prompts", type=int, default=16,
@@ -161,6 +162,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO / "results" / "bench_engine.json")
     args = ap.parse_args()
+    args.dtype = resolve_dtype(args.dtype, "cpu")
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)

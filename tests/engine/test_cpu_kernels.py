@@ -28,8 +28,53 @@ def test_packed_linear_equals_f_linear_bitwise(rows: int) -> None:
     assert torch.equal(PackedLinear(w, None, batch_hint=4)(x), F.linear(x, w))
 
 
-def test_fp32_is_never_packed() -> None:
-    assert not can_pack(torch.device("cpu"), torch.float32)
+@pytest.mark.parametrize("rows", [1, 7, 16, 300])
+def test_packed_fp32_linear_matches_f_linear(rows: int) -> None:
+    """fp32 packs too (sgemm re-packs the weight inside every call): one row takes
+    the plain weight (bitwise equal), more rows oneDNN's packed one (another
+    summation order: equal within fp32 rounding)."""
+    assert can_pack(torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(rows, 64, generator=gen)
+    got, want = PackedLinear(w, b, batch_hint=16, keep_plain=True)(x), F.linear(x, w, b)
+    if rows == 1:
+        assert torch.equal(got, want)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert PackedLinear(w, None, batch_hint=4).plain_weight is None  # bf16's layout: none kept
+
+
+def test_packed_fp32_engine_generates_the_same_tokens() -> None:
+    """The served fp32 engine (packed) against the exactness reference (plain):
+    same greedy tokens, log-probabilities equal within fp32 rounding."""
+    prompts = [[5, 9, 14, 200], list(range(30, 90)), [7]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = []
+    for pack in (False, True):
+        engine = LLMEngine.create(
+            EngineConfig(
+                model="random-tiny",
+                dtype="float32",
+                num_kv_blocks=64,
+                max_model_len=256,
+                pack_weights=pack,
+            )
+        )
+        assert (engine.model.packed_head is not None) == pack
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, list[float]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                logprobs.setdefault(out.request_id, []).extend(out.new_logprobs or [])
+        outs.append((tokens, logprobs))
+    assert outs[0][0] == outs[1][0]
+    for rid in outs[0][1]:
+        torch.testing.assert_close(
+            torch.tensor(outs[1][1][rid]), torch.tensor(outs[0][1][rid]), rtol=1e-4, atol=1e-4
+        )
 
 
 @needs_packing

@@ -437,7 +437,7 @@ class CausalLM(nn.Module):
         self.kept_head = weight.detach().index_select(0, self.vocab_keep).contiguous()
 
     def pack_for_cpu(self, batch_hint: int) -> bool:
-        """Pre-pack every linear and the LM head for oneDNN (CPU bf16 only; see
+        """Pre-pack every linear and the LM head for oneDNN (CPU bf16 and fp32; see
         cpu_kernels.py). Returns whether it packed. Serving only: afterwards the
         state dict lacks the linear weights."""
         weight = self.embed_tokens.weight
@@ -448,9 +448,8 @@ class CausalLM(nn.Module):
         # plain table for its row gathers.
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # A trimmed head packs only its kept rows.
-        self.packed_head = PackedLinear(
-            head if self.kept_head is None else self.kept_head, None, batch_hint
-        )
+        head = head if self.kept_head is None else self.kept_head
+        self.packed_head = PackedLinear(head, None, batch_hint, head.dtype == torch.float32)
         return True
 
     @torch.inference_mode()
