@@ -23,7 +23,7 @@ Per (policy, mode, concurrency):
   a few tokens, the same way for every mode;
 * ``mean_logprob_large``: mean log-probability of the answer's (re-tokenized)
   tokens under smollm2-135m, teacher forced after the serving runs with the
-  engine's model code (bf16, one thread), over all tokens of the cell's scored
+  engine's model code (dtype auto, one thread), over all tokens of the cell's scored
   requests (``--score-limit`` per cell).
 
 Both quality figures score the answer proper: the text up to the model's first
@@ -334,7 +334,7 @@ def cluster_text(
         "",
     ]
     for model in (LARGE, MEDIUM, SMALL):
-        out += [f"[models.{model}]", 'dtype = "bfloat16"', ""]
+        out += [f"[models.{model}]", 'dtype = "auto"', ""]  # as configs/local.toml
         out += [
             "[[instances]]",
             f'model = "{model}"',
@@ -556,7 +556,7 @@ def score(cells: list[Cell], references: dict[int, str], prompts: list[str], lim
                 jobs.append((cell, TFSeq(prompt + ids, len(prompt))))
     if not jobs:
         return
-    engine = create_engine(LARGE, "bfloat16")
+    engine = create_engine(LARGE, "auto")
     seqs = [s for _, s in jobs]
     owner = {id(s): c for c, s in jobs}
     with torch.inference_mode():
