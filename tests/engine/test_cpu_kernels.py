@@ -44,6 +44,16 @@ def test_packed_fp32_linear_matches_f_linear(rows: int) -> None:
     assert PackedLinear(w, None, batch_hint=4).plain_weight is None  # bf16's layout: none kept
 
 
+def tiny_engine(dtype: str, pack: bool) -> LLMEngine:
+    engine = LLMEngine.create(
+        EngineConfig(
+            model="random-tiny", dtype=dtype, num_kv_blocks=64, max_model_len=256, pack_weights=pack
+        )
+    )
+    assert (engine.model.packed_head is not None) == pack
+    return engine
+
+
 def test_packed_fp32_engine_generates_the_same_tokens() -> None:
     """The served fp32 engine (packed) against the exactness reference (plain):
     same greedy tokens, log-probabilities equal within fp32 rounding."""
@@ -51,16 +61,7 @@ def test_packed_fp32_engine_generates_the_same_tokens() -> None:
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = []
     for pack in (False, True):
-        engine = LLMEngine.create(
-            EngineConfig(
-                model="random-tiny",
-                dtype="float32",
-                num_kv_blocks=64,
-                max_model_len=256,
-                pack_weights=pack,
-            )
-        )
-        assert (engine.model.packed_head is not None) == pack
+        engine = tiny_engine("float32", pack)
         for i, prompt in enumerate(prompts):
             engine.add_request(f"r{i}", prompt, params)
         tokens: dict[str, list[int]] = {}
@@ -81,17 +82,5 @@ def test_packed_fp32_engine_generates_the_same_tokens() -> None:
 def test_packed_engine_generates_the_same_tokens() -> None:
     prompts = [[5, 9, 14, 200], list(range(30, 90)), [7]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    answers = []
-    for pack in (False, True):
-        engine = LLMEngine.create(
-            EngineConfig(
-                model="random-tiny",
-                dtype="bfloat16",
-                num_kv_blocks=64,
-                max_model_len=256,
-                pack_weights=pack,
-            )
-        )
-        assert (engine.model.packed_head is not None) == pack
-        answers.append(engine.generate(prompts, params))
+    answers = [tiny_engine("bfloat16", pack).generate(prompts, params) for pack in (False, True)]
     assert answers[0] == answers[1]

@@ -107,6 +107,22 @@ class Pair:
             for msg in outbox.peer:
                 self.deliver(msg)
 
+    def step_origin(self) -> Outbox:
+        """One step of the small (origin) worker alone; what it would send (not delivered)."""
+        books, engine, outbox = self.books["w-small"], self.engines["w-small"], Outbox()
+        for out in books.on_outputs(engine.step(), outbox):
+            self.client[out.request_id].extend(out.new_token_ids)
+        books.on_handoffs(engine.pop_handoffs(), engine, outbox)
+        return outbox
+
+    def origin_until_handoff(self) -> PeerReq:
+        for _ in range(10):
+            if (outbox := self.step_origin()).peer:
+                (sent,) = outbox.peer
+                assert isinstance(sent, PeerReq)
+                return sent
+        raise AssertionError("no hand-off in 10 steps")
+
     def run(self, rids: list[str]) -> None:
         for _ in range(2000):
             if all(r in self.finished for r in rids) and not any(
@@ -174,26 +190,15 @@ def test_failed_hand_back_lets_the_origin_finish_alone() -> None:
     pair = Pair("baton")
     pair.submit("a", [3, 4, 5])
     small, engine = pair.books["w-small"], pair.engines["w-small"]
-    for _ in range(10):
-        outbox = Outbox()
-        for out in small.on_outputs(engine.step(), outbox):
-            pair.client["a"].extend(out.new_token_ids)
-        small.on_handoffs(engine.pop_handoffs(), engine, outbox)
-        if outbox.peer:
-            break
-    (sent,) = outbox.peer
-    assert isinstance(sent, PeerReq) and sent.rewrites_last
+    sent = pair.origin_until_handoff()
+    assert sent.rewrites_last
     # The relay answers: the peer is gone. The origin writes the rest alone.
     failed = msgspec.structs.replace(
         sent, failed="peer timed out", suffix=[], seq_no=sent.seq_no + 1
     )
     small.on_peer(failed, engine, Outbox())
     while engine.has_unfinished():
-        outbox = Outbox()
-        for out in small.on_outputs(engine.step(), outbox):
-            pair.client["a"].extend(out.new_token_ids)
-        small.on_handoffs(engine.pop_handoffs(), engine, outbox)
-        assert not any(isinstance(m, PeerReq) for m in outbox.peer)
+        assert not any(isinstance(m, PeerReq) for m in pair.step_origin().peer)
     assert len(pair.client["a"]) == NEW_TOKENS
     assert engine.scheduler.blocks.num_free_blocks == BLOCKS
 
@@ -207,15 +212,7 @@ def test_a_silent_relay_never_strands_a_request_or_a_copy() -> None:
     pair.submit("a", [3, 4, 5])
     small, small_engine = pair.books["w-small"], pair.engines["w-small"]
     large, large_engine = pair.books["w-large"], pair.engines["w-large"]
-    for _ in range(10):
-        outbox = Outbox()
-        for out in small.on_outputs(small_engine.step(), outbox):
-            pair.client["a"].extend(out.new_token_ids)
-        small.on_handoffs(small_engine.pop_handoffs(), small_engine, outbox)
-        if outbox.peer:
-            break
-    (sent,) = outbox.peer
-    assert isinstance(sent, PeerReq)
+    sent = pair.origin_until_handoff()
     t_parked = small.requests["a"].parked_at_s
     # Not yet: within origin_wait_s nothing happens.
     outbox = Outbox()
@@ -237,14 +234,10 @@ def test_a_silent_relay_never_strands_a_request_or_a_copy() -> None:
     assert small.num_peer_failures == 1 and not small.requests["a"].parked
     late_delivered = False
     while small_engine.has_unfinished():
-        outbox = Outbox()
-        for out in small.on_outputs(small_engine.step(), outbox):
-            pair.client["a"].extend(out.new_token_ids)
         if len(pair.client["a"]) >= 12 and not late_delivered:  # the late answer, mid-way
             small.on_peer(answer, small_engine, Outbox())
             late_delivered = True
-        small.on_handoffs(small_engine.pop_handoffs(), small_engine, outbox)
-        assert not any(isinstance(m, PeerReq) for m in outbox.peer)
+        assert not any(isinstance(m, PeerReq) for m in pair.step_origin().peer)
     assert late_delivered and len(pair.client["a"]) == NEW_TOKENS
     assert small_engine.scheduler.blocks.num_free_blocks == BLOCKS
     # The peer's copy (its release was lost with the relay) expires on its own.
