@@ -435,7 +435,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--small", default="smollm2-small", help="the model the routers read")
     p.add_argument("--large", default="smollm2-135m", help="the model whose argmax is the label")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="as served")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="the engine dtype the routers read (workers log router_dtype_differs when "
+        "they serve another; dtype auto serves fp32 on CPUs without native bf16)",
+    )
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="alpaca JSON list")
     p.add_argument("--train", type=int, default=1600, help="training prompts, from index 0")
     p.add_argument("--val", type=int, default=200, help="validation prompts, from index 4000")

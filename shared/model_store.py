@@ -30,10 +30,15 @@ DERIVED = ("smollm2-medium", "smollm2-small")
 RANDOM_TINY = "random-tiny"
 
 
+def cache_path() -> Path:
+    """Where derived artefacts live (tokenizer.json, converted weights, native builds);
+    BATON_CACHE_DIR overrides. Not created: see cache_dir."""
+    return Path(Env.CACHE_DIR.get() or str(REPO_ROOT / ".cache")) / "baton"
+
+
 def cache_dir() -> Path:
-    """Derived artefacts (tokenizer.json, converted weights). BATON_CACHE_DIR overrides."""
-    root = Env.CACHE_DIR.get() or str(REPO_ROOT / ".cache")
-    path = Path(root) / "baton"
+    """cache_path(), created if missing."""
+    path = cache_path()
     path.mkdir(parents=True, exist_ok=True)
     return path
 

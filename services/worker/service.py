@@ -156,6 +156,20 @@ class WorkerService:
         )
         await self._link.start()
         log.info("token_routing_ready", presets=sorted(self.routing.policies))
+        serving = getattr(getattr(self._engine, "config", None), "resolved_dtype", None)
+        for preset, policy in self.routing.policies.items():
+            trained = getattr(policy, "meta", {}).get("dtype")
+            if trained is not None and serving is not None and trained != serving:
+                # The router reads this engine's hidden states; its threshold was set
+                # on another dtype's (close, not equal): say so rather than drift quietly.
+                log.warning(
+                    "router_dtype_differs",
+                    preset=preset,
+                    trained_on=trained,
+                    serving=serving,
+                    fix=f"set dtype = {trained!r} for {self.cfg.model} in the cluster file, "
+                    f"or rebuild the routers with `just routers --dtype {serving}`",
+                )
 
     async def close(self) -> None:
         """Deregister, flush, disconnect. Idempotent; each step bounded."""

@@ -48,8 +48,12 @@ async def test_dead_relay_never_strands_a_request_or_its_kv(nats_url: str, redis
 
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
             pending = [asyncio.create_task(post(i, client)) for i in range(4)]
-            while relay.books.counters.forwarded < 4:  # hand-offs are under way
-                await asyncio.sleep(0.005)
+
+            async def handoffs_under_way() -> None:
+                while relay.books.counters.forwarded < 4:
+                    await asyncio.sleep(0.005)
+
+            await asyncio.wait_for(handoffs_under_way(), 30)
             relay_task.cancel()  # the relay dies: its books and timers with it
             with contextlib.suppress(asyncio.CancelledError):
                 await relay_task

@@ -18,6 +18,7 @@ class to instantiate; annotations keep naming `kernel.KernelState`.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import shutil
 import subprocess
@@ -30,21 +31,26 @@ from typing import cast
 
 from services.estimator.sfs import kernel
 from shared.config import Env
-from shared.model_store import cache_dir
+from shared.model_store import cache_path
 
 MODULE_NAME = "baton_sfs_kernel"  # the compiled copy's top-level name
 SOURCE = Path(kernel.__file__)
 
 
 def source_key() -> str:
-    """ABI tag + source hash: the build directory that matches this interpreter and
-    this kernel.py exactly."""
+    """ABI tag + hash of kernel.py and the compiler's version: the build directory
+    that matches this interpreter, this source and this mypyc exactly."""
     abi = sysconfig.get_config_var("SOABI") or f"py{sys.version_info[0]}{sys.version_info[1]}"
-    return f"{abi}-{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}"
+    try:
+        compiler = importlib.metadata.version("mypy")
+    except importlib.metadata.PackageNotFoundError:
+        compiler = "none"
+    digest = hashlib.sha256(SOURCE.read_bytes() + compiler.encode()).hexdigest()[:16]
+    return f"{abi}-{digest}"
 
 
 def build_dir() -> Path:
-    return cache_dir() / "native" / source_key()
+    return cache_path() / "native" / source_key()  # not created until a build
 
 
 def _built_file(directory: Path) -> Path | None:
@@ -77,8 +83,10 @@ def build(*, quiet: bool = True) -> Path:
             detail = (proc.stdout or "") + (proc.stderr or "") if quiet else ""
             raise RuntimeError(f"mypyc failed (exit {proc.returncode}): {detail[-2000:]}")
         target.mkdir(parents=True, exist_ok=True)
-        # Copy then rename: a process loading concurrently never sees half a file.
-        partial = target / (built.name + ".partial")
+        # Copy to a file of our own, then rename: a process loading concurrently never
+        # sees half a file, and two builds racing each install a whole one.
+        with tempfile.NamedTemporaryFile(dir=target, suffix=".partial", delete=False) as f:
+            partial = Path(f.name)
         shutil.copyfile(built, partial)
         partial.replace(target / built.name)
     done = _built_file(target)
@@ -99,12 +107,12 @@ def load() -> tuple[ModuleType, str]:
     """The kernel module to run and a line saying which one and why."""
     if Env.NATIVE.get() == "0":
         return kernel, "plain Python (BATON_NATIVE=0)"
-    path = _built_file(build_dir())
-    if path is None:
-        return kernel, "plain Python (no native build for this kernel.py: ./baton install)"
     try:
+        path = _built_file(build_dir())
+        if path is None:
+            return kernel, "plain Python (no native build for this kernel.py: ./baton install)"
         return _load_built(path), f"native (mypyc) {path}"
-    except ImportError as exc:  # a broken or foreign build: never fatal
+    except (ImportError, OSError) as exc:  # a broken build, an unreadable cache: never fatal
         return kernel, f"plain Python (native build failed to load: {exc})"
 
 

@@ -21,7 +21,9 @@ def native_bf16(device: str) -> bool:
     SmolLM2 decode step: batch 1 bf16 0.8x of fp32's time, batch 8 1.13x, batch 16
     1.46x; docs/engine.md)."""
     if device.startswith("cuda"):
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        # compute capability 8.0 (Ampere) and newer; is_bf16_supported() also counts
+        # emulation and asks the current device, not this one
+        return torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0)
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 

@@ -17,7 +17,11 @@ packed, the 49152x576 LM head 26.5 ms vs 10.4 ms; a whole SmolLM2 decode step
 matrix-vector path (129 vs 232 us), so fp32 layers keep their plain weight too and
 send one-row inputs there (twice the weight memory). Packed fp32 is *not*
 bitwise equal to `F.linear` (oneDNN sums in another order; within 1e-5 relative):
-the exactness tests against HF transformers run with `pack_weights = False`.
+the exactness tests against HF transformers wrap the plain model in the engine
+(`LLMEngine(config, model)`; `pack_weights = False` does the same through
+`LLMEngine.create`). Neither path makes a row's result independent of the batch:
+sgemm itself gave other bits for a row at 1-8 rows than at 16-24 (measured), the
+packed kernel the same bits at 2-24 rows.
 """
 
 from __future__ import annotations
