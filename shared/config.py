@@ -269,8 +269,9 @@ class RelayConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     # origin gets the request back and finishes it alone.
     peer_timeout_s: float = 10.0
     # Safety nets on the workers for a relay that is itself gone (it answers nothing):
-    # an origin whose request has been away this long takes it back and finishes
-    # alone (keep it above peer_timeout_s, which normally decides first) ...
+    # an origin whose request has been away this long asks the relay about it and,
+    # unless the relay still times that hand-off, takes it back and finishes alone
+    # (keep it above peer_timeout_s, which normally decides first) ...
     origin_wait_s: float = 30.0
     # ... and a peer's copy that no visit has touched this long is dropped (a later
     # visit fails back to the origin, which then finishes alone).

@@ -11,6 +11,7 @@ NATS server. Services never format a subject string themselves.
     {ns}.batcher.tables               BatchTables                     batcher -> every worker
     {ns}.relay.in                     PeerReq | PeerRelease           worker -> relay (queue group)
     {ns}.worker.{instance_id}.peer    PeerReq | PeerRelease           relay -> worker
+    {ns}.relay.query                  PeerQuery -> PeerQueryReply     worker -> relay (request/reply)
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ def batcher_tables(namespace: str) -> str:
 
 def relay_inbox(namespace: str) -> str:
     return f"{check_token(namespace)}.relay.in"
+
+
+def relay_query(namespace: str) -> str:
+    return f"{check_token(namespace)}.relay.query"
 
 
 def worker_peer(namespace: str, instance_id: str) -> str:

@@ -94,6 +94,15 @@ class RelayBooks:
         self.counters.forwarded += 1
         return [(target, msg)]
 
+    def pending(self, request_ids: list[str]) -> list[str]:
+        """The ids among `request_ids` with a hand-off out (timed by peer_timeout_s)."""
+        out = []
+        for rid in request_ids:
+            route = self.routes.get(rid)
+            if route is not None and route.waiting_on is not None:
+                out.append(rid)
+        return out
+
     def on_release(self, msg: PeerRelease) -> list[Send]:
         """The origin ended the request: free every copy it left on peers."""
         route = self.routes.pop(msg.request_id, None)

@@ -26,7 +26,15 @@ from shared.bus import Bus
 from shared.config import ClusterConfig
 from shared.logging import get_logger
 from shared.messages.health import HEALTH_PROBE_DECODER, HealthProbe, HealthReply
-from shared.messages.peer import PEER_MESSAGE_DECODER, PeerMessage, PeerRelease, PeerReq
+from shared.messages.peer import (
+    PEER_MESSAGE_DECODER,
+    PEER_QUERY_DECODER,
+    PeerMessage,
+    PeerQuery,
+    PeerQueryReply,
+    PeerRelease,
+    PeerReq,
+)
 from shared.messages.registry import WorkerInfo
 from shared.scheduling.snapshot import WorkloadSnapshot
 from shared.store import Store
@@ -78,6 +86,9 @@ class RelayService:
             snap = _SNAPSHOT_DECODER.decode(blob.data)
             self.load[iid] = len(snap.running) + len(snap.waiting) + len(snap.pending)
 
+    async def _query(self, query: PeerQuery) -> PeerQueryReply:
+        return PeerQueryReply(pending=self.books.pending(query.request_ids))
+
     async def _health(self, probe: HealthProbe) -> HealthReply:
         return HealthReply(service="relay", detail=f"{len(self.books.routes)} requests routed")
 
@@ -112,6 +123,9 @@ class RelayService:
                 PEER_MESSAGE_DECODER,
                 self._on_message,
                 queue=subjects.RELAY_QUEUE_GROUP,
+            )
+            await self.bus.serve(
+                subjects.relay_query(self.cluster.namespace), PEER_QUERY_DECODER, self._query
             )
             await self.bus.serve(
                 subjects.health(self.cluster.namespace, "relay"),

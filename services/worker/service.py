@@ -40,10 +40,11 @@ from services.worker.config import WorkerServiceConfig, create_engine
 from services.worker.routing.link import RoutingLink
 from services.worker.routing.runtime import Outbox, TokenRouting
 from shared import subjects
-from shared.bus import Bus
+from shared.bus import Bus, is_no_responders
 from shared.logging import get_logger
 from shared.messages import encode
 from shared.messages.gateway import DeltaBatch, GatewayEvent, RequestFailed, TokenDelta
+from shared.messages.peer import PEER_QUERY_REPLY_DECODER, PeerQuery
 from shared.messages.registry import WorkerInfo
 from shared.messages.worker import (
     CALIBRATION_DECODER,
@@ -58,6 +59,7 @@ from shared.store import Store
 
 log = get_logger(component="worker")
 EXPIRY_CHECK_S = 0.5  # how often parked token-routing requests are checked for silence
+RELAY_QUERY_TIMEOUT_S = 1.0  # a relay that does not answer within this is taken as gone
 
 EngineFactory = Callable[[WorkerServiceConfig], Any]
 
@@ -83,7 +85,10 @@ class WorkerService:
         # Prompt tokens admitted since the last step: the size of an inline step's prefill.
         self._num_new_prompt_tokens = 0
         self._last_step_s = float("inf")  # wall time of the last step
-        self._next_expiry_s = 0.0  # monotonic time of the next expire_parked check
+        self._next_expiry_s = 0.0  # monotonic time of the next relay-silence check
+        self._relay_query: asyncio.Task[None] | None = None  # a PeerQuery in flight
+        # the relay's answer, applied by the loop: (asked ids, ids it still times)
+        self._relay_verdict: tuple[list[str], set[str]] | None = None
         self._started_at_s = time.time()
         self._is_draining = False
         self._record_task: asyncio.Task[None] | None = None  # the snapshot writer, if running
@@ -174,6 +179,8 @@ class WorkerService:
     async def close(self) -> None:
         """Deregister, flush, disconnect. Idempotent; each step bounded."""
         self._closing = True
+        if self._relay_query is not None:
+            self._relay_query.cancel()  # its answer has nobody left to apply it
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
             await asyncio.wait(
@@ -222,12 +229,7 @@ class WorkerService:
                     is_after_idle, has_peer_work = False, True
                 self._link.apply(engine, outbox)
                 if self.routing is not None and time.monotonic() >= self._next_expiry_s:
-                    # the relay's own timeouts failing (a dead relay): see expire_parked
-                    self._next_expiry_s = time.monotonic() + EXPIRY_CHECK_S
-                    relay = self.cfg.relay
-                    self.routing.expire_parked(
-                        time.monotonic(), relay.origin_wait_s, relay.guest_idle_s, engine, outbox
-                    )
+                    self._check_relay_silence(engine, outbox)
                 await self._link.publish(outbox)
             if not engine.has_unfinished():
                 if drain_deadline is not None:
@@ -263,6 +265,42 @@ class WorkerService:
             await asyncio.sleep(0)
             # 4. record snapshot and batch samples (written while the next step runs)
             self._record(samples=True)
+
+    def _check_relay_silence(self, engine: Any, outbox: Outbox) -> None:
+        """The safety nets for a relay that is itself gone (TokenRouting.overdue_origins):
+        apply the relay's last answer about overdue requests, ask it about the ones
+        overdue now (in the background: the answer is applied here, between steps),
+        and drop long-idle peer copies."""
+        assert self.routing is not None
+        now = time.monotonic()
+        self._next_expiry_s = now + EXPIRY_CHECK_S
+        relay = self.cfg.relay
+        if self._relay_verdict is not None:
+            asked, pending = self._relay_verdict
+            self._relay_verdict = None
+            self.routing.settle_overdue(asked, pending, now, engine, outbox)
+        self.routing.expire_guests(now, relay.guest_idle_s, engine)
+        overdue = self.routing.overdue_origins(now, relay.origin_wait_s)
+        if overdue and (self._relay_query is None or self._relay_query.done()):
+            self._relay_query = asyncio.create_task(self._ask_relay(overdue))
+
+    async def _ask_relay(self, request_ids: list[str]) -> None:
+        """Which of these requests is the relay still timing? No answer = none."""
+        try:
+            reply = await self._bus.request(
+                subjects.relay_query(self.cfg.namespace),
+                PeerQuery(origin_instance=self.cfg.instance_id, request_ids=request_ids),
+                PEER_QUERY_REPLY_DECODER,
+                timeout_s=RELAY_QUERY_TIMEOUT_S,
+            )
+            pending = set(reply.pending)
+        except Exception as exc:
+            if not (isinstance(exc, TimeoutError) or is_no_responders(exc)):
+                log.warning("relay_query_failed", error=repr(exc))  # ask again later
+                return
+            pending = set()  # the relay is gone
+        self._relay_verdict = (request_ids, pending)
+        self._wakeup.set()
 
     def _steps_inline(self, is_after_idle: bool) -> bool:
         """Whether the next step runs on the event loop rather than in the thread."""

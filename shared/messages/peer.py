@@ -2,6 +2,7 @@
 
     {ns}.relay.in                  PeerReq | PeerRelease   worker -> relay (queue group)
     {ns}.worker.{instance}.peer    PeerReq | PeerRelease   relay -> worker
+    {ns}.relay.query               PeerQuery -> PeerQueryReply  worker -> relay (request/reply)
 
 Every worker of a token-level preset keeps its own KV for a request, so a
 PeerReq carries only the tokens its receiver has not seen: tokens [0, loc) of the
@@ -52,3 +53,22 @@ class PeerRelease(msgspec.Struct, tag="release", frozen=True, kw_only=True):
 PeerMessage = PeerReq | PeerRelease
 
 PEER_MESSAGE_DECODER = msgspec.msgpack.Decoder(PeerMessage)
+
+
+class PeerQuery(msgspec.Struct, frozen=True, kw_only=True):
+    """An origin's requests away at peers for long: is the relay still waiting on
+    them? (It bounds each hand-off with its peer timeout; a relay that restarted or
+    died knows nothing of them.)"""
+
+    origin_instance: str
+    request_ids: list[str]
+
+
+class PeerQueryReply(msgspec.Struct, frozen=True, kw_only=True):
+    """The subset of the asked ids with a hand-off the relay is timing now."""
+
+    pending: list[str]
+
+
+PEER_QUERY_DECODER = msgspec.msgpack.Decoder(PeerQuery)
+PEER_QUERY_REPLY_DECODER = msgspec.msgpack.Decoder(PeerQueryReply)

@@ -204,22 +204,26 @@ def test_failed_hand_back_lets_the_origin_finish_alone() -> None:
 
 
 def test_a_silent_relay_never_strands_a_request_or_a_copy() -> None:
-    """The relay itself is gone: nothing answers a hand-off. The origin takes the
-    request back after origin_wait_s and finishes alone; the peer's late answer is
-    dropped, not spliced in; the peer's idle copy is dropped after guest_idle_s;
-    both engines end with every KV block free."""
+    """The relay itself is gone: nothing answers a hand-off. A request away longer
+    than origin_wait_s is overdue; while the relay says it still times it, it waits
+    on; once the relay does not (or cannot) say so, the origin takes it back and
+    finishes alone; the peer's late answer is dropped, not spliced in; the peer's
+    idle copy is dropped after guest_idle_s; every KV block ends free."""
     pair = Pair("baton")
     pair.submit("a", [3, 4, 5])
     small, small_engine = pair.books["w-small"], pair.engines["w-small"]
     large, large_engine = pair.books["w-large"], pair.engines["w-large"]
     sent = pair.origin_until_handoff()
-    t_parked = small.requests["a"].parked_at_s
-    # Not yet: within origin_wait_s nothing happens.
+    t0 = small.requests["a"].parked_at_s
+    assert small.overdue_origins(t0 + 29.0, 30.0) == []
+    assert small.overdue_origins(t0 + 31.0, 30.0) == ["a"]
+    # The relay answers that it still times the hand-off: wait another origin_wait_s.
     outbox = Outbox()
-    small.expire_parked(t_parked + 29.0, 30.0, 300.0, small_engine, outbox)
+    small.settle_overdue(["a"], {"a"}, t0 + 31.0, small_engine, outbox)
     assert small.requests["a"].parked and not outbox.peer
-    # The hand-off did reach the peer (the relay died after that): it writes and
-    # hands back into the void.
+    assert small.overdue_origins(t0 + 60.0, 30.0) == []
+    # The hand-off did reach the peer before the relay died: it writes and hands
+    # back into the void.
     large.on_peer(sent, large_engine, Outbox())
     back = Outbox()
     while not back.peer:
@@ -227,9 +231,11 @@ def test_a_silent_relay_never_strands_a_request_or_a_copy() -> None:
         large.on_handoffs(large_engine.pop_handoffs(), large_engine, back)
     (answer,) = back.peer
     assert isinstance(answer, PeerReq) and answer.to_model == 0
-    # Past origin_wait_s: the origin resumes alone and releases the peers.
+    # Overdue again and the relay no longer answers: the origin resumes alone and
+    # releases the peers.
+    assert small.overdue_origins(t0 + 62.0, 30.0) == ["a"]
     outbox = Outbox()
-    small.expire_parked(t_parked + 31.0, 30.0, 300.0, small_engine, outbox)
+    small.settle_overdue(["a"], set(), t0 + 62.0, small_engine, outbox)
     assert [type(m) for m in outbox.peer] == [PeerRelease]
     assert small.num_peer_failures == 1 and not small.requests["a"].parked
     late_delivered = False
@@ -242,9 +248,9 @@ def test_a_silent_relay_never_strands_a_request_or_a_copy() -> None:
     assert small_engine.scheduler.blocks.num_free_blocks == BLOCKS
     # The peer's copy (its release was lost with the relay) expires on its own.
     t_guest = large.requests["a"].parked_at_s
-    large.expire_parked(t_guest + 299.0, 30.0, 300.0, large_engine, Outbox())
+    large.expire_guests(t_guest + 299.0, 300.0, large_engine)
     assert "a" in large.requests
-    large.expire_parked(t_guest + 301.0, 30.0, 300.0, large_engine, Outbox())
+    large.expire_guests(t_guest + 301.0, 300.0, large_engine)
     assert "a" not in large.requests
     large_engine.step()  # the abort applies at the next iteration
     assert large_engine.scheduler.blocks.num_free_blocks == BLOCKS

@@ -440,36 +440,62 @@ class TokenRouting:
             tracked.ready_since_s = time.monotonic()
             engine.resume_request(msg.request_id, [])
 
-    def expire_parked(
-        self, now_s: float, origin_wait_s: float, guest_idle_s: float, engine: Any, outbox: Outbox
-    ) -> None:
-        """Safety net for when the relay itself is gone (it bounds every peer's answer
-        with its own peer timeout, but a dead relay answers nothing).
+    # -- safety nets for a relay that is itself gone ----------------------------------
+    # The relay bounds every hand-off with its peer timeout, but a relay that died or
+    # restarted answers nothing. The worker service asks it (PeerQuery) about origin
+    # requests away longer than `origin_wait_s` and settles them with its answer.
 
-        An origin whose request has been away `origin_wait_s` takes it back and
-        finishes alone, as after a failed hand-back, and releases the peers' copies
-        (if a relay carries it). A guest copy no visit has touched for `guest_idle_s`
-        is dropped: its KV is freed, and a later visit for it fails back to the
-        origin (unknown request with an anchor > 0), which then finishes alone.
-        """
-        for rid, tracked in list(self.requests.items()):
-            if not tracked.parked:
+    def overdue_origins(self, now_s: float, origin_wait_s: float) -> list[str]:
+        """Origin requests away at a peer for longer than `origin_wait_s`."""
+        return [
+            rid
+            for rid, t in self.requests.items()
+            if t.parked and t.is_origin and now_s - t.parked_at_s > origin_wait_s
+        ]
+
+    def settle_overdue(
+        self, asked: list[str], pending: set[str], now_s: float, engine: Any, outbox: Outbox
+    ) -> None:
+        """Apply the relay's answer about overdue requests (`pending`: those it is still
+        timing; an empty set when it did not answer). A pending one waits another
+        origin_wait_s; any other one still away comes back: the origin finishes it
+        alone, as after a failed hand-back, and releases the peers' copies (if a relay
+        carries the release). Requests that came back meanwhile are left alone."""
+        for rid in asked:
+            tracked = self.requests.get(rid)
+            if tracked is None or not tracked.parked or not tracked.is_origin:
                 continue
-            waited = now_s - tracked.parked_at_s
-            if tracked.is_origin and waited > origin_wait_s:
-                log.warning("peer_silent", request_id=rid, waited_s=round(waited, 1))
-                self.num_peer_failures += 1
-                tracked.routing_off = True
-                tracked.parked = False
-                tracked.ready_since_s = now_s
-                engine.resume_request(rid, [])
-                outbox.peer.append(
-                    PeerRelease(
-                        request_id=rid, preset=tracked.preset, origin_instance=self.instance_id
-                    )
+            if rid in pending:
+                tracked.parked_at_s = now_s
+                continue
+            log.warning(
+                "peer_silent", request_id=rid, waited_s=round(now_s - tracked.parked_at_s, 1)
+            )
+            self.num_peer_failures += 1
+            tracked.routing_off = True
+            tracked.parked = False
+            tracked.ready_since_s = now_s
+            engine.resume_request(rid, [])
+            outbox.peer.append(
+                PeerRelease(request_id=rid, preset=tracked.preset, origin_instance=self.instance_id)
+            )
+
+    def expire_guests(self, now_s: float, guest_idle_s: float, engine: Any) -> None:
+        """Drop peer copies no visit has touched for `guest_idle_s` (their origin's release
+        may have been lost with the relay): the KV is freed, and a later visit for
+        such a copy fails back to the origin (unknown request with an anchor > 0),
+        which then finishes alone."""
+        for rid, tracked in list(self.requests.items()):
+            if (
+                tracked.parked
+                and not tracked.is_origin
+                and now_s - tracked.parked_at_s > guest_idle_s
+            ):
+                log.info(
+                    "guest_copy_expired",
+                    request_id=rid,
+                    idle_s=round(now_s - tracked.parked_at_s, 1),
                 )
-            elif not tracked.is_origin and waited > guest_idle_s:
-                log.info("guest_copy_expired", request_id=rid, idle_s=round(waited, 1))
                 engine.abort_request(rid)
                 del self.requests[rid]
 
