@@ -97,6 +97,18 @@ def blocks_in_use(stack: Stack) -> list[int]:
     return out
 
 
+async def post_pair(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> httpx.Response:
+    """A greedy completion of exactly max_tokens tokens on the `pair` preset."""
+    body = {
+        "model": "pair",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    return await client.post("/v1/completions", json=body)
+
+
 async def wait_idle(stack: Stack, relay: RelayService) -> None:
     for _ in range(200):
         if blocks_in_use(stack) == [0, 0] and not relay.books.routes:
@@ -204,14 +216,7 @@ async def test_dead_peer_never_loses_a_request(routed: tuple[Stack, RelayService
     failovers = relay.books.counters.failovers
 
     async def post(i: int, client: httpx.AsyncClient) -> httpx.Response:
-        body = {
-            "model": "pair",
-            "prompt": f"dead {i}",
-            "max_tokens": 24,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
-        return await client.post("/v1/completions", json=body)
+        return await post_pair(client, f"dead {i}", 24)
 
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
         pending = [asyncio.create_task(post(i, client)) for i in range(4)]

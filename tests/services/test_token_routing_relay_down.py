@@ -16,7 +16,7 @@ from services.worker.routing.policies import TOKEN_POLICIES
 from shared.config import parse_cluster
 from tests.routing.test_runtime import EveryThird
 from tests.services.conftest import start_stack, tiny_cluster_text
-from tests.services.test_token_routing_e2e import PAIR, blocks_in_use
+from tests.services.test_token_routing_e2e import PAIR, blocks_in_use, post_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -35,19 +35,10 @@ async def test_dead_relay_never_strands_a_request_or_its_kv(nats_url: str, redis
     relay_task = asyncio.create_task(relay.run())
     stack = await start_stack(cluster, 2, ["random-tiny", "random-tiny-big"])
     try:
-
-        async def post(i: int, client: httpx.AsyncClient) -> httpx.Response:
-            body = {
-                "model": "pair",
-                "prompt": f"relay down {i}",
-                "max_tokens": 120,
-                "temperature": 0,
-                "ignore_eos": True,
-            }
-            return await client.post("/v1/completions", json=body)
-
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
-            pending = [asyncio.create_task(post(i, client)) for i in range(4)]
+            pending = [
+                asyncio.create_task(post_pair(client, f"relay down {i}", 120)) for i in range(4)
+            ]
 
             async def handoffs_under_way() -> None:
                 while relay.books.counters.forwarded < 4:
