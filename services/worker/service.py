@@ -163,8 +163,10 @@ class WorkerService:
         log.info("token_routing_ready", presets=sorted(self.routing.policies))
         serving = getattr(getattr(self._engine, "config", None), "resolved_dtype", None)
         for preset, policy in self.routing.policies.items():
-            trained = getattr(policy, "meta", {}).get("dtype")
-            if trained is not None and serving is not None and trained != serving:
+            meta = getattr(policy, "meta", {})
+            trained = meta.get("dtype")
+            reads_here = meta.get("small_model", self.cfg.model) == self.cfg.model
+            if reads_here and trained is not None and serving is not None and trained != serving:
                 # The router reads this engine's hidden states; its threshold was set
                 # on another dtype's (close, not equal): say so rather than drift quietly.
                 log.warning(
