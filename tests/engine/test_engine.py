@@ -282,3 +282,38 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it() -> None:
         EngineConfig(model="random-tiny", num_kv_blocks=16, max_model_len=256)
     )
     assert next(engine.model.parameters()).dtype == cfg.torch_dtype
+
+
+def test_decode_groups_partition_in_batch_order_at_least_cost() -> None:
+    """Decode requests split into groups of similar context length: a partition,
+    each group in batch order, one group when a split saves nothing, and no cheaper
+    split of the length-sorted requests exists (brute force on small cases)."""
+    import itertools
+    import random
+
+    from services.worker.engine.runner import decode_groups
+
+    def cost(groups: list[list[int]], blocks: list[int], c: int) -> int:
+        return sum(c + len(g) * max(blocks[i] for i in g) for g in groups)
+
+    assert decode_groups([3, 3, 3], 8) == [[0, 1, 2]]
+    assert decode_groups([6, 1, 1, 6], 10**6) == [[0, 1, 2, 3]]
+    assert decode_groups([6, 1, 1, 6], 0) == [[1, 2], [0, 3]]
+    rng = random.Random(3)
+    for _ in range(200):
+        blocks = [rng.randint(1, 7) for _ in range(rng.randint(1, 7))]
+        c = rng.choice([0, 2, 8, 30])
+        groups = decode_groups(blocks, c)
+        assert sorted(i for g in groups for i in g) == list(range(len(blocks)))
+        assert all(g == sorted(g) for g in groups)
+        order = sorted(range(len(blocks)), key=blocks.__getitem__)
+        best = min(
+            cost(
+                [order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)), strict=True)],
+                blocks,
+                c,
+            )
+            for k in range(len(order))
+            for cuts in itertools.combinations(range(1, len(order)), k)
+        )
+        assert cost(groups, blocks, c) == best, (blocks, c, groups)

@@ -105,6 +105,19 @@ class ModelConfig:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Single-token requests attended together, each context padded to the group's
+    longest (in blocks). Rows are in the order of `tokens`."""
+
+    tokens: torch.Tensor  # [D] their token rows in the flat batch
+    blocks: torch.Tensor  # [D * max_blocks] padded block ids
+    # [D, 1, 1, max_blocks * block_size] fp32: 0 where a decode attends, -inf past its
+    # context. Additive, so one op upcasts, scales and masks the scores.
+    bias: torch.Tensor
+    num: int  # D
+
+
+@dataclass(slots=True)
 class AttentionPlan:
     """How the flat token batch maps onto requests and the paged cache.
 
@@ -122,14 +135,13 @@ class AttentionPlan:
     query_lens: list[int] = field(default_factory=list)  # new tokens per request
     context_lens: list[int] = field(default_factory=list)  # cached + new, per request
     block_tables: list[torch.Tensor] = field(default_factory=list)  # per request: block ids
-    # Requests with exactly one new token are attended together (padded decode).
+    # Requests with exactly one new token are attended together (padded decode), in
+    # groups of similar context length (runner.decode_groups) so short contexts are
+    # not padded to the longest.
     decode_rows: list[int] = field(default_factory=list)
-    decode_tokens: torch.Tensor | None = None  # [D] their token rows in the flat batch
-    decode_blocks: torch.Tensor | None = None  # [D * max_blocks] padded block ids
-    # [D, 1, 1, max_ctx] fp32: 0 where a decode attends, -inf past its context. Additive,
-    # so one op upcasts, scales and masks the scores (see Attention._attend_decodes).
-    decode_bias: torch.Tensor | None = None
-    # Every row of the batch is a decode, in order: queries need no gather or scatter.
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    # Every row of the batch is a decode, in order, one group: queries need no gather
+    # or scatter.
     all_decode: bool = False
     # slot_mapping split into (block, offset), computed once per step by the first layer
     slot_blocks: torch.Tensor | None = None
@@ -278,12 +290,12 @@ class Attention(nn.Module):
         v_cache[blocks, :, offsets] = v
 
         if plan.all_decode:
-            out = self._attend_decodes(q, k_cache, v_cache, plan)
+            out = self._attend_decodes(q, k_cache, v_cache, plan.decode_groups[0])
         else:
             out = torch.empty_like(q)
-            if plan.decode_tokens is not None:
-                decoded = self._attend_decodes(q, k_cache, v_cache, plan)
-                out.index_copy_(0, plan.decode_tokens, decoded)
+            for group in plan.decode_groups:
+                qd = q.index_select(0, group.tokens)
+                out.index_copy_(0, group.tokens, self._attend_decodes(qd, k_cache, v_cache, group))
             for r in plan.prefill_rows():
                 start, end = plan.query_starts[r], plan.query_starts[r] + plan.query_lens[r]
                 self._attend_prefill(
@@ -344,9 +356,10 @@ class Attention(nn.Module):
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        plan: AttentionPlan,
+        group: DecodeGroup,
     ) -> torch.Tensor:
-        """All single-token requests at once over block-padded contexts: [D, H, hd].
+        """A group of single-token requests at once over block-padded contexts: q is
+        [D, H, hd], their queries in the group's order; returns [D, H, hd].
 
         Written out rather than through SDPA: with a padding mask in bf16 the CPU
         SDPA kernel measured ~9x slower than these batched matmuls. Queries are
@@ -356,23 +369,20 @@ class Attention(nn.Module):
         permuted into a second copy; only the small scores and the per-block
         partial outputs are rearranged.
         """
-        assert plan.decode_tokens is not None and plan.decode_blocks is not None
-        assert plan.decode_bias is not None
-        num, hkv, hd = len(plan.decode_rows), self.num_kv_heads, self.head_dim
-        group = self.num_heads // hkv
+        num, hkv, hd = group.num, self.num_kv_heads, self.head_dim
+        gqa = self.num_heads // hkv
         bs = v_cache.shape[2]
-        qd = q if plan.all_decode else q.index_select(0, plan.decode_tokens)
-        qd = qd.view(num, 1, hkv, group, hd)
-        k = k_cache.index_select(0, plan.decode_blocks).view(num, -1, hkv, hd, bs)
-        v = v_cache.index_select(0, plan.decode_blocks).view(num, -1, hkv, bs, hd)
+        qd = q.view(num, 1, hkv, gqa, hd)
+        k = k_cache.index_select(0, group.blocks).view(num, -1, hkv, hd, bs)
+        v = v_cache.index_select(0, group.blocks).view(num, -1, hkv, bs, hd)
         nblk = k.shape[1]
         scores = torch.matmul(qd, k)  # [D, nblk, Hkv, G, bs]
-        scores = scores.permute(0, 2, 3, 1, 4).reshape(num, hkv, group, nblk * bs)
+        scores = scores.permute(0, 2, 3, 1, 4).reshape(num, hkv, gqa, nblk * bs)
         # bias + scale * scores in fp32: the upcast, scale and mask in one op (same
         # values as scores.float() * scale then a -inf fill).
-        scores = torch.add(plan.decode_bias, scores, alpha=self.scale)  # [D, Hkv, G, L]
+        scores = torch.add(group.bias, scores, alpha=self.scale)  # [D, Hkv, G, L]
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        probs = probs.view(num, hkv, group, nblk, bs).permute(0, 3, 1, 2, 4)
+        probs = probs.view(num, hkv, gqa, nblk, bs).permute(0, 3, 1, 2, 4)
         parts = torch.matmul(probs, v)  # [D, nblk, Hkv, G, hd], one partial per block
         o = parts.sum(1, dtype=torch.float32).to(q.dtype) if nblk > 1 else parts[:, 0]
         return o.reshape(num, self.num_heads, hd)
