@@ -81,6 +81,15 @@ async def test_snapshot_write_is_atomic_and_staleness_is_visible(redis_url: str)
         assert blob is not None and blob.version == 299 and not blob.is_stale(1.0)
         assert blob.is_stale(1.0, now_s=time.time() + 2)
         assert len(await store.read_samples("w")) == 50  # capped
+        # A key left by another layout (the earlier hash) reads as no snapshot, and
+        # the next write replaces it.
+        await store.redis.delete(keys.snapshot("infra", "old"))
+        await store.redis.hset(keys.snapshot("infra", "old"), mapping={"version": 1})
+        both = await store.read_snapshots(["old", "w"])
+        assert both["old"] is None and both["w"] is not None
+        await store.write_snapshot("old", 2, b"x", ttl_s=5)
+        again = (await store.read_snapshots(["old"]))["old"]
+        assert again is not None and (again.version, again.data) == (2, b"x")
     finally:
         await store.close()
 
