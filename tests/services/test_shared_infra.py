@@ -43,6 +43,12 @@ def test_cluster_errors_are_clear() -> None:
         parse_cluster("", environ={"BATON_PORT": "eighty"})
     with pytest.raises(ConfigError, match="Expected `int`"):
         parse_cluster('[gateway]\nport = "x"\n', environ={})
+    with pytest.raises(ConfigError, match="origin_wait_s above it"):
+        parse_cluster("[relay]\npeer_timeout_s = 40.0\n", environ={})
+    with pytest.raises(ConfigError, match="guest_idle_s must be > 0"):
+        parse_cluster("[relay]\nguest_idle_s = 0\n", environ={})
+    with pytest.raises(ConfigError, match="dtype"):
+        parse_cluster('[models.a]\ndtype = "fp8"\n', environ={})
 
 
 def test_subjects_and_keys_are_namespaced() -> None:
