@@ -87,8 +87,9 @@ class WorkerService:
         self._last_step_s = float("inf")  # wall time of the last step
         self._next_expiry_s = 0.0  # monotonic time of the next relay-silence check
         self._relay_query: asyncio.Task[None] | None = None  # a PeerQuery in flight
-        # the relay's answer, applied by the loop: (asked ids, ids it still times)
-        self._relay_verdict: tuple[list[str], set[str]] | None = None
+        # the relay's answer, applied by the loop: (asked ids with the time their
+        # hand-off left, ids it still times)
+        self._relay_verdict: tuple[dict[str, float], set[str]] | None = None
         self._started_at_s = time.time()
         self._is_draining = False
         self._record_task: asyncio.Task[None] | None = None  # the snapshot writer, if running
@@ -286,12 +287,12 @@ class WorkerService:
         if overdue and (self._relay_query is None or self._relay_query.done()):
             self._relay_query = asyncio.create_task(self._ask_relay(overdue))
 
-    async def _ask_relay(self, request_ids: list[str]) -> None:
+    async def _ask_relay(self, asked: dict[str, float]) -> None:
         """Which of these requests is the relay still timing? No answer = none."""
         try:
             reply = await self._bus.request(
                 subjects.relay_query(self.cfg.namespace),
-                PeerQuery(origin_instance=self.cfg.instance_id, request_ids=request_ids),
+                PeerQuery(origin_instance=self.cfg.instance_id, request_ids=list(asked)),
                 PEER_QUERY_REPLY_DECODER,
                 timeout_s=RELAY_QUERY_TIMEOUT_S,
             )
@@ -301,7 +302,7 @@ class WorkerService:
                 log.warning("relay_query_failed", error=repr(exc))  # ask again later
                 return
             pending = set()  # the relay is gone
-        self._relay_verdict = (request_ids, pending)
+        self._relay_verdict = (asked, pending)
         self._wakeup.set()
 
     def _steps_inline(self, is_after_idle: bool) -> bool:

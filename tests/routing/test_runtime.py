@@ -215,13 +215,16 @@ def test_a_silent_relay_never_strands_a_request_or_a_copy() -> None:
     large, large_engine = pair.books["w-large"], pair.engines["w-large"]
     sent = pair.origin_until_handoff()
     t0 = small.requests["a"].parked_at_s
-    assert small.overdue_origins(t0 + 29.0, 30.0) == []
-    assert small.overdue_origins(t0 + 31.0, 30.0) == ["a"]
+    assert small.overdue_origins(t0 + 29.0, 30.0) == {}
+    assert small.overdue_origins(t0 + 31.0, 30.0) == {"a": t0}
     # The relay answers that it still times the hand-off: wait another origin_wait_s.
     outbox = Outbox()
-    small.settle_overdue(["a"], {"a"}, t0 + 31.0, small_engine, outbox)
+    small.settle_overdue({"a": t0}, {"a"}, t0 + 31.0, small_engine, outbox)
     assert small.requests["a"].parked and not outbox.peer
-    assert small.overdue_origins(t0 + 60.0, 30.0) == []
+    assert small.overdue_origins(t0 + 60.0, 30.0) == {}
+    # An answer about an older hand-off of the request changes nothing.
+    small.settle_overdue({"a": t0 - 5.0}, set(), t0 + 62.0, small_engine, outbox)
+    assert small.requests["a"].parked and not outbox.peer
     # The hand-off did reach the peer before the relay died: it writes and hands
     # back into the void.
     large.on_peer(sent, large_engine, Outbox())
@@ -233,9 +236,9 @@ def test_a_silent_relay_never_strands_a_request_or_a_copy() -> None:
     assert isinstance(answer, PeerReq) and answer.to_model == 0
     # Overdue again and the relay no longer answers: the origin resumes alone and
     # releases the peers.
-    assert small.overdue_origins(t0 + 62.0, 30.0) == ["a"]
+    assert small.overdue_origins(t0 + 62.0, 30.0) == {"a": t0 + 31.0}
     outbox = Outbox()
-    small.settle_overdue(["a"], set(), t0 + 62.0, small_engine, outbox)
+    small.settle_overdue({"a": t0 + 31.0}, set(), t0 + 62.0, small_engine, outbox)
     assert [type(m) for m in outbox.peer] == [PeerRelease]
     assert small.num_peer_failures == 1 and not small.requests["a"].parked
     late_delivered = False

@@ -445,25 +445,35 @@ class TokenRouting:
     # restarted answers nothing. The worker service asks it (PeerQuery) about origin
     # requests away longer than `origin_wait_s` and settles them with its answer.
 
-    def overdue_origins(self, now_s: float, origin_wait_s: float) -> list[str]:
-        """Origin requests away at a peer for longer than `origin_wait_s`."""
-        return [
-            rid
+    def overdue_origins(self, now_s: float, origin_wait_s: float) -> dict[str, float]:
+        """Origin requests away at a peer for longer than `origin_wait_s`, each with the
+        time its hand-off left (which names the hand-off asked about)."""
+        return {
+            rid: t.parked_at_s
             for rid, t in self.requests.items()
             if t.parked and t.is_origin and now_s - t.parked_at_s > origin_wait_s
-        ]
+        }
 
     def settle_overdue(
-        self, asked: list[str], pending: set[str], now_s: float, engine: Any, outbox: Outbox
+        self,
+        asked: dict[str, float],
+        pending: set[str],
+        now_s: float,
+        engine: Any,
+        outbox: Outbox,
     ) -> None:
-        """Apply the relay's answer about overdue requests (`pending`: those it is still
-        timing; an empty set when it did not answer). A pending one waits another
-        origin_wait_s; any other one still away comes back: the origin finishes it
-        alone, as after a failed hand-back, and releases the peers' copies (if a relay
-        carries the release). Requests that came back meanwhile are left alone."""
-        for rid in asked:
+        """Apply the relay's answer about overdue requests (`asked`: overdue_origins at
+        the time of asking; `pending`: those the relay is still timing, an empty set
+        when it did not answer). A pending one waits another origin_wait_s; any other
+        one still away on the same hand-off comes back: the origin finishes it alone,
+        as after a failed hand-back, and releases the peers' copies (if a relay carries
+        the release). Requests that came back meanwhile, or left again on a newer
+        hand-off, are left alone."""
+        for rid, left_at_s in asked.items():
             tracked = self.requests.get(rid)
             if tracked is None or not tracked.parked or not tracked.is_origin:
+                continue
+            if tracked.parked_at_s != left_at_s:  # back and away again since we asked
                 continue
             if rid in pending:
                 tracked.parked_at_s = now_s
