@@ -3,9 +3,9 @@
 `kernel.py` is plain, fully typed Python; mypyc (part of mypy) compiles it
 unchanged into a C extension that runs the same code about twice as fast (the
 SFS decision path, `just bench-sfs --parts 4`, prints which one ran). The build
-lives in the cache directory under a key made of the interpreter's ABI tag and the
-SHA-256 of kernel.py, so a stale build can never load: after an edit the key
-changes and the plain module runs until the next build.
+lives in the cache directory under a key made of the interpreter's ABI tag and a
+SHA-256 of kernel.py and mypy's version, so a stale build can never load: after an
+edit the key changes and the plain module runs until the next build.
 
     python -m services.estimator.sfs build-native  # compile (./baton install does it)
     python -m services.estimator.sfs kernel        # which kernel loads, and why
@@ -119,4 +119,3 @@ def load() -> tuple[ModuleType, str]:
 IMPL, IMPL_NOTE = load()
 NATIVE = IMPL is not kernel
 KernelStateImpl = cast("type[kernel.KernelState]", IMPL.KernelState)
-RunResultImpl = cast("type[kernel.RunResult]", IMPL.RunResult)
