@@ -23,6 +23,11 @@ lint:
     ./baton ruff check services shared loadgen scripts tests
     ./baton mypy services shared loadgen scripts
 
+# compile the SFS replay kernel with mypyc (./baton does it at install), then say which loads
+native:
+    ./baton python -m services.estimator.sfs build-native
+    ./baton python -m services.estimator.sfs kernel
+
 # build the smaller SmolLM2 family members (models/*.safetensors) by distillation
 models *args:
     ./baton python scripts/build_models.py "$@"
