@@ -85,6 +85,7 @@ class WorkerService:
         # Prompt tokens admitted since the last step: the size of an inline step's prefill.
         self._num_new_prompt_tokens = 0
         self._last_step_s = float("inf")  # wall time of the last step
+        self._dtype: str | None = None  # set when the engine loads
         self._next_expiry_s = 0.0  # monotonic time of the next relay-silence check
         self._relay_query: asyncio.Task[None] | None = None  # a PeerQuery in flight
         # the relay's answer, applied by the loop: (asked ids with the time their
@@ -123,11 +124,12 @@ class WorkerService:
     async def _start(self) -> None:
         t0 = time.perf_counter()
         self._engine = await asyncio.to_thread(self._engine_factory, self.cfg)
-        engine_config = getattr(self._engine, "config", None)  # the sim engine has none
+        # the dtype the engine runs (None for the sim engine, which has no torch config)
+        self._dtype = getattr(getattr(self._engine, "config", None), "resolved_dtype", None)
         log.info(
             "engine_loaded",
             model=self.cfg.model,
-            dtype=getattr(engine_config, "resolved_dtype", None),
+            dtype=self._dtype,
             seconds=round(time.perf_counter() - t0, 2),
         )
         await self._bus.connect()
@@ -162,7 +164,7 @@ class WorkerService:
         )
         await self._link.start()
         log.info("token_routing_ready", presets=sorted(self.routing.policies))
-        serving = getattr(getattr(self._engine, "config", None), "resolved_dtype", None)
+        serving = self._dtype
         for preset, policy in self.routing.policies.items():
             meta = getattr(policy, "meta", {})
             trained = meta.get("dtype")

@@ -434,11 +434,16 @@ class TokenRouting:
             engine.abort_request(msg.request_id)
             del self.requests[msg.request_id]
             return
+        self._finish_alone(msg.request_id, tracked, time.monotonic(), engine)
+
+    def _finish_alone(self, rid: str, tracked: Tracked, now_s: float, engine: Any) -> None:
+        """The origin gives up on its peers: routing off, and a request parked at a
+        peer runs here again (later answers are dropped, see on_peer)."""
         tracked.routing_off = True
         if tracked.parked:
             tracked.parked = False
-            tracked.ready_since_s = time.monotonic()
-            engine.resume_request(msg.request_id, [])
+            tracked.ready_since_s = now_s
+            engine.resume_request(rid, [])
 
     # -- safety nets for a relay that is itself gone ----------------------------------
     # The relay bounds every hand-off with its peer timeout, but a relay that died or
@@ -482,10 +487,7 @@ class TokenRouting:
                 "peer_silent", request_id=rid, waited_s=round(now_s - tracked.parked_at_s, 1)
             )
             self.num_peer_failures += 1
-            tracked.routing_off = True
-            tracked.parked = False
-            tracked.ready_since_s = now_s
-            engine.resume_request(rid, [])
+            self._finish_alone(rid, tracked, now_s, engine)
             outbox.peer.append(
                 PeerRelease(request_id=rid, preset=tracked.preset, origin_instance=self.instance_id)
             )
