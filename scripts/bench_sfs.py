@@ -914,15 +914,15 @@ async def _decision_async(
         ]
         # The kernel that runs (its mypyc build where one exists), then the plain
         # module side by side, swapped in where the replay instantiates it.
-        impls = [("native", native.IMPL.KernelState)] if native.NATIVE else []
-        impls.append(("plain", kernel.KernelState))
+        impls = [("native", native.IMPL)] if native.NATIVE else []
+        impls.append(("plain", kernel))
         runs: dict[str, dict[str, Any]] = {}
         try:
             for name, impl in impls:
-                replay.KernelStateImpl = impl
+                replay.kernel_impl = impl
                 runs[name] = await _decision_runs(args, store, pool, random.Random(args.seed), name)
         finally:
-            replay.KernelStateImpl = native.IMPL.KernelState
+            replay.kernel_impl = native.IMPL
     finally:
         await store.close()
     out = runs[impls[0][0]]

@@ -16,7 +16,7 @@ from services.estimator.sfs.replay import OutputPolicy, kernel_state
 from services.worker.engine.sim import SimEngineConfig
 from shared.sampling import SamplingParams
 from shared.scheduling.lengths import LengthRatios
-from shared.scheduling.snapshot import take_snapshot
+from shared.scheduling.snapshot import RequestCounters, WorkloadSnapshot, take_snapshot
 from tests.estimator_sfs.builders import make_scheduler
 
 
@@ -122,23 +122,47 @@ def test_measured_ratios_remove_most_of_the_bias_of_noisy_length_predictions(see
     assert abs(measured) < abs(bare) / 2, (bare, measured)
 
 
-def test_vectorised_targets_equal_the_scalar_rule() -> None:
-    """kernel_state uses ratio_targets (numpy), replay_exact and the ledger use target:
-    the same integers, half-way roundings and caps below the prediction included."""
+def _queued(rows: list[tuple[int, int, int, str]]) -> WorkloadSnapshot:
+    """A snapshot whose requests all wait (preempted ones with output, no KV held)."""
+    return WorkloadSnapshot(
+        version=1,
+        wall_time_s=0.0,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        block_size=16,
+        num_kv_blocks=1024,
+        num_free_blocks=1024,
+        max_model_len=4096,
+        waiting=[
+            RequestCounters(rid, i, 10, out, 0, cap, pred)
+            for i, (pred, cap, out, rid) in enumerate(rows)
+        ],
+    )
+
+
+def test_parsed_targets_equal_the_scalar_rule(kernel_impl: str) -> None:
+    """kernel_state computes every request's end in the kernel (compiled with it);
+    replay_exact and the ledger use OutputPolicy.target: the same integers, half-way
+    roundings, caps below the prediction and requests past every end included."""
     rng = random.Random(5)
     for _ in range(300):
         p = OutputPolicy(length_ratios=tuple(rng.uniform(0.3, 2.5) for _ in range(8)))
         n = rng.randint(1, 40)
-        pred = [rng.randint(1, 300) for _ in range(n)]
-        caps = [rng.randint(1, 300) for _ in range(n)]
-        outs = [rng.randint(0, 400) for _ in range(n)]
-        ids = [f"r{rng.randint(0, 10**6)}" for _ in range(n)]
-        want = [p.target(*row) for row in zip(pred, caps, outs, ids, strict=True)]
-        assert p.ratio_targets(pred, caps, outs, ids) == want
+        rows = [
+            (
+                rng.randint(1, 300),
+                rng.randint(1, 300),
+                rng.randint(0, 400),
+                f"r{rng.randint(0, 10**6)}",
+            )
+            for _ in range(n)
+        ]
+        want = [p.target(*row) for row in rows]
+        assert kernel_state(_queued(rows), p, group=False).target == want
     half = OutputPolicy(length_ratios=(0.5, 1.5))  # 5 x 0.5 = 2.5 -> 2, 5 x 1.5 = 7.5 -> 8
-    keys = [f"k{i}" for i in range(20)]
-    ends = {half.target(5, 100, 0, k) for k in keys}
-    assert ends == {2, 8} == set(half.ratio_targets([5] * 20, [100] * 20, [0] * 20, keys))
+    rows = [(5, 100, 0, f"k{i}") for i in range(20)]
+    ends = {half.target(*row) for row in rows}
+    assert ends == {2, 8} == set(kernel_state(_queued(rows), half, group=False).target)
 
 
 def test_an_engine_records_finished_requests_but_not_aborted_ones() -> None:

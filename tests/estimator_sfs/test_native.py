@@ -61,8 +61,8 @@ def test_built_kernel_loads_and_replays_as_the_plain_one(
         snap = take_snapshot(random_live(rng, predicted=trial % 2 == 0), trial, 0.0)
         probe = Probe(rng.randint(1, 70), rng.randint(1, 30), 50)
         results = []
-        for impl in (kernel.KernelState, module.KernelState):
-            monkeypatch.setattr(replay, "KernelStateImpl", impl)
-            assert type(kernel_state(snap, policy)) is impl
+        for impl in (kernel, module):
+            monkeypatch.setattr(replay, "kernel_impl", impl)
+            assert type(kernel_state(snap, policy)) is impl.KernelState
             results.append(estimate(snap, MODEL, probe, want_e2e=True, policy=policy))
         assert results[0] == results[1], trial

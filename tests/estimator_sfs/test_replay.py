@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-from services.estimator.sfs import kernel, native, replay
 from services.estimator.sfs.batch_time import FOUR_TERM, SEVEN_TERM, SIX_TERM, BatchTimeModel
 from services.estimator.sfs.replay import (
     PROBE_ID,
@@ -26,19 +25,6 @@ from shared.scheduling.snapshot import take_snapshot
 from tests.estimator_sfs.builders import MODEL, as_pairs, make_scheduler, random_live, step
 
 RUN_TO_MAX = OutputPolicy(default_output_tokens=10**6)  # no prediction: run to max_tokens
-
-
-@pytest.fixture(params=["plain", "native"])
-def kernel_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run the test on the plain kernel module and on its mypyc build (which
-    `./baton install` compiles; skipped where none exists for this kernel.py)."""
-    if request.param == "native":
-        if not native.NATIVE:
-            pytest.skip(native.IMPL_NOTE)
-        monkeypatch.setattr(replay, "KernelStateImpl", native.IMPL.KernelState)
-    else:
-        monkeypatch.setattr(replay, "KernelStateImpl", kernel.KernelState)
-    return str(request.param)
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -11,8 +11,9 @@ edit the key changes and the plain module runs until the next build.
     python -m services.estimator.sfs kernel        # which kernel loads, and why
 
 `BATON_NATIVE=0` forces the plain module (to compare the two, or to debug).
-Everything that replays imports the classes from here: `KernelStateImpl` is the
-class to instantiate; annotations keep naming `kernel.KernelState`.
+Everything that replays takes the kernel from here: `IMPL` is the module to call
+(its `build_state` makes a snapshot's state); annotations keep naming
+`kernel.KernelState`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import sysconfig
 import tempfile
 from pathlib import Path
 from types import ModuleType
-from typing import cast
 
 from services.estimator.sfs import kernel
 from shared.config import Env
@@ -118,4 +118,3 @@ def load() -> tuple[ModuleType, str]:
 
 IMPL, IMPL_NOTE = load()
 NATIVE = IMPL is not kernel
-KernelStateImpl = cast("type[kernel.KernelState]", IMPL.KernelState)

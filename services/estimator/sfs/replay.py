@@ -32,16 +32,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
 from services.estimator.sfs.batch_time import BatchTimeModel
 from services.estimator.sfs.kernel import KernelState, RunResult
-from services.estimator.sfs.native import KernelStateImpl
+from services.estimator.sfs.native import IMPL as kernel_impl  # this module or its build
 from shared.scheduling.snapshot import WorkloadSnapshot, restore_scheduler
 
 PROBE_ID = "__sfs_probe__"
@@ -141,29 +138,6 @@ class OutputPolicy:
                 return alive[ratio_draw(request_id) % len(alive)]
         return max(t, num_output + self.min_remaining_tokens)
 
-    def ratio_targets(
-        self,
-        predicted: Sequence[int],
-        max_tokens: Sequence[int],
-        num_output: Sequence[int],
-        request_ids: Sequence[str],
-    ) -> list[int]:
-        """`target` with `length_ratios` for many predicted requests at once (numpy:
-        a 64-request snapshot in tens of microseconds, where the loop takes ~0.5 ms).
-        Same integers as `target` (rint and round both round half to even; the ends
-        ascend with the ratios, so the ones still ahead are a suffix)."""
-        r = np.asarray(self.length_ratios, dtype=np.float64)
-        t = np.minimum(np.maximum(np.asarray(predicted, dtype=np.float64), 1.0), max_tokens)
-        caps = np.asarray(max_tokens, dtype=np.float64)[:, None]
-        out = np.asarray(num_output, dtype=np.float64)
-        ends = np.minimum(np.maximum(np.rint(t[:, None] * r[None, :]), 1.0), caps)
-        count = (ends > out[:, None]).sum(axis=1)
-        draws = np.asarray([ratio_draw(k) for k in request_ids], dtype=np.int64)
-        pick = len(r) - count + draws % np.maximum(count, 1)
-        chosen = ends[np.arange(len(t)), np.minimum(pick, len(r) - 1)]
-        past = np.maximum(t, out + self.min_remaining_tokens)  # past every ratio's end
-        return [int(x) for x in np.where(count > 0, chosen, past)]
-
 
 @dataclass(frozen=True, slots=True)
 class ReplayEstimate:
@@ -189,62 +163,34 @@ def kernel_state(
     """The snapshot's scheduler state as kernel counters (no ledger, no probe).
 
     `group` forms the lazy decode group at once (see `kernel`); False keeps every
-    request stepped one by one (the tests' plain mirror of `Scheduler`).
+    request stepped one by one (the tests' plain mirror of `Scheduler`). The columns
+    go to `kernel.build_state`, compiled with the kernel where its build loads.
     """
     policy = policy.for_snapshot(snapshot)
-    bs = snapshot.block_size
-    # Pending requests hold KV and count against the running cap; the replay never
-    # resumes them, so the cap left to running requests is fixed.
-    cap = max(0, snapshot.max_num_seqs - len(snapshot.pending))
-    st = KernelStateImpl(cap, snapshot.max_num_batched_tokens, bs, 0)
-    dflt, extra = policy.default_output_tokens, policy.min_remaining_tokens
     order = (*snapshot.running, *snapshot.pending, *snapshot.waiting)
-    num_held = len(snapshot.running) + len(snapshot.pending)
-    # Column-wise comprehensions with conditional expressions: no per-request calls,
-    # this runs once per snapshot per instance.
-    prompts = [c.num_prompt_tokens for c in order]
-    outs = [c.num_output_tokens for c in order]
-    comps = [c.num_computed_tokens for c in order]
-    caps = [c.max_tokens for c in order]
-    # As restore_scheduler: blocks for every token while prefilling, else for computed.
-    helds = [
-        c.num_blocks
-        if c.num_blocks is not None
-        else -(-(p + o if p + o - k > 1 or o == 0 else k) // bs)
-        for c, p, o, k in zip(
-            order[:num_held], prompts[:num_held], outs[:num_held], comps[:num_held], strict=True
-        )
-    ]
-    used = sum(helds)
-    helds += [0] * (len(order) - num_held)
-    # OutputPolicy.target, inlined: clamp(prediction or default, 1, max_tokens), > output.
-    wanted = [
-        dflt if c.predicted_output_tokens is None else c.predicted_output_tokens for c in order
-    ]
-    wanted = [(1 if t < 1 else t) for t in wanted]
-    wanted = [(m if t > m else t) for t, m in zip(wanted, caps, strict=True)]
-    targets = [(o + extra if t < o + extra else t) for t, o in zip(wanted, outs, strict=True)]
-    if policy.length_ratios:  # an end drawn per request from the ratios (OutputPolicy)
-        rows = [i for i, c in enumerate(order) if c.predicted_output_tokens is not None]
-        if rows:
-            ends = policy.ratio_targets(
-                [order[i].predicted_output_tokens or 0 for i in rows],
-                [caps[i] for i in rows],
-                [outs[i] for i in rows],
-                [order[i].request_id for i in rows],
-            )
-            for i, e in zip(rows, ends, strict=True):
-                targets[i] = e
-    if used > snapshot.num_kv_blocks:
-        raise ValueError(f"snapshot v{snapshot.version} holds more KV than its capacity")
-    st.free = snapshot.num_kv_blocks - used
-    st.ids = [c.request_id for c in order]
-    st.prompt, st.out, st.comp, st.held, st.target = prompts, outs, comps, helds, targets
-    num_running, num_pending = len(snapshot.running), len(snapshot.pending)
-    st.running = list(range(num_running))
-    st.waiting = deque(range(num_running + num_pending, len(order)))
-    if group:
-        st.absorb()  # parse once, group once: cached states start grouped
+    # One comprehension a column: no per-request calls (a 64-request snapshot, parsed
+    # once per instance per new version).
+    st: KernelState = kernel_impl.build_state(
+        (
+            snapshot.max_num_seqs,
+            snapshot.max_num_batched_tokens,
+            snapshot.block_size,
+            snapshot.num_kv_blocks,
+        ),
+        len(snapshot.running),
+        len(snapshot.pending),
+        [c.request_id for c in order],
+        [c.num_prompt_tokens for c in order],
+        [c.num_output_tokens for c in order],
+        [c.num_computed_tokens for c in order],
+        [c.max_tokens for c in order],
+        [-1 if (p := c.predicted_output_tokens) is None else p for c in order],
+        [-1 if (b := c.num_blocks) is None else b for c in order],
+        policy.default_output_tokens,
+        policy.min_remaining_tokens,
+        list(policy.length_ratios),
+        group,
+    )
     return st
 
 
