@@ -478,7 +478,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         now = clock()
         now_wall = time.time()
         age = now_wall - snap.wall_time_s
-        visible = {c.request_id for g in (snap.running, snap.waiting, snap.pending) for c in g}
+        visible = set(snap.request_ids)
         unseen = [
             (t_add, e)
             for rid2, (t_add, e) in submitted.items()
@@ -1024,9 +1024,7 @@ async def _decision_runs(
                 snap = dec.decode(blob.data)
                 state.snapshot, state.snapshot_key = snap, (blob.version, blob.wall_time_s)
                 state.snapshot_wall_time_s = blob.wall_time_s
-                state.visible = {
-                    c.request_id for g in (snap.running, snap.waiting, snap.pending) for c in g
-                }
+                state.visible = set(snap.request_ids)
                 ledger.reconcile(state.instance_id, state.visible)
                 latency.prepare(state)
             t_parsed, c_parsed = time.perf_counter(), time.thread_time()

@@ -227,14 +227,17 @@ class EstimatorService:
             key = (blob.version, blob.wall_time_s)
             if key == state.snapshot_key:
                 continue
-            snapshot = _SNAPSHOT_DECODER.decode(blob.data)
+            try:
+                snapshot = _SNAPSHOT_DECODER.decode(blob.data)
+            except msgspec.DecodeError as exc:  # as missing: the last one read ages out
+                if not state.snapshot_error:
+                    log.warning("snapshot_undecodable", instance_id=iid, error=str(exc))
+                state.snapshot_error = str(exc)
+                continue
+            state.snapshot_error = ""
             state.snapshot, state.snapshot_key = snapshot, key
             state.snapshot_wall_time_s = blob.wall_time_s
-            state.visible = {
-                r.request_id
-                for group in (snapshot.running, snapshot.waiting, snapshot.pending)
-                for r in group
-            }
+            state.visible = set(snapshot.request_ids)
             if shared:
                 self.shared_ledger.reconcile(iid, state.visible, now_wall)
             else:

@@ -75,6 +75,7 @@ class GatewayService:
         self._refresh_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._fitted: dict[str, str] = {}  # instance -> feature set of its MAPE gauge
+        self._undecodable: set[str] = set()  # instances whose snapshot does not decode
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -153,14 +154,22 @@ class GatewayService:
                 with contextlib.suppress(KeyError):
                     self.metrics.batch_time_fit_mape.remove(gone, fitted)
         self.workers = live
+        self._undecodable.intersection_update(live)
         self.metrics.live_workers.set(sum(not w.is_draining for w in live.values()))
         snapshots = await self.store.read_snapshots(list(live))
         for iid, blob in snapshots.items():
             if blob is None:
                 continue
-            snap = _SNAPSHOT_DECODER.decode(blob.data)
-            self.metrics.instance_requests.labels(iid, "running").set(len(snap.running))
-            self.metrics.instance_requests.labels(iid, "waiting").set(len(snap.waiting))
+            try:
+                snap = _SNAPSHOT_DECODER.decode(blob.data)
+            except msgspec.DecodeError as exc:  # as missing (another layout, corrupt)
+                if iid not in self._undecodable:
+                    log.warning("snapshot_undecodable", instance_id=iid, error=str(exc))
+                self._undecodable.add(iid)
+                continue
+            self._undecodable.discard(iid)
+            self.metrics.instance_requests.labels(iid, "running").set(snap.num_running)
+            self.metrics.instance_requests.labels(iid, "waiting").set(snap.num_waiting)
         for iid, cal_blob in (await self.store.read_calibrations(list(live))).items():
             if cal_blob is None:
                 continue

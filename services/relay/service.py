@@ -53,6 +53,7 @@ class RelayService:
         self.books = RelayBooks(self.settings.peer_timeout_s, self._pick, self._alive)
         self.workers: dict[str, WorkerInfo] = {}
         self.load: dict[str, int] = {}  # instance -> requests in its snapshot + sent since
+        self._undecodable: set[str] = set()  # instances whose snapshot does not decode
         self._stop = asyncio.Event()
 
     def request_stop(self) -> None:
@@ -79,12 +80,20 @@ class RelayService:
 
     async def _refresh(self) -> None:
         self.workers = {w.instance_id: w for w in await self.store.live_workers()}
+        self._undecodable.intersection_update(self.workers)
         blobs = await self.store.read_snapshots(list(self.workers))
         for iid, blob in blobs.items():
             if blob is None:
                 continue
-            snap = _SNAPSHOT_DECODER.decode(blob.data)
-            self.load[iid] = len(snap.running) + len(snap.waiting) + len(snap.pending)
+            try:
+                snap = _SNAPSHOT_DECODER.decode(blob.data)
+            except msgspec.DecodeError as exc:  # as missing (another layout, corrupt)
+                if iid not in self._undecodable:
+                    log.warning("snapshot_undecodable", instance_id=iid, error=str(exc))
+                self._undecodable.add(iid)
+                continue
+            self._undecodable.discard(iid)
+            self.load[iid] = snap.num_requests
 
     async def _query(self, query: PeerQuery) -> PeerQueryReply:
         return PeerQueryReply(pending=self.books.pending(query.request_ids))

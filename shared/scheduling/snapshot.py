@@ -1,12 +1,16 @@
 """Workload snapshots and batch-time samples: what an engine publishes about itself.
 
-A snapshot is everything the scheduler knows, as counters, so that the estimator
-can rebuild the same scheduler state (`restore_scheduler`) and replay it forward.
+A snapshot is everything the scheduler knows, as counters (a column each, a row per
+request: `WorkloadSnapshot` says why), so that the estimator can rebuild the same
+scheduler state (`restore_scheduler`) and replay it forward.
 Batch samples are (composition, measured wall time) pairs for fitting the
 batch-time model (DESIGN.md, "Batch-time model").
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
 
 import msgspec
 
@@ -15,11 +19,11 @@ from shared.scheduling.scheduler import ScheduledBatch, Scheduler, SchedulerConf
 
 
 class RequestCounters(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """One request as the scheduler sees it (array_like: snapshots are written per step).
+    """One request as the scheduler sees it: a row of a `WorkloadSnapshot`.
 
-    gc=False: only str, int and None fields, so never part of a reference cycle;
-    untracked by the garbage collector, a 64-request snapshot decodes ~15% faster
-    (12.9 vs 15.1 us) and a reader's many snapshots stop feeding gen-0 collections."""
+    Not on the wire (the snapshot travels as columns); the row view for readers
+    off the decision path and for tests (`WorkloadSnapshot.running` etc., `from_rows`).
+    gc=False: only str, int and None fields, so never part of a reference cycle."""
 
     request_id: str
     arrival_seq: int  # admission/fairness order
@@ -28,11 +32,41 @@ class RequestCounters(msgspec.Struct, array_like=True, frozen=True, gc=False):
     num_computed_tokens: int  # tokens with KV in the cache
     max_tokens: int  # new tokens allowed
     predicted_output_tokens: int | None = None  # estimator hint, tokens
-    num_blocks: int | None = None  # KV blocks held (None in snapshots from older writers)
+    # KV blocks held; always set in rows read from a snapshot. None in a row given to
+    # `WorkloadSnapshot.from_rows`: what the scheduler's allocation holds (see there)
+    num_blocks: int | None = None
+
+
+_COLUMNS = (
+    "request_ids",
+    "arrival_seqs",
+    "prompt_tokens",
+    "output_tokens",
+    "computed_tokens",
+    "max_tokens",
+    "predicted_output_tokens",
+    "num_blocks",
+)
 
 
 class WorkloadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
-    """The scheduler state of one instance after an iteration."""
+    """The scheduler state of one instance after an iteration.
+
+    Requests are columns, one row a request, rows in the replay's slot order: the
+    `num_running` running ones (admission order, oldest first), then the
+    `num_pending` pending ones (parked while a peer writes), then the waiting ones
+    (queue order, head first). Columns, not a list of per-request structs, because
+    the estimator parses every new snapshot into the same columns (`replay.kernel_state`,
+    13 instances per decision in the worst case): reading ~65 structs' attributes
+    cost ~8 us per snapshot even compiled, the columns are a few list copies. Rows
+    for everything else: `running`, `pending`, `waiting` and `from_rows`.
+
+    Older writers (per-request rows in `running` / `waiting` / `pending` lists) do not
+    decode into this struct (no `num_running`, a required field for that reason:
+    msgspec skips unknown fields, and with a default such a snapshot would read as an
+    idle instance); readers treat an undecodable snapshot as missing. Column lengths
+    and counts are checked on construction and decode (`msgspec.ValidationError`).
+    """
 
     version: int  # monotonic per instance
     wall_time_s: float  # time.time() when taken
@@ -42,18 +76,124 @@ class WorkloadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     num_kv_blocks: int
     num_free_blocks: int
     max_model_len: int  # tokens
-    running: list[RequestCounters] = []  # admission order, oldest first
-    waiting: list[RequestCounters] = []  # queue order, head first
-    pending: list[RequestCounters] = []  # parked while a peer writes
+    num_running: int  # rows [0, num_running)
+    num_pending: int  # rows [num_running, num_running + num_pending); waiting: the rest
+    request_ids: list[str] = []
+    arrival_seqs: list[int] = []  # admission/fairness order
+    prompt_tokens: list[int] = []  # tokens
+    output_tokens: list[int] = []  # tokens sampled so far
+    computed_tokens: list[int] = []  # tokens with KV in the cache
+    max_tokens: list[int] = []  # new tokens allowed
+    predicted_output_tokens: list[int] = []  # estimator hint, tokens; -1: none
+    num_blocks: list[int] = []  # KV blocks held; 0 for waiting rows
     batch_time_features: str = ""  # name of the feature set of batch_time_coefs
     batch_time_coefs: list[float] = []  # seconds per feature unit, publisher's calibration
     # quantiles of actual / predicted output length of requests finished here lately
     # (shared.scheduling.lengths); [] until enough of them had a prediction
     output_length_ratios: list[float] = []
 
+    def __post_init__(self) -> None:
+        n = len(self.request_ids)
+        if not (
+            len(self.arrival_seqs)
+            == len(self.prompt_tokens)
+            == len(self.output_tokens)
+            == len(self.computed_tokens)
+            == len(self.max_tokens)
+            == len(self.predicted_output_tokens)
+            == len(self.num_blocks)
+            == n
+        ):
+            lengths = ", ".join(f"{name} {len(getattr(self, name))}" for name in _COLUMNS)
+            raise ValueError(f"snapshot columns of unequal length: {lengths}")
+        if self.num_running < 0 or self.num_pending < 0 or self.num_running + self.num_pending > n:
+            raise ValueError(
+                f"snapshot counts num_running={self.num_running}, "
+                f"num_pending={self.num_pending} do not fit its {n} rows"
+            )
+
+    @classmethod
+    def from_rows(
+        cls,
+        *,
+        running: Iterable[RequestCounters] = (),
+        waiting: Iterable[RequestCounters] = (),
+        pending: Iterable[RequestCounters] = (),
+        **fields: Any,
+    ) -> WorkloadSnapshot:
+        """A snapshot from per-request rows (tests, tools); `fields` are the others.
+
+        A running or pending row without `num_blocks` gets the blocks the scheduler's
+        allocation holds for it: every token of the sequence while it prefills, else
+        the computed ones (needs `block_size`); a waiting row without them holds none.
+        """
+        run, pend, wait = list(running), list(pending), list(waiting)
+        block_size: int | None = fields.get("block_size")
+        rows = [*run, *pend, *wait]
+        num_held = len(run) + len(pend)
+        blocks: list[int] = []
+        for i, c in enumerate(rows):
+            b = c.num_blocks
+            if b is None and i < num_held:
+                if block_size is None:
+                    raise TypeError("from_rows needs block_size for a row without num_blocks")
+                p, o = c.num_prompt_tokens, c.num_output_tokens
+                prefilling = p + o - c.num_computed_tokens > 1 or o == 0
+                b = -(-(p + o if prefilling else c.num_computed_tokens) // block_size)
+            blocks.append(0 if b is None else b)
+        return cls(
+            num_running=len(run),
+            num_pending=len(pend),
+            request_ids=[c.request_id for c in rows],
+            arrival_seqs=[c.arrival_seq for c in rows],
+            prompt_tokens=[c.num_prompt_tokens for c in rows],
+            output_tokens=[c.num_output_tokens for c in rows],
+            computed_tokens=[c.num_computed_tokens for c in rows],
+            max_tokens=[c.max_tokens for c in rows],
+            predicted_output_tokens=[
+                -1 if c.predicted_output_tokens is None else c.predicted_output_tokens for c in rows
+            ],
+            num_blocks=blocks,
+            **fields,
+        )
+
+    def _rows(self, start: int, stop: int) -> list[RequestCounters]:
+        return [
+            RequestCounters(
+                self.request_ids[i],
+                self.arrival_seqs[i],
+                self.prompt_tokens[i],
+                self.output_tokens[i],
+                self.computed_tokens[i],
+                self.max_tokens[i],
+                None if (p := self.predicted_output_tokens[i]) < 0 else p,
+                self.num_blocks[i],
+            )
+            for i in range(start, stop)
+        ]
+
+    @property
+    def running(self) -> list[RequestCounters]:
+        """Running rows, admission order (built on each call: not for hot paths)."""
+        return self._rows(0, self.num_running)
+
+    @property
+    def pending(self) -> list[RequestCounters]:
+        """Pending rows (built on each call)."""
+        return self._rows(self.num_running, self.num_running + self.num_pending)
+
+    @property
+    def waiting(self) -> list[RequestCounters]:
+        """Waiting rows, queue order (built on each call)."""
+        return self._rows(self.num_running + self.num_pending, len(self.request_ids))
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.request_ids) - self.num_running - self.num_pending
+
     @property
     def num_requests(self) -> int:
-        return len(self.running) + len(self.waiting) + len(self.pending)
+        return len(self.request_ids)
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -81,21 +221,9 @@ class BatchSample(msgspec.Struct, array_like=True, frozen=True):
     ] = []  # per prefill chunk (as chunk_sizes), context after the step
 
 
-def _counters(req: SchedRequest) -> RequestCounters:
-    return RequestCounters(
-        req.request_id,
-        req.arrival_seq,
-        req.num_prompt_tokens,
-        req.num_output_tokens,
-        req.num_computed_tokens,
-        req.max_tokens,
-        req.predicted_output_tokens,
-        len(req.block_ids),
-    )
-
-
 def take_snapshot(scheduler: Scheduler, version: int, wall_time_s: float) -> WorkloadSnapshot:
     cfg = scheduler.config
+    reqs = [*scheduler.running, *scheduler.pending.values(), *scheduler.waiting]
     return WorkloadSnapshot(
         version=version,
         wall_time_s=wall_time_s,
@@ -105,9 +233,18 @@ def take_snapshot(scheduler: Scheduler, version: int, wall_time_s: float) -> Wor
         num_kv_blocks=cfg.num_kv_blocks,
         num_free_blocks=scheduler.blocks.num_free_blocks,
         max_model_len=cfg.max_model_len,
-        running=[_counters(r) for r in scheduler.running],
-        waiting=[_counters(r) for r in scheduler.waiting],
-        pending=[_counters(r) for r in scheduler.pending.values()],
+        num_running=len(scheduler.running),
+        num_pending=len(scheduler.pending),
+        request_ids=[r.request_id for r in reqs],
+        arrival_seqs=[r.arrival_seq for r in reqs],
+        prompt_tokens=[r.num_prompt_tokens for r in reqs],
+        output_tokens=[r.num_output_tokens for r in reqs],
+        computed_tokens=[r.num_computed_tokens for r in reqs],
+        max_tokens=[r.max_tokens for r in reqs],
+        predicted_output_tokens=[
+            -1 if (p := r.predicted_output_tokens) is None else p for r in reqs
+        ],
+        num_blocks=[len(r.block_ids) for r in reqs],
         output_length_ratios=scheduler.length_ratios.quantiles(),
     )
 
@@ -140,38 +277,34 @@ def restore_scheduler(snapshot: WorkloadSnapshot) -> Scheduler:
     Block ids are re-issued (lowest first): the policy depends on block counts only.
     """
     scheduler = Scheduler(snapshot.scheduler_config())
-    groups = (
-        (snapshot.running, RequestStatus.RUNNING),
-        (snapshot.pending, RequestStatus.PENDING),
-        (snapshot.waiting, RequestStatus.WAITING),
-    )
-    for counters_list, status in groups:
-        for c in counters_list:
-            req = SchedRequest(
-                c.request_id,
-                c.num_prompt_tokens,
-                c.max_tokens,
-                c.arrival_seq,
-                num_output_tokens=c.num_output_tokens,
-                num_computed_tokens=c.num_computed_tokens,
-                status=status,
-                predicted_output_tokens=c.predicted_output_tokens,
-            )
-            scheduler.requests[req.request_id] = req
-            if status is RequestStatus.WAITING:
-                scheduler.waiting.append(req)
-                continue
-            if c.num_blocks is not None:
-                scheduler.blocks.grow(req, c.num_blocks * snapshot.block_size)
-            else:
-                # Older writers: admission allocated every token of the sequence and
-                # decodes grow to the computed length.
-                held = req.num_tokens if req.is_prefilling else req.num_computed_tokens
-                scheduler.blocks.grow(req, held)
-            if status is RequestStatus.RUNNING:
-                scheduler.running.append(req)
-            else:
-                scheduler.pending[req.request_id] = req
-    arrivals = [r.arrival_seq for r in scheduler.requests.values()]
-    scheduler._next_arrival = max(arrivals, default=-1) + 1
+    s = snapshot
+    num_running, num_held = s.num_running, s.num_running + s.num_pending
+    for i, rid in enumerate(s.request_ids):
+        if i < num_running:
+            status = RequestStatus.RUNNING
+        elif i < num_held:
+            status = RequestStatus.PENDING
+        else:
+            status = RequestStatus.WAITING
+        predicted = s.predicted_output_tokens[i]
+        req = SchedRequest(
+            rid,
+            s.prompt_tokens[i],
+            s.max_tokens[i],
+            s.arrival_seqs[i],
+            num_output_tokens=s.output_tokens[i],
+            num_computed_tokens=s.computed_tokens[i],
+            status=status,
+            predicted_output_tokens=None if predicted < 0 else predicted,
+        )
+        scheduler.requests[rid] = req
+        if status is RequestStatus.WAITING:
+            scheduler.waiting.append(req)
+            continue
+        scheduler.blocks.grow(req, s.num_blocks[i] * s.block_size)
+        if status is RequestStatus.RUNNING:
+            scheduler.running.append(req)
+        else:
+            scheduler.pending[rid] = req
+    scheduler._next_arrival = max(s.arrival_seqs, default=-1) + 1
     return scheduler

@@ -124,7 +124,7 @@ def test_measured_ratios_remove_most_of_the_bias_of_noisy_length_predictions(see
 
 def _queued(rows: list[tuple[int, int, int, str]]) -> WorkloadSnapshot:
     """A snapshot whose requests all wait (preempted ones with output, no KV held)."""
-    return WorkloadSnapshot(
+    return WorkloadSnapshot.from_rows(
         version=1,
         wall_time_s=0.0,
         max_num_seqs=8,

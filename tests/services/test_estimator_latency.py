@@ -52,7 +52,7 @@ def snapshot(num_running: int, num_waiting: int = 0, wall_time_s: float = 0.0) -
     waiting = [
         RequestCounters(f"w{i}", num_running + i, 500, 0, 0, 64, 64) for i in range(num_waiting)
     ]
-    return WorkloadSnapshot(
+    return WorkloadSnapshot.from_rows(
         version=1,
         wall_time_s=wall_time_s,
         max_num_seqs=4,

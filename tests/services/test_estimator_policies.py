@@ -25,7 +25,7 @@ def info(iid: str) -> WorkerInfo:
 
 def snapshot(num_running: int, free: int = 64) -> WorkloadSnapshot:
     running = [RequestCounters(f"x{i}", i, 10, 1, 11, 10) for i in range(num_running)]
-    return WorkloadSnapshot(
+    return WorkloadSnapshot.from_rows(
         version=1,
         wall_time_s=0.0,
         max_num_seqs=8,

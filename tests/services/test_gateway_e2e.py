@@ -195,7 +195,7 @@ async def test_client_disconnect_frees_kv(stack: Stack) -> None:
     ids: set[str] = {request_id}
     for _ in range(200):
         snap = await snapshot_of(stack, instance_id)
-        ids = {r.request_id for r in (*snap.running, *snap.waiting, *snap.pending)}
+        ids = set(snap.request_ids)
         if request_id not in ids and snap.num_free_blocks == snap.num_kv_blocks:
             break
         await asyncio.sleep(0.05)
@@ -224,7 +224,7 @@ async def test_non_stream_client_disconnect_frees_kv(stack: Stack) -> None:
             if new:
                 request_id, instance_id = new[0].request_id, new[0].instance_id
                 snap = await snapshot_of(stack, instance_id)
-                running = any(r.request_id == request_id for r in snap.running)
+                running = request_id in snap.request_ids[: snap.num_running]
                 if running:
                     break
             await asyncio.sleep(0.01)
@@ -235,7 +235,7 @@ async def test_non_stream_client_disconnect_frees_kv(stack: Stack) -> None:
     ids: set[str] = {request_id}
     for _ in range(200):
         snap = await snapshot_of(stack, instance_id)
-        ids = {r.request_id for r in (*snap.running, *snap.waiting, *snap.pending)}
+        ids = set(snap.request_ids)
         if request_id not in ids and snap.num_free_blocks == snap.num_kv_blocks:
             break
         await asyncio.sleep(0.05)

@@ -37,9 +37,11 @@ def outstanding_prefill_tokens(
 ) -> int:
     """Tokens of the resident set still to prefill (decodes' single token excluded)."""
     total = 0
-    for c in (*snapshot.running, *snapshot.waiting, *snapshot.pending):
-        missing = c.num_prompt_tokens + c.num_output_tokens - c.num_computed_tokens
-        if missing > 1 or c.num_output_tokens == 0:
+    for prompt, out, comp in zip(
+        snapshot.prompt_tokens, snapshot.output_tokens, snapshot.computed_tokens, strict=True
+    ):
+        missing = prompt + out - comp
+        if missing > 1 or out == 0:
             total += missing
     visible = snapshot_ids(snapshot)
     seen: set[str] = set()

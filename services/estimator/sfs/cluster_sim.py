@@ -355,9 +355,7 @@ def simulate_cluster(
             if key == state.snapshot_key:
                 continue
             state.snapshot, state.snapshot_key = snap, key
-            state.visible = {
-                c.request_id for g in (snap.running, snap.waiting, snap.pending) for c in g
-            }
+            state.visible = set(snap.request_ids)
             ledger.reconcile(state.instance_id, state.visible)
             latency.prepare(state)
 

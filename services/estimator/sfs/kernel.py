@@ -88,8 +88,9 @@ def build_state(
     `group` (compiled with the kernel: this runs once per new snapshot per instance).
 
     limits: (max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks). Rows
-    are running, then pending, then waiting requests; `predicted` and `blocks` hold
-    -1 for none. The lists are copied (the state mutates its own). Each request's end
+    are running, then pending, then waiting requests (a snapshot's columns);
+    `predicted` holds -1 for none, `blocks` the KV blocks each running or pending
+    request holds. The lists are copied (the state mutates its own). Each request's end
     is `replay.OutputPolicy.target` with `ratios`: the same integers.
     """
     max_seqs, max_batched, bs, num_kv_blocks = limits
@@ -100,15 +101,9 @@ def build_state(
     # Pending requests hold KV and count against the running cap; the replay never
     # resumes them, so the cap left to running requests is fixed.
     st = KernelState(max(0, max_seqs - num_pending), max_batched, bs, 0)
-    held = [0] * n
-    used = 0
-    for i in range(num_held):
-        b = blocks[i]
-        if b < 0:  # older writers: every token while prefilling, else the computed ones
-            p, o, c = prompt[i], out[i], comp[i]
-            b = -(-(p + o if p + o - c > 1 or o == 0 else c) // bs)
-        held[i] = b
-        used += b
+    held = blocks[:num_held]  # waiting requests hold none
+    used = sum(held)
+    held += [0] * (n - num_held)
     if used > num_kv_blocks:
         raise ValueError(f"the snapshot holds {used} KV blocks, more than its {num_kv_blocks}")
     num_ratios = len(ratios)

@@ -23,7 +23,7 @@ Two implementations of the same replay:
 Request lengths in the replay (`OutputPolicy`): a request finishes when its output
 reaches min(predicted_output_tokens, max_tokens); requests without a prediction use
 `default_output_tokens`; a request already past its prediction is given
-`min_remaining_tokens` more. Requests in the snapshot's `pending` list (a peer is
+`min_remaining_tokens` more. The snapshot's pending requests (a peer is
 writing) keep their KV and are never scheduled in the replay.
 """
 
@@ -153,8 +153,7 @@ class ReplayEstimate:
 
 def snapshot_ids(snapshot: WorkloadSnapshot) -> frozenset[str]:
     """Ids of every request the snapshot shows (running, waiting, pending)."""
-    groups = (snapshot.running, snapshot.waiting, snapshot.pending)
-    return frozenset(c.request_id for g in groups for c in g)
+    return frozenset(snapshot.request_ids)
 
 
 def kernel_state(
@@ -163,13 +162,12 @@ def kernel_state(
     """The snapshot's scheduler state as kernel counters (no ledger, no probe).
 
     `group` forms the lazy decode group at once (see `kernel`); False keeps every
-    request stepped one by one (the tests' plain mirror of `Scheduler`). The columns
-    go to `kernel.build_state`, compiled with the kernel where its build loads.
+    request stepped one by one (the tests' plain mirror of `Scheduler`). The
+    snapshot's columns go to `kernel.build_state` as they are (same row order, -1 for
+    no prediction; it copies what it keeps and reads no waiting row's blocks),
+    compiled with the kernel where its build loads.
     """
     policy = policy.for_snapshot(snapshot)
-    order = (*snapshot.running, *snapshot.pending, *snapshot.waiting)
-    # One comprehension a column: no per-request calls (a 64-request snapshot, parsed
-    # once per instance per new version).
     st: KernelState = kernel_impl.build_state(
         (
             snapshot.max_num_seqs,
@@ -177,15 +175,15 @@ def kernel_state(
             snapshot.block_size,
             snapshot.num_kv_blocks,
         ),
-        len(snapshot.running),
-        len(snapshot.pending),
-        [c.request_id for c in order],
-        [c.num_prompt_tokens for c in order],
-        [c.num_output_tokens for c in order],
-        [c.num_computed_tokens for c in order],
-        [c.max_tokens for c in order],
-        [-1 if (p := c.predicted_output_tokens) is None else p for c in order],
-        [-1 if (b := c.num_blocks) is None else b for c in order],
+        snapshot.num_running,
+        snapshot.num_pending,
+        snapshot.request_ids,
+        snapshot.prompt_tokens,
+        snapshot.output_tokens,
+        snapshot.computed_tokens,
+        snapshot.max_tokens,
+        snapshot.predicted_output_tokens,
+        snapshot.num_blocks,
         policy.default_output_tokens,
         policy.min_remaining_tokens,
         list(policy.length_ratios),
