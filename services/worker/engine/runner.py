@@ -81,13 +81,12 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
-        # K^T and V per block (model.AttentionPlan has why).
-        k_shape = (num_blocks, cfg.num_key_value_heads, cfg.head_dim, block_size)
-        v_shape = (num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim)
+        # KV head outermost, then block, token, dim (model.AttentionPlan has why).
+        shape = (cfg.num_key_value_heads, num_blocks, block_size, cfg.head_dim)
         self.kv_caches = [
             (
-                torch.zeros(k_shape, dtype=self.dtype, device=self.device),
-                torch.zeros(v_shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
             )
             for _ in range(cfg.num_hidden_layers)
         ]
