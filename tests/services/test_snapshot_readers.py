@@ -2,11 +2,13 @@
 
 An older writer's row layout, or a blob whose columns disagree, fails to decode
 (`msgspec.ValidationError`); the reader skips that instance for the round and keeps
-reading the others. The store is a stand-in: only its reads are used.
+reading the others. Real Redis (the suite's server), a fresh namespace per test: the
+blobs are written with `Store.write_snapshot` as a worker writes them.
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import msgspec
@@ -16,10 +18,10 @@ from services.estimator.service import EstimatorService
 from services.gateway.config import GatewayServiceConfig
 from services.gateway.service import GatewayService
 from services.relay.service import RelayService
-from shared.config import parse_cluster
+from shared.config import ClusterConfig, parse_cluster
 from shared.messages.registry import WorkerInfo
 from shared.scheduling.snapshot import RequestCounters, WorkloadSnapshot
-from shared.store import VersionedBlob
+from shared.store import Store
 
 LIMITS: dict[str, Any] = {
     "max_num_seqs": 8,
@@ -43,110 +45,117 @@ def info(iid: str) -> WorkerInfo:
     )
 
 
-def good(version: int, wall_time_s: float) -> VersionedBlob:
+def good(version: int) -> bytes:
     snap = WorkloadSnapshot.from_rows(
         version=version,
-        wall_time_s=wall_time_s,
+        wall_time_s=0.0,
         running=[RequestCounters("r0", 0, 20, 1, 20, 10), RequestCounters("r1", 1, 20, 1, 20, 10)],
         waiting=[RequestCounters("w0", 2, 30, 0, 0, 10)],
         **LIMITS,
     )
-    return VersionedBlob(version, wall_time_s, msgspec.msgpack.encode(snap))
+    return msgspec.msgpack.encode(snap)
 
 
-def old_layout(version: int, wall_time_s: float) -> VersionedBlob:
+def old_layout(version: int) -> bytes:
     """What a writer from before the columns stored: rows in running/waiting/pending."""
     data = msgspec.msgpack.encode(
         {
             "version": version,
-            "wall_time_s": wall_time_s,
+            "wall_time_s": 0.0,
             **LIMITS,
             "running": [["r0", 0, 20, 1, 20, 10, None, 2]],
             "waiting": [],
             "pending": [],
         }
     )
-    return VersionedBlob(version, wall_time_s, data)
+    return data
 
 
-def unequal_columns(version: int, wall_time_s: float) -> VersionedBlob:
-    snap = msgspec.msgpack.decode(good(version, wall_time_s).data)  # as a plain map
+def unequal_columns(version: int) -> bytes:
+    snap = msgspec.msgpack.decode(good(version))  # as a plain map
     snap["prompt_tokens"] = snap["prompt_tokens"][:1]
-    return VersionedBlob(version, wall_time_s, msgspec.msgpack.encode(snap))
+    return msgspec.msgpack.encode(snap)
 
 
-class StubStore:
-    def __init__(self, snapshots: dict[str, VersionedBlob | None]) -> None:
-        self.snapshots = snapshots
+def cluster(redis_url: str, text: str = "") -> ClusterConfig:
+    """A cluster file on the suite's Redis in a namespace of its own."""
+    ns = f"snap{uuid.uuid4().hex[:8]}"
+    return parse_cluster(f'namespace = "{ns}"\nredis_url = "{redis_url}"\n{text}', environ={})
 
-    async def live_workers(self) -> list[WorkerInfo]:
-        return [info(iid) for iid in self.snapshots]
 
-    async def read_snapshots(self, ids: list[str]) -> dict[str, VersionedBlob | None]:
-        return {i: self.snapshots.get(i) for i in ids}
-
-    async def read_snapshots_and_ledgers(
-        self, ids: list[str]
-    ) -> tuple[dict[str, VersionedBlob | None], dict[str, dict[bytes, bytes]]]:
-        return await self.read_snapshots(ids), {i: {} for i in ids}
-
-    async def read_calibrations(self, ids: list[str]) -> dict[str, bytes | None]:
-        return dict.fromkeys(ids)
+async def publish(store: Store, snapshots: dict[str, bytes]) -> None:
+    """Register each instance and write its snapshot, as its worker would."""
+    for iid, data in snapshots.items():
+        await store.register(info(iid), ttl_s=60.0)
+        version = int(msgspec.msgpack.decode(data)["version"])
+        await store.write_snapshot(iid, version, data, ttl_s=60.0)
 
 
 def test_bad_blob_fixture_is_rejected() -> None:
     dec = msgspec.msgpack.Decoder(WorkloadSnapshot)
-    for blob in (old_layout(1, 0.0), unequal_columns(1, 0.0)):
+    for data in (old_layout(1), unequal_columns(1)):
         try:
-            dec.decode(blob.data)
+            dec.decode(data)
         except msgspec.ValidationError:
             continue
         raise AssertionError("decoded")
 
 
 @pytest.mark.parametrize("shared", [True, False])
-async def test_estimator_reads_an_undecodable_snapshot_as_missing(shared: bool) -> None:
-    text = f"[estimator]\nshared_ledger = {str(shared).lower()}\n"
-    svc = EstimatorService(parse_cluster(text, environ={}))
-    assert svc.settings.shared_ledger is shared
-    stub = StubStore({"bad": good(1, 100.0), "ok": good(1, 100.0)})
-    svc.store = stub  # type: ignore[assignment]
-    await svc._refresh_workers()
-    await svc.refresh_snapshots()
-    bad, ok = svc.instances["bad"], svc.instances["ok"]
-    assert bad.snapshot is not None and bad.visible == {"r0", "r1", "w0"}
-    # The writer restarts with another layout: its blobs stop decoding; the other
-    # instance is still read in the same round, the last good one ages out.
-    stub.snapshots = {"bad": old_layout(2, 101.0), "ok": good(2, 101.0)}
-    await svc.refresh_snapshots()
-    assert bad.snapshot_key == (1, 100.0) and bad.snapshot_wall_time_s == 100.0
-    assert "num_running" in bad.snapshot_error
-    assert not bad.is_fresh(110.0, svc.settings.snapshot_max_age_s)
-    assert ok.snapshot_key == (2, 101.0)
-    stub.snapshots["bad"] = unequal_columns(3, 102.0)
-    await svc.refresh_snapshots()
-    assert "unequal length" in bad.snapshot_error and bad.snapshot_key == (1, 100.0)
-    stub.snapshots["bad"] = good(4, 103.0)
-    await svc.refresh_snapshots()
-    assert bad.snapshot_key == (4, 103.0) and bad.snapshot_error == ""
-
-
-async def test_relay_reads_an_undecodable_snapshot_as_missing() -> None:
-    relay = RelayService(parse_cluster("", environ={}))
-    relay.store = StubStore(  # type: ignore[assignment]
-        {"old": old_layout(1, 0.0), "odd": unequal_columns(1, 0.0), "ok": good(1, 0.0)}
+async def test_estimator_reads_an_undecodable_snapshot_as_missing(
+    redis_url: str, shared: bool
+) -> None:
+    svc = EstimatorService(
+        cluster(redis_url, f"[estimator]\nshared_ledger = {str(shared).lower()}\n")
     )
-    await relay._refresh()
-    assert relay.load == {"ok": 3}
-    assert set(relay.workers) == {"old", "odd", "ok"}
+    assert svc.settings.shared_ledger is shared
+    await svc.store.connect()
+    try:
+        await publish(svc.store, {"bad": good(1), "ok": good(1)})
+        await svc._refresh_workers()
+        await svc.refresh_snapshots()
+        bad, ok = svc.instances["bad"], svc.instances["ok"]
+        assert bad.snapshot is not None and bad.visible == {"r0", "r1", "w0"}
+        first_time = bad.snapshot_wall_time_s
+        # The writer restarts with another layout: its blobs stop decoding; the other
+        # instance is still read in the same round, the last good one ages out.
+        await publish(svc.store, {"bad": old_layout(2), "ok": good(2)})
+        await svc.refresh_snapshots()
+        assert bad.snapshot_key[0] == 1 and bad.snapshot_wall_time_s == first_time
+        assert "num_running" in bad.snapshot_error
+        assert not bad.is_fresh(first_time + 10.0, svc.settings.snapshot_max_age_s)
+        assert ok.snapshot_key[0] == 2
+        await publish(svc.store, {"bad": unequal_columns(3)})
+        await svc.refresh_snapshots()
+        assert "unequal length" in bad.snapshot_error and bad.snapshot_key[0] == 1
+        await publish(svc.store, {"bad": good(4)})
+        await svc.refresh_snapshots()
+        assert bad.snapshot_key[0] == 4 and bad.snapshot_error == ""
+    finally:
+        await svc.store.close()
 
 
-async def test_gateway_reads_an_undecodable_snapshot_as_missing() -> None:
-    cluster = parse_cluster("", environ={})
-    gw = GatewayService(GatewayServiceConfig.from_cluster(cluster, "t"))
-    gw.store = StubStore({"old": old_layout(1, 0.0), "ok": good(1, 0.0)})  # type: ignore[assignment]
-    await gw._refresh_workers()
-    sample = gw.metrics.registry.get_sample_value
-    assert sample("baton_instance_requests", {"instance": "ok", "state": "running"}) == 2
-    assert sample("baton_instance_requests", {"instance": "ok", "state": "waiting"}) == 1
-    assert sample("baton_instance_requests", {"instance": "old", "state": "running"}) is None
+async def test_relay_reads_an_undecodable_snapshot_as_missing(redis_url: str) -> None:
+    relay = RelayService(cluster(redis_url))
+    await relay.store.connect()
+    try:
+        await publish(relay.store, {"old": old_layout(1), "odd": unequal_columns(1), "ok": good(1)})
+        await relay._refresh()
+        assert relay.load == {"ok": 3}
+        assert set(relay.workers) == {"old", "odd", "ok"}
+    finally:
+        await relay.store.close()
+
+
+async def test_gateway_reads_an_undecodable_snapshot_as_missing(redis_url: str) -> None:
+    gw = GatewayService(GatewayServiceConfig.from_cluster(cluster(redis_url), "t"))
+    await gw.store.connect()
+    try:
+        await publish(gw.store, {"old": old_layout(1), "ok": good(1)})
+        await gw._refresh_workers()
+        sample = gw.metrics.registry.get_sample_value
+        assert sample("baton_instance_requests", {"instance": "ok", "state": "running"}) == 2
+        assert sample("baton_instance_requests", {"instance": "ok", "state": "waiting"}) == 1
+        assert sample("baton_instance_requests", {"instance": "old", "state": "running"}) is None
+    finally:
+        await gw.store.close()
