@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import struct
 import time
-from typing import cast
+from collections.abc import Iterable, Mapping
+from typing import Any, cast
 
 import msgspec
 import redis.asyncio as redis
@@ -21,6 +22,7 @@ import redis.asyncio as redis
 from shared import keys
 from shared.messages import encode
 from shared.messages.registry import WORKER_INFO_DECODER, WorkerInfo
+from shared.scheduling.snapshot import WorkloadSnapshot
 
 _HEADER = struct.Struct("<qd")  # version, wall time: the stored snapshot's first 16 bytes
 
@@ -212,3 +214,34 @@ class Store:
         if gone:
             await self.redis.srem(keys.workers(self.namespace), *gone)
         return live
+
+
+class SnapshotDecoder:
+    """Read snapshots to `WorkloadSnapshot`s for the readers that only count requests
+    (the gateway's metrics, the relay's load): a blob that does not decode (another
+    writer's layout, a corrupt one) reads as missing, with one warning per instance
+    per bad stretch. The estimator keeps its own per-instance error instead."""
+
+    def __init__(self, log: Any) -> None:
+        self._log = log  # the reader's structlog logger
+        self._decoder = msgspec.msgpack.Decoder(WorkloadSnapshot)
+        self._bad: set[str] = set()  # instances whose last blob did not decode
+
+    def decode(self, blobs: Mapping[str, VersionedBlob | None]) -> dict[str, WorkloadSnapshot]:
+        out: dict[str, WorkloadSnapshot] = {}
+        for iid, blob in blobs.items():
+            if blob is None:
+                continue
+            try:
+                out[iid] = self._decoder.decode(blob.data)
+            except msgspec.DecodeError as exc:
+                if iid not in self._bad:
+                    self._log.warning("snapshot_undecodable", instance_id=iid, error=str(exc))
+                self._bad.add(iid)
+                continue
+            self._bad.discard(iid)
+        return out
+
+    def keep_only(self, live: Iterable[str]) -> None:
+        """Forget instances that left (a returning one warns afresh)."""
+        self._bad.intersection_update(live)

@@ -10,8 +10,6 @@ import asyncio
 import contextlib
 from typing import Any
 
-import msgspec
-
 from services.gateway.config import GatewayServiceConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.streams import RequestStream, StreamManager
@@ -28,11 +26,9 @@ from shared.messages.gateway import DELTA_BATCH_DECODER
 from shared.messages.registry import WorkerInfo, departed
 from shared.messages.worker import CALIBRATION_DECODER, AbortRequest, SubmitRequest
 from shared.sampling import SamplingParams
-from shared.scheduling.snapshot import WorkloadSnapshot
-from shared.store import Store
+from shared.store import SnapshotDecoder, Store
 
 log = get_logger(component="gateway")
-_SNAPSHOT_DECODER = msgspec.msgpack.Decoder(WorkloadSnapshot)
 
 
 class GatewayError(Exception):
@@ -75,7 +71,7 @@ class GatewayService:
         self._refresh_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._fitted: dict[str, str] = {}  # instance -> feature set of its MAPE gauge
-        self._undecodable: set[str] = set()  # instances whose snapshot does not decode
+        self._snapshots = SnapshotDecoder(log)
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -154,20 +150,10 @@ class GatewayService:
                 with contextlib.suppress(KeyError):
                     self.metrics.batch_time_fit_mape.remove(gone, fitted)
         self.workers = live
-        self._undecodable.intersection_update(live)
+        self._snapshots.keep_only(live)
         self.metrics.live_workers.set(sum(not w.is_draining for w in live.values()))
-        snapshots = await self.store.read_snapshots(list(live))
-        for iid, blob in snapshots.items():
-            if blob is None:
-                continue
-            try:
-                snap = _SNAPSHOT_DECODER.decode(blob.data)
-            except msgspec.DecodeError as exc:  # as missing (another layout, corrupt)
-                if iid not in self._undecodable:
-                    log.warning("snapshot_undecodable", instance_id=iid, error=str(exc))
-                self._undecodable.add(iid)
-                continue
-            self._undecodable.discard(iid)
+        snapshots = self._snapshots.decode(await self.store.read_snapshots(list(live)))
+        for iid, snap in snapshots.items():
             self.metrics.instance_requests.labels(iid, "running").set(snap.num_running)
             self.metrics.instance_requests.labels(iid, "waiting").set(snap.num_waiting)
         for iid, cal_blob in (await self.store.read_calibrations(list(live))).items():

@@ -18,8 +18,6 @@ import asyncio
 import contextlib
 import time
 
-import msgspec
-
 from services.relay.books import RelayBooks, Send
 from shared import subjects
 from shared.bus import Bus
@@ -36,11 +34,9 @@ from shared.messages.peer import (
     PeerReq,
 )
 from shared.messages.registry import WorkerInfo
-from shared.scheduling.snapshot import WorkloadSnapshot
-from shared.store import Store
+from shared.store import SnapshotDecoder, Store
 
 log = get_logger(component="relay")
-_SNAPSHOT_DECODER = msgspec.msgpack.Decoder(WorkloadSnapshot)
 CHECK_INTERVAL_S = 0.1
 
 
@@ -53,7 +49,7 @@ class RelayService:
         self.books = RelayBooks(self.settings.peer_timeout_s, self._pick, self._alive)
         self.workers: dict[str, WorkerInfo] = {}
         self.load: dict[str, int] = {}  # instance -> requests in its snapshot + sent since
-        self._undecodable: set[str] = set()  # instances whose snapshot does not decode
+        self._snapshots = SnapshotDecoder(log)
         self._stop = asyncio.Event()
 
     def request_stop(self) -> None:
@@ -80,19 +76,9 @@ class RelayService:
 
     async def _refresh(self) -> None:
         self.workers = {w.instance_id: w for w in await self.store.live_workers()}
-        self._undecodable.intersection_update(self.workers)
+        self._snapshots.keep_only(self.workers)
         blobs = await self.store.read_snapshots(list(self.workers))
-        for iid, blob in blobs.items():
-            if blob is None:
-                continue
-            try:
-                snap = _SNAPSHOT_DECODER.decode(blob.data)
-            except msgspec.DecodeError as exc:  # as missing (another layout, corrupt)
-                if iid not in self._undecodable:
-                    log.warning("snapshot_undecodable", instance_id=iid, error=str(exc))
-                self._undecodable.add(iid)
-                continue
-            self._undecodable.discard(iid)
+        for iid, snap in self._snapshots.decode(blobs).items():
             self.load[iid] = snap.num_requests
 
     async def _query(self, query: PeerQuery) -> PeerQueryReply:

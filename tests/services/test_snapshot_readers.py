@@ -19,9 +19,9 @@ from services.gateway.config import GatewayServiceConfig
 from services.gateway.service import GatewayService
 from services.relay.service import RelayService
 from shared.config import ClusterConfig, parse_cluster
-from shared.messages.registry import WorkerInfo
 from shared.scheduling.snapshot import RequestCounters, WorkloadSnapshot
 from shared.store import Store
+from tests.services.test_estimator_policies import info
 
 LIMITS: dict[str, Any] = {
     "max_num_seqs": 8,
@@ -31,18 +31,6 @@ LIMITS: dict[str, Any] = {
     "num_free_blocks": 62,
     "max_model_len": 256,
 }
-
-
-def info(iid: str) -> WorkerInfo:
-    return WorkerInfo(
-        instance_id=iid,
-        model="m",
-        inbox=f"ns.worker.{iid}.in",
-        max_model_len=256,
-        max_num_seqs=8,
-        started_at_s=0.0,
-        heartbeat_at_s=0.0,
-    )
 
 
 def good(version: int) -> bytes:
