@@ -15,6 +15,14 @@ SEED_RANGE = (-(2**63), 2**63 - 1)  # what a torch.Generator accepts
 MAX_TOP_LOGPROBS = 20
 
 
+class InvalidParam(ValueError):
+    """A sampling parameter out of range; `param` names the request field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """Per-request decoding settings (OpenAI semantics where OpenAI defines them)."""
 
@@ -39,26 +47,34 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     def validate(self) -> None:
-        """Raise ValueError with a user-facing message if any field is out of range."""
+        """Raise InvalidParam (a ValueError naming the field) if any field is out of range."""
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise InvalidParam("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:
-            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+            raise InvalidParam(
+                "temperature", f"temperature must be in [0, 2], got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidParam("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+            raise InvalidParam("top_k", f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+                raise InvalidParam(name, f"{name} must be in [-2, 2], got {value}")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+            raise InvalidParam(
+                "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"
+            )
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise InvalidParam("stop", "stop strings must be non-empty")
         if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
-            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
+            raise InvalidParam(
+                "stop", f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters"
+            )
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
-            raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed}")
+            raise InvalidParam("seed", f"seed must be a signed 64-bit integer, got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+            raise InvalidParam(
+                "logprobs", f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}"
+            )

@@ -34,7 +34,7 @@ from services.gateway.streams import CLIENT_GONE, RequestStream
 from shared.config import IMPLEMENTED_POLICIES
 from shared.messages.estimator import RouteRequest
 from shared.messages.gateway import RequestFailed
-from shared.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from shared.sampling import MAX_TOP_LOGPROBS, InvalidParam, SamplingParams
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
@@ -147,8 +147,11 @@ def prepare(
     params = _sampling_params(body, requested)
     try:
         params.validate()
-    except ValueError as exc:
-        raise bad_request(str(exc)) from None
+    except InvalidParam as exc:
+        field = exc.param
+        if field == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
+            field = "max_completion_tokens"  # the field the client sent
+        raise bad_request(str(exc), field) from None
     if len(prompt_ids) + params.max_tokens > max_model_len:
         raise bad_request(
             f"this model's maximum context length is {max_model_len} tokens; you requested "

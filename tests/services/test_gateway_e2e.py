@@ -392,6 +392,27 @@ async def test_bad_requests_get_4xx_and_server_keeps_serving(
         assert ok.status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"temperature": 7}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"seed": 2**64}, "seed"),
+    ],
+)
+async def test_an_out_of_range_sampling_field_is_named_in_the_error(
+    stack: Stack, extra: dict[str, object], param: str
+) -> None:
+    """OpenAI's error format names the offending field in `param`."""
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        resp = await client.post("/v1/chat/completions", json={**CHAT, **extra})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
+
+
 async def test_admission_limit_answers_429_with_retry_after(stack: Stack) -> None:
     service = stack.gateway
     saved = service.num_in_flight
