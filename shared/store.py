@@ -242,6 +242,11 @@ class SnapshotDecoder:
             self._bad.discard(iid)
         return out
 
+    @property
+    def undecodable(self) -> frozenset[str]:
+        """Instances whose latest blob did not decode."""
+        return frozenset(self._bad)
+
     def keep_only(self, live: Iterable[str]) -> None:
         """Forget instances that left (a returning one warns afresh)."""
         self._bad.intersection_update(live)

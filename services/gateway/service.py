@@ -135,6 +135,11 @@ class GatewayService:
             except Exception as exc:
                 log.warning("registry_refresh_failed", error=str(exc))
 
+    def _drop_request_gauges(self, instance_id: str) -> None:
+        for state in ("running", "waiting"):
+            with contextlib.suppress(KeyError):
+                self.metrics.instance_requests.remove(instance_id, state)
+
     async def _refresh_workers(self) -> None:
         live = {w.instance_id: w for w in await self.store.live_workers()}
         for gone in departed(self.workers, live):
@@ -142,9 +147,7 @@ class GatewayService:
                 gone, f"worker {gone} went away while serving the request"
             )
             log.warning("worker_gone", instance_id=gone, num_failed=num)
-            for state in ("running", "waiting"):
-                with contextlib.suppress(KeyError):
-                    self.metrics.instance_requests.remove(gone, state)
+            self._drop_request_gauges(gone)
             fitted = self._fitted.pop(gone, None)
             if fitted is not None:
                 with contextlib.suppress(KeyError):
@@ -156,6 +159,8 @@ class GatewayService:
         for iid, snap in snapshots.items():
             self.metrics.instance_requests.labels(iid, "running").set(snap.num_running)
             self.metrics.instance_requests.labels(iid, "waiting").set(snap.num_waiting)
+        for iid in self._snapshots.undecodable:  # no figures rather than stale ones
+            self._drop_request_gauges(iid)
         for iid, cal_blob in (await self.store.read_calibrations(list(live))).items():
             if cal_blob is None:
                 continue

@@ -80,6 +80,8 @@ class RelayService:
         blobs = await self.store.read_snapshots(list(self.workers))
         for iid, snap in self._snapshots.decode(blobs).items():
             self.load[iid] = snap.num_requests
+        for iid in self._snapshots.undecodable:  # unknown load, not the last one seen
+            self.load.pop(iid, None)
 
     async def _query(self, query: PeerQuery) -> PeerQueryReply:
         return PeerQueryReply(pending=self.books.pending(query.request_ids))

@@ -151,7 +151,7 @@ class WorkloadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
             computed_tokens=[c.num_computed_tokens for c in rows],
             max_tokens=[c.max_tokens for c in rows],
             predicted_output_tokens=[
-                -1 if c.predicted_output_tokens is None else c.predicted_output_tokens for c in rows
+                -1 if (pred := c.predicted_output_tokens) is None else max(pred, 0) for c in rows
             ],
             num_blocks=blocks,
             **fields,
@@ -241,8 +241,10 @@ def take_snapshot(scheduler: Scheduler, version: int, wall_time_s: float) -> Wor
         output_tokens=[r.num_output_tokens for r in reqs],
         computed_tokens=[r.num_computed_tokens for r in reqs],
         max_tokens=[r.max_tokens for r in reqs],
+        # -1 is "none", so a (never expected) negative prediction is stored as 0: both
+        # mean an end at the first token to OutputPolicy.target and the kernel alike
         predicted_output_tokens=[
-            -1 if (p := r.predicted_output_tokens) is None else p for r in reqs
+            -1 if (p := r.predicted_output_tokens) is None else (p if p > 0 else 0) for r in reqs
         ],
         num_blocks=[len(r.block_ids) for r in reqs],
         output_length_ratios=scheduler.length_ratios.quantiles(),

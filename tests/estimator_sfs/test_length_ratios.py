@@ -122,7 +122,7 @@ def test_measured_ratios_remove_most_of_the_bias_of_noisy_length_predictions(see
     assert abs(measured) < abs(bare) / 2, (bare, measured)
 
 
-def _queued(rows: list[tuple[int, int, int, str]]) -> WorkloadSnapshot:
+def _queued(rows: list[tuple[int | None, int, int, str]]) -> WorkloadSnapshot:
     """A snapshot whose requests all wait (preempted ones with output, no KV held)."""
     return WorkloadSnapshot.from_rows(
         version=1,
@@ -143,14 +143,19 @@ def _queued(rows: list[tuple[int, int, int, str]]) -> WorkloadSnapshot:
 def test_parsed_targets_equal_the_scalar_rule(kernel_impl: str) -> None:
     """kernel_state computes every request's end in the kernel (compiled with it);
     replay_exact and the ledger use OutputPolicy.target: the same integers, half-way
-    roundings, caps below the prediction and requests past every end included."""
+    roundings, caps below the prediction, requests past every end, no prediction, a
+    prediction of 0, no ratios and other defaults included."""
     rng = random.Random(5)
     for _ in range(300):
-        p = OutputPolicy(length_ratios=tuple(rng.uniform(0.3, 2.5) for _ in range(8)))
+        p = OutputPolicy(
+            default_output_tokens=rng.randint(1, 300),
+            min_remaining_tokens=rng.randint(1, 4),
+            length_ratios=tuple(rng.uniform(0.3, 2.5) for _ in range(rng.choice([0, 1, 8, 16]))),
+        )
         n = rng.randint(1, 40)
         rows = [
             (
-                rng.randint(1, 300),
+                rng.choice([None, 0, rng.randint(1, 300), rng.randint(1, 300)]),
                 rng.randint(1, 300),
                 rng.randint(0, 400),
                 f"r{rng.randint(0, 10**6)}",
@@ -158,7 +163,7 @@ def test_parsed_targets_equal_the_scalar_rule(kernel_impl: str) -> None:
             for _ in range(n)
         ]
         want = [p.target(*row) for row in rows]
-        assert kernel_state(_queued(rows), p, group=False).target == want
+        assert kernel_state(_queued(rows), p, group=False).target == want, p
     half = OutputPolicy(length_ratios=(0.5, 1.5))  # 5 x 0.5 = 2.5 -> 2, 5 x 1.5 = 7.5 -> 8
     rows = [(5, 100, 0, f"k{i}") for i in range(20)]
     ends = {half.target(*row) for row in rows}

@@ -131,6 +131,10 @@ async def test_relay_reads_an_undecodable_snapshot_as_missing(redis_url: str) ->
         await relay._refresh()
         assert relay.load == {"ok": 3}
         assert set(relay.workers) == {"old", "odd", "ok"}
+        # One that stops decoding loses its load figure instead of keeping a stale one.
+        await publish(relay.store, {"ok": old_layout(2)})
+        await relay._refresh()
+        assert relay.load == {}
     finally:
         await relay.store.close()
 
@@ -145,5 +149,8 @@ async def test_gateway_reads_an_undecodable_snapshot_as_missing(redis_url: str) 
         assert sample("baton_instance_requests", {"instance": "ok", "state": "running"}) == 2
         assert sample("baton_instance_requests", {"instance": "ok", "state": "waiting"}) == 1
         assert sample("baton_instance_requests", {"instance": "old", "state": "running"}) is None
+        await publish(gw.store, {"ok": unequal_columns(2)})
+        await gw._refresh_workers()
+        assert sample("baton_instance_requests", {"instance": "ok", "state": "running"}) is None
     finally:
         await gw.store.close()

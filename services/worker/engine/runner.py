@@ -1,9 +1,9 @@
 """The model runner: turns a scheduled batch into tensors, runs the forward, returns
 hidden states and logits of the positions that sample.
 
-Owns the model and the paged KV cache: per layer a K cache [num_blocks, kv_heads,
-head_dim, block_size] and a V cache [num_blocks, kv_heads, block_size, head_dim];
-slot = block_id * block_size + offset.
+Owns the model and the paged KV cache: per layer a K and a V cache, each [kv_heads,
+num_blocks, block_size, head_dim] (model.AttentionPlan says why); slot = block_id *
+block_size + offset.
 """
 
 from __future__ import annotations
