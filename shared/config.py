@@ -170,6 +170,9 @@ class EstimatorConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields
     # to the repository root; "" disables them (quality table and default length only).
     predictors: str = "models/predictors"
     arrival_window_s: float = 1.0  # LPS fallback: EWMA window of the per-instance arrival rate
+    # Correct each instance's SFS estimate by the measured TTFTs the gateway reports
+    # (sfs/correction.py): weight of each new one, 0 turns the correction off.
+    ttft_correction_alpha: float = 0.05
 
 
 class WorkerConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):

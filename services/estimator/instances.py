@@ -34,6 +34,7 @@ from typing import Literal
 from services.estimator.ledger import LedgerEntry
 from services.estimator.sfs.baselines import ArrivalRateEstimator, lps_ttft_s
 from services.estimator.sfs.batch_time import SEVEN_TERM, BatchTimeModel, raw_from_chunks
+from services.estimator.sfs.correction import TtftCorrection
 from services.estimator.sfs.fit import FitResult, OnlineBatchTimeFitter
 from services.estimator.sfs.kernel import KernelState
 from services.estimator.sfs.replay import (
@@ -140,6 +141,9 @@ class LatencyEstimator:
         self.settings = settings
         self.policy = OutputPolicy(settings.default_output_tokens)
         self.max_steps = max_steps  # replay iterations before a probe counts as never served
+        # measured-TTFT feedback per instance (correction.py); factor 1 until warmed up
+        alpha = settings.ttft_correction_alpha
+        self.correction = TtftCorrection(alpha=alpha) if alpha > 0 else None
         # instance -> ((version, wall time) of the snapshot, its parsed state, the ids
         # it shows, the output policy with its length ratios); parsed off the decision
         # path, copied by each decision.
@@ -148,7 +152,10 @@ class LatencyEstimator:
         ] = {}
 
     def forget(self, instance_id: str) -> None:
+        """The instance left: its parsed snapshot and its TTFT correction go."""
         self._parsed.pop(instance_id, None)
+        if self.correction is not None:
+            self.correction.forget(instance_id)
 
     def prepare(self, state: InstanceState) -> None:
         """Parse a newly read snapshot now, so a decision only copies the parsed state."""
@@ -156,7 +163,7 @@ class LatencyEstimator:
             try:
                 self._parse(state.instance_id, state.snapshot)
             except ValueError:  # an inconsistent snapshot: decisions use the queue model
-                self.forget(state.instance_id)
+                self._parsed.pop(state.instance_id, None)
 
     def _parse(
         self, instance_id: str, snapshot: WorkloadSnapshot
@@ -189,6 +196,8 @@ class LatencyEstimator:
             except ValueError:  # e.g. more KV held than the capacity: not replayable
                 pass
             else:
+                if self.correction is not None:
+                    ttft_s *= self.correction.factor(state.instance_id)
                 return TtftEstimate(ttft_s, "sfs")
         return TtftEstimate(self._lps_ttft_s(state, probe, model, now_mono_s), "lps")
 

@@ -314,6 +314,12 @@ class EstimatorService:
             count = min(SAMPLES_PER_READ, count * 4)
 
     async def _on_done(self, event: RequestDoneEvent) -> None:
+        feedback = event.predicted_ttft_ms is not None and event.ttft_ms is not None
+        if feedback and self.latency.correction is not None:
+            assert event.predicted_ttft_ms is not None and event.ttft_ms is not None
+            self.latency.correction.observe(
+                event.instance_id, event.predicted_ttft_ms / 1000.0, event.ttft_ms / 1000.0
+            )
         if self.settings.shared_ledger:
             self.shared_ledger.done(event.request_id, event.instance_id, time.time())
             self._ledger_dirty.set()
@@ -379,6 +385,7 @@ class EstimatorService:
             inbox=chosen.info.inbox,
             policy=policy.name,
             predicted_ttft_ms=ttft * 1000.0 if math.isfinite(ttft) else None,
+            predicted_ttft_source=(chosen.scores.ttft_source or None) if chosen.scores else None,
             predicted_output_tokens=predicted,
             decision_ms=(time.perf_counter() - t0) * 1000.0,
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 from services.gateway.config import GatewayServiceConfig
@@ -246,6 +247,8 @@ class GatewayService:
     ) -> RequestStream:
         assert reply.instance_id is not None and reply.inbox is not None
         stream = self.streams.open(request_id, reply.instance_id)
+        if reply.predicted_ttft_source == "sfs":  # the replay's estimate: fed back at the end
+            stream.predicted_ttft_ms = reply.predicted_ttft_ms
         msg = SubmitRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -255,6 +258,7 @@ class GatewayService:
             predicted_output_tokens=reply.predicted_output_tokens,
             preset=preset,
         )
+        stream.submitted_at = time.perf_counter()
         await self.bus.publish(reply.inbox, msg)
         return stream
 
@@ -264,7 +268,13 @@ class GatewayService:
         inbox = self.workers.get(stream.instance_id)
         if aborted and inbox is not None:
             self._spawn(self.bus.publish(inbox.inbox, AbortRequest(request_id=stream.request_id)))
-        done = RequestDoneEvent(request_id=stream.request_id, instance_id=stream.instance_id)
+        ttft_ms = stream.ttft_ms()
+        done = RequestDoneEvent(
+            request_id=stream.request_id,
+            instance_id=stream.instance_id,
+            predicted_ttft_ms=stream.predicted_ttft_ms if ttft_ms is not None else None,
+            ttft_ms=ttft_ms if stream.predicted_ttft_ms is not None else None,
+        )
         self._spawn(self.bus.publish(self._events_subject, done))
 
     def _spawn(self, coro: Any) -> None:

@@ -33,15 +33,21 @@ class RouteReply(msgspec.Struct, frozen=True, kw_only=True):
     retry_after_s: float = 1.0  # seconds a client should wait before retrying after an error
     policy: str | None = None  # the policy that decided
     predicted_ttft_ms: float | None = None  # ms, the chosen instance's predicted TTFT (if computed)
+    predicted_ttft_source: str | None = None  # "sfs" (snapshot replay) | "lps" (queue model)
     predicted_output_tokens: int | None = None  # tokens, the length the decision assumed
     decision_ms: float | None = None  # ms the estimator spent deciding (no bus time)
 
 
 class RequestDoneEvent(msgspec.Struct, frozen=True, kw_only=True):
-    """A request has ended (finished, failed or aborted): drop it from every ledger."""
+    """A request has ended (finished, failed or aborted): drop it from every ledger.
+
+    With an SFS prediction behind its routing and a first token, it also carries both
+    TTFTs, the feedback that corrects the instance's replay (sfs/correction.py)."""
 
     request_id: str  # as routed
     instance_id: str  # where it ran
+    predicted_ttft_ms: float | None = None  # the SFS estimate its decision used, ms
+    ttft_ms: float | None = None  # measured at the gateway: submit -> first token event, ms
 
 
 ROUTE_REQUEST_DECODER = msgspec.msgpack.Decoder(RouteRequest)

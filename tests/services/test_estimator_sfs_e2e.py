@@ -179,6 +179,33 @@ async def test_idle_cluster_policies_and_the_slo_header(sim: Stack) -> None:
 
 
 @pytest.mark.asyncio(loop_scope="session")
+async def test_measured_ttft_comes_back_to_the_estimator(sim: Stack) -> None:
+    """An SFS-routed request's RequestDoneEvent carries its predicted and measured TTFT,
+    and the estimator's correction of that instance takes it (sfs/correction.py)."""
+    correction = sim.estimator.latency.correction
+    assert correction is not None
+
+    async def feedback_after(count: int) -> int:
+        for _ in range(500):  # the done event is published after the answer
+            if correction.num_observed(iid) > count:
+                break
+            await asyncio.sleep(0.01)
+        return correction.num_observed(iid)
+
+    await wait_idle(sim)
+    resp = await chat(sim, "constraint")  # idle: big, one 30 ms prefill step
+    assert served_by(sim, resp) == "big"
+    iid = resp.headers["x-instance-id"]
+    before = await feedback_after(0)
+    assert before >= 1
+    await wait_idle(sim)
+    resp = await chat(sim, "constraint")
+    assert resp.headers["x-instance-id"] == iid
+    assert await feedback_after(before) == before + 1
+    assert correction.factor(iid) == 1.0  # not before min_samples measured TTFTs
+
+
+@pytest.mark.asyncio(loop_scope="session")
 async def test_loaded_instance_sfs_routes_away_agnostic_does_not(sim: Stack) -> None:
     await wait_idle(sim)
     # Load big directly (one instance serves "big": the gateway routes it locally):
