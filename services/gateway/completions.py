@@ -148,10 +148,11 @@ def prepare(
     try:
         params.validate()
     except InvalidParam as exc:
-        field = exc.param
+        field, message = exc.param, str(exc)
         if field == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
             field = "max_completion_tokens"  # the field the client sent
-        raise bad_request(str(exc), field) from None
+            message = message.replace("max_tokens", field, 1)
+        raise bad_request(message, field) from None
     if len(prompt_ids) + params.max_tokens > max_model_len:
         raise bad_request(
             f"this model's maximum context length is {max_model_len} tokens; you requested "
