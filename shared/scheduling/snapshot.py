@@ -9,7 +9,7 @@ batch-time model (DESIGN.md, "Batch-time model").
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -144,15 +144,7 @@ class WorkloadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
         return cls(
             num_running=len(run),
             num_pending=len(pend),
-            request_ids=[c.request_id for c in rows],
-            arrival_seqs=[c.arrival_seq for c in rows],
-            prompt_tokens=[c.num_prompt_tokens for c in rows],
-            output_tokens=[c.num_output_tokens for c in rows],
-            computed_tokens=[c.num_computed_tokens for c in rows],
-            max_tokens=[c.max_tokens for c in rows],
-            predicted_output_tokens=[
-                -1 if (pred := c.predicted_output_tokens) is None else max(pred, 0) for c in rows
-            ],
+            **_request_columns(rows),
             num_blocks=blocks,
             **fields,
         )
@@ -221,6 +213,24 @@ class BatchSample(msgspec.Struct, array_like=True, frozen=True):
     ] = []  # per prefill chunk (as chunk_sizes), context after the step
 
 
+def _request_columns(rows: Sequence[SchedRequest | RequestCounters]) -> dict[str, Any]:
+    """Every column but `num_blocks` from requests or rows (the same attribute names).
+
+    -1 stands for no prediction, so a (never expected) negative one is stored as 0:
+    to OutputPolicy.target and the kernel alike both mean an end at the first token."""
+    return {
+        "request_ids": [r.request_id for r in rows],
+        "arrival_seqs": [r.arrival_seq for r in rows],
+        "prompt_tokens": [r.num_prompt_tokens for r in rows],
+        "output_tokens": [r.num_output_tokens for r in rows],
+        "computed_tokens": [r.num_computed_tokens for r in rows],
+        "max_tokens": [r.max_tokens for r in rows],
+        "predicted_output_tokens": [
+            -1 if (p := r.predicted_output_tokens) is None else max(p, 0) for r in rows
+        ],
+    }
+
+
 def take_snapshot(scheduler: Scheduler, version: int, wall_time_s: float) -> WorkloadSnapshot:
     cfg = scheduler.config
     reqs = [*scheduler.running, *scheduler.pending.values(), *scheduler.waiting]
@@ -235,17 +245,7 @@ def take_snapshot(scheduler: Scheduler, version: int, wall_time_s: float) -> Wor
         max_model_len=cfg.max_model_len,
         num_running=len(scheduler.running),
         num_pending=len(scheduler.pending),
-        request_ids=[r.request_id for r in reqs],
-        arrival_seqs=[r.arrival_seq for r in reqs],
-        prompt_tokens=[r.num_prompt_tokens for r in reqs],
-        output_tokens=[r.num_output_tokens for r in reqs],
-        computed_tokens=[r.num_computed_tokens for r in reqs],
-        max_tokens=[r.max_tokens for r in reqs],
-        # -1 is "none", so a (never expected) negative prediction is stored as 0: both
-        # mean an end at the first token to OutputPolicy.target and the kernel alike
-        predicted_output_tokens=[
-            -1 if (p := r.predicted_output_tokens) is None else (p if p > 0 else 0) for r in reqs
-        ],
+        **_request_columns(reqs),
         num_blocks=[len(r.block_ids) for r in reqs],
         output_length_ratios=scheduler.length_ratios.quantiles(),
     )
