@@ -235,8 +235,9 @@ class KernelState:
         if g >= len(running):
             return
         if g == 0:
-            self._form()
-            return
+            # No members (a fresh state, or all left): the offset restarts. The sums,
+            # phase counts and finish heap are over members, so they are empty already.
+            self.g_k = 0
         bs = self.block_size
         prompt, out, comp, held, target = self.prompt, self.out, self.comp, self.held, self.target
         k = self.g_k
@@ -250,9 +251,10 @@ class KernelState:
             o = out[i]
             if prompt[i] + o - c != 1 or o == 0 or not 0 <= held[i] * bs - c < bs:
                 break
-            c -= k
-            comp[i] = c
-            out[i] = o - k
+            if k:  # shift back by the group's offset (none in a group that restarts)
+                c -= k
+                comp[i] = c
+                out[i] = o - k
             sum_c += c
             sum_q += c * c
             cnt[(1 - c) % bs] += 1
@@ -269,34 +271,6 @@ class KernelState:
                 for item in joined:
                     heapq.heappush(fin, item)
         self.g = g
-
-    def _form(self) -> None:
-        """`absorb` for an empty group (a fresh state: the whole decoding prefix), in
-        one pass with no shift (k restarts at 0)."""
-        bs = self.block_size
-        prompt, out, comp, held, target = self.prompt, self.out, self.comp, self.held, self.target
-        run = self.running
-        n = len(run)
-        self.g_k = 0  # no members: the offset restarts
-        g = sum_c = sum_q = 0
-        cnt = [0] * bs
-        fin: list[int] = []
-        while g < n:
-            i = run[g]
-            c = comp[i]
-            o = out[i]
-            # a running decoder holds at least its computed tokens' blocks
-            if prompt[i] + o - c != 1 or o <= 0 or held[i] * bs - c >= bs:
-                break
-            sum_c += c
-            sum_q += c * c
-            cnt[(1 - c) % bs] += 1
-            fin.append((target[i] - o) << _SLOT_BITS | i)
-            g += 1
-        if g == 0:
-            return
-        heapq.heapify(fin)
-        self.g_c, self.g_q, self.g_cnt, self.g_fin, self.g = sum_c, sum_q, cnt, fin, g
 
     def materialize(self) -> None:
         """Write the group's offset back into its members' counters and dissolve it."""
