@@ -217,36 +217,46 @@ class Store:
 
 
 class SnapshotDecoder:
-    """Read snapshots to `WorkloadSnapshot`s for the readers that only count requests
-    (the gateway's metrics, the relay's load): a blob that does not decode (another
-    writer's layout, a corrupt one) reads as missing, with one warning per instance
-    per bad stretch. The estimator keeps its own per-instance error instead."""
+    """Read snapshots to `WorkloadSnapshot`s, for the readers that only count requests
+    (the gateway's metrics, the relay's load) and for the estimator: a blob that does
+    not decode (another writer's layout, a corrupt one) reads as missing, with one
+    warning per instance per bad stretch."""
 
     def __init__(self, log: Any) -> None:
         self._log = log  # the reader's structlog logger
         self._decoder = msgspec.msgpack.Decoder(WorkloadSnapshot)
-        self._bad: set[str] = set()  # instances whose last blob did not decode
+        self._errors: dict[str, str] = {}  # instance -> why its latest blob did not decode
+
+    def decode_one(self, instance_id: str, data: bytes) -> WorkloadSnapshot | None:
+        """The snapshot, or None (warned on the first failure of a bad stretch)."""
+        try:
+            snapshot = self._decoder.decode(data)
+        except msgspec.DecodeError as exc:
+            if instance_id not in self._errors:
+                self._log.warning("snapshot_undecodable", instance_id=instance_id, error=str(exc))
+            self._errors[instance_id] = str(exc)
+            return None
+        self._errors.pop(instance_id, None)
+        return snapshot
 
     def decode(self, blobs: Mapping[str, VersionedBlob | None]) -> dict[str, WorkloadSnapshot]:
+        """Every blob that decodes, by instance."""
         out: dict[str, WorkloadSnapshot] = {}
         for iid, blob in blobs.items():
-            if blob is None:
-                continue
-            try:
-                out[iid] = self._decoder.decode(blob.data)
-            except msgspec.DecodeError as exc:
-                if iid not in self._bad:
-                    self._log.warning("snapshot_undecodable", instance_id=iid, error=str(exc))
-                self._bad.add(iid)
-                continue
-            self._bad.discard(iid)
+            if blob is not None and (snap := self.decode_one(iid, blob.data)) is not None:
+                out[iid] = snap
         return out
 
     @property
     def undecodable(self) -> frozenset[str]:
         """Instances whose latest blob did not decode."""
-        return frozenset(self._bad)
+        return frozenset(self._errors)
+
+    def error(self, instance_id: str) -> str:
+        """Why the instance's latest blob did not decode ("" if it did)."""
+        return self._errors.get(instance_id, "")
 
     def keep_only(self, live: Iterable[str]) -> None:
         """Forget instances that left (a returning one warns afresh)."""
-        self._bad.intersection_update(live)
+        for gone in set(self._errors).difference(live):
+            del self._errors[gone]

@@ -79,9 +79,6 @@ class InstanceState:
     mean_running: float = 0.0  # time-averaged concurrency from batch samples (LPS k)
     last_fit: FitResult | None = None
     visible: set[str] = field(default_factory=set)  # request ids `snapshot` shows
-    # why the stored snapshot did not decode (a writer with another layout, a corrupt
-    # blob): read as missing, `snapshot` ages out; "" once one decodes again
-    snapshot_error: str = ""
 
     @property
     def instance_id(self) -> str:

@@ -55,11 +55,10 @@ from shared.messages.estimator import (
 from shared.messages.registry import WorkerInfo, departed
 from shared.messages.worker import BatchTimeCalibration
 from shared.model_store import REPO_ROOT
-from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot
-from shared.store import Store
+from shared.scheduling.snapshot import BatchSample
+from shared.store import SnapshotDecoder, Store
 
 log = get_logger(component="estimator")
-_SNAPSHOT_DECODER = msgspec.msgpack.Decoder(WorkloadSnapshot)
 _SAMPLE_DECODER = msgspec.msgpack.Decoder(BatchSample)
 CALIBRATION_TTL_S = 3600.0  # a published fit outlives estimator restarts this long
 SAMPLES_PER_READ = 2048  # newest batch samples read per instance per fit interval
@@ -71,6 +70,7 @@ class EstimatorService:
         self.settings = cluster.estimator
         self.bus = Bus(cluster.nats_url, name="estimator")
         self.store = Store(cluster.redis_url, cluster.namespace)
+        self._snapshots = SnapshotDecoder(log)
         # The decisions' ledger is the shared one's local copy; without `shared_ledger`
         # nothing is written to or merged from Redis.
         self.shared_ledger = SharedLedger(self.settings.ledger_ttl_s)
@@ -195,6 +195,7 @@ class EstimatorService:
             self.instances.pop(gone, None)
             self.latency.forget(gone)
             log.info("worker_gone", instance_id=gone)
+        self._snapshots.keep_only(live)
         for iid, info in live.items():
             state = self.instances.get(iid)
             if state is None:
@@ -227,14 +228,9 @@ class EstimatorService:
             key = (blob.version, blob.wall_time_s)
             if key == state.snapshot_key:
                 continue
-            try:
-                snapshot = _SNAPSHOT_DECODER.decode(blob.data)
-            except msgspec.DecodeError as exc:  # as missing: the last one read ages out
-                if not state.snapshot_error:
-                    log.warning("snapshot_undecodable", instance_id=iid, error=str(exc))
-                state.snapshot_error = str(exc)
+            snapshot = self._snapshots.decode_one(iid, blob.data)
+            if snapshot is None:  # as missing: the last one read ages out
                 continue
-            state.snapshot_error = ""
             state.snapshot, state.snapshot_key = snapshot, key
             state.snapshot_wall_time_s = blob.wall_time_s
             state.visible = set(snapshot.request_ids)
@@ -314,12 +310,13 @@ class EstimatorService:
             count = min(SAMPLES_PER_READ, count * 4)
 
     async def _on_done(self, event: RequestDoneEvent) -> None:
-        feedback = event.predicted_ttft_ms is not None and event.ttft_ms is not None
-        if feedback and self.latency.correction is not None:
-            assert event.predicted_ttft_ms is not None and event.ttft_ms is not None
-            self.latency.correction.observe(
-                event.instance_id, event.predicted_ttft_ms / 1000.0, event.ttft_ms / 1000.0
-            )
+        predicted, measured, correction = (
+            event.predicted_ttft_ms,
+            event.ttft_ms,
+            self.latency.correction,
+        )
+        if predicted is not None and measured is not None and correction is not None:
+            correction.observe(event.instance_id, predicted / 1e3, measured / 1e3)
         if self.settings.shared_ledger:
             self.shared_ledger.done(event.request_id, event.instance_id, time.time())
             self._ledger_dirty.set()

@@ -114,6 +114,7 @@ class Generation:
         if self._last_token_t is None:
             m.ttft_s.labels(self.model).observe(now - self.p.t0)
             m.queued.dec()
+            self.stream.first_token_at = now
         else:
             m.itl_s.labels(self.model).observe(now - self._last_token_t)
         self._last_token_t = now

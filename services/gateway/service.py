@@ -268,12 +268,11 @@ class GatewayService:
         inbox = self.workers.get(stream.instance_id)
         if aborted and inbox is not None:
             self._spawn(self.bus.publish(inbox.inbox, AbortRequest(request_id=stream.request_id)))
-        ttft_ms = stream.ttft_ms()
         done = RequestDoneEvent(
             request_id=stream.request_id,
             instance_id=stream.instance_id,
-            predicted_ttft_ms=stream.predicted_ttft_ms if ttft_ms is not None else None,
-            ttft_ms=ttft_ms if stream.predicted_ttft_ms is not None else None,
+            predicted_ttft_ms=stream.predicted_ttft_ms,
+            ttft_ms=stream.ttft_ms(),
         )
         self._spawn(self.bus.publish(self._events_subject, done))
 

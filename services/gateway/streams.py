@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 
-from shared.messages.gateway import DeltaBatch, GatewayEvent, RequestFailed, TokenDelta
+from shared.messages.gateway import DeltaBatch, GatewayEvent, RequestFailed
 
 
 class ClientGone:
@@ -22,13 +21,13 @@ class RequestStream:
     instance_id: str
     events: asyncio.Queue[GatewayEvent | ClientGone] = field(default_factory=asyncio.Queue)
     # TTFT feedback for the estimator (RequestDoneEvent): the SFS estimate the route
-    # used, and perf_counter times of the submit and of the first token's event
+    # used, perf_counter times of the submit and of the first token (Generation)
     predicted_ttft_ms: float | None = None
     submitted_at: float | None = None
     first_token_at: float | None = None
 
     def ttft_ms(self) -> float | None:
-        """Submit -> first token event at this gateway, ms (None before the first)."""
+        """Submit -> first token at this gateway, ms (None before the first)."""
         if self.submitted_at is None or self.first_token_at is None:
             return None
         return (self.first_token_at - self.submitted_at) * 1000.0
@@ -58,12 +57,9 @@ class StreamManager:
 
     async def on_batch(self, batch: DeltaBatch) -> None:
         """Dispatch one worker iteration's events (events of closed streams are dropped)."""
-        now = time.perf_counter()
         for event in batch.events:
             stream = self._streams.get(event.request_id)
             if stream is not None:
-                if stream.first_token_at is None and isinstance(event, TokenDelta):
-                    stream.first_token_at = now
                 stream.events.put_nowait(event)
 
     def fail_instance(self, instance_id: str, message: str) -> int:

@@ -41,13 +41,14 @@ class RouteReply(msgspec.Struct, frozen=True, kw_only=True):
 class RequestDoneEvent(msgspec.Struct, frozen=True, kw_only=True):
     """A request has ended (finished, failed or aborted): drop it from every ledger.
 
-    With an SFS prediction behind its routing and a first token, it also carries both
-    TTFTs, the feedback that corrects the instance's replay (sfs/correction.py)."""
+    It also carries the SFS estimate its routing used and the TTFT the gateway
+    measured, where there were such: with both, the feedback that corrects the
+    instance's replay (sfs/correction.py)."""
 
     request_id: str  # as routed
     instance_id: str  # where it ran
     predicted_ttft_ms: float | None = None  # the SFS estimate its decision used, ms
-    ttft_ms: float | None = None  # measured at the gateway: submit -> first token event, ms
+    ttft_ms: float | None = None  # measured at the gateway: submit -> first token, ms
 
 
 ROUTE_REQUEST_DECODER = msgspec.msgpack.Decoder(RouteRequest)

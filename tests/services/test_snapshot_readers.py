@@ -110,15 +110,15 @@ async def test_estimator_reads_an_undecodable_snapshot_as_missing(
         await publish(svc.store, {"bad": old_layout(2), "ok": good(2)})
         await svc.refresh_snapshots()
         assert bad.snapshot_key[0] == 1 and bad.snapshot_wall_time_s == first_time
-        assert "num_running" in bad.snapshot_error
+        assert "num_running" in svc._snapshots.error("bad")
         assert not bad.is_fresh(first_time + 10.0, svc.settings.snapshot_max_age_s)
         assert ok.snapshot_key[0] == 2
         await publish(svc.store, {"bad": unequal_columns(3)})
         await svc.refresh_snapshots()
-        assert "unequal length" in bad.snapshot_error and bad.snapshot_key[0] == 1
+        assert "unequal length" in svc._snapshots.error("bad") and bad.snapshot_key[0] == 1
         await publish(svc.store, {"bad": good(4)})
         await svc.refresh_snapshots()
-        assert bad.snapshot_key[0] == 4 and bad.snapshot_error == ""
+        assert bad.snapshot_key[0] == 4 and svc._snapshots.error("bad") == ""
     finally:
         await svc.store.close()
 
