@@ -1062,9 +1062,7 @@ async def _decision_runs(
                 blob = blobs[state.instance_id]
                 assert blob is not None
                 snap = dec.decode(blob.data)
-                state.snapshot, state.snapshot_key = snap, (blob.version, blob.wall_time_s)
-                state.snapshot_wall_time_s = blob.wall_time_s
-                state.visible = set(snap.request_ids)
+                state.take_snapshot(snap, (blob.version, blob.wall_time_s))
                 ledger.reconcile(state.instance_id, state.visible)
                 latency.prepare(state)
             t_parsed, c_parsed = time.perf_counter(), time.thread_time()

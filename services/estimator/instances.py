@@ -84,6 +84,12 @@ class InstanceState:
     def instance_id(self) -> str:
         return self.info.instance_id
 
+    def take_snapshot(self, snapshot: WorkloadSnapshot, key: tuple[int, float]) -> None:
+        """A newly read snapshot: `key` is its (version, store wall time)."""
+        self.snapshot, self.snapshot_key = snapshot, key
+        self.snapshot_wall_time_s = key[1]
+        self.visible = set(snapshot.request_ids)
+
     def is_fresh(self, now_s: float, max_age_s: float) -> bool:
         return self.snapshot is not None and now_s - self.snapshot_wall_time_s <= max_age_s
 

@@ -231,9 +231,7 @@ class EstimatorService:
             snapshot = self._snapshots.decode_one(iid, blob.data)
             if snapshot is None:  # as missing: the last one read ages out
                 continue
-            state.snapshot, state.snapshot_key = snapshot, key
-            state.snapshot_wall_time_s = blob.wall_time_s
-            state.visible = set(snapshot.request_ids)
+            state.take_snapshot(snapshot, key)
             if shared:
                 self.shared_ledger.reconcile(iid, state.visible, now_wall)
             else:

@@ -354,8 +354,8 @@ def simulate_cluster(
             state.snapshot_wall_time_s = wall
             if key == state.snapshot_key:
                 continue
-            state.snapshot, state.snapshot_key = snap, key
-            state.visible = set(snap.request_ids)
+            state.take_snapshot(snap, key)
+            state.snapshot_wall_time_s = wall  # the store's time of it, not the writer's
             ledger.reconcile(state.instance_id, state.visible)
             latency.prepare(state)
 
