@@ -1,7 +1,7 @@
 """Online correction of the SFS replay's TTFT estimate, from measured TTFTs.
 
 The replay is unbiased on a simulated engine (-1.5% mean signed error with exact
-lengths, `just sfs-bias`) but under-predicts a real one by ~6-9% (docs/sfs.md, part
+lengths, `just sfs-bias`) but under-predicts a real one by ~6-11% (docs/sfs.md, part
 1): requests that arrive after the probe and join its batches once it runs, and a
 sum of batch times a little below the fit, neither of which a snapshot can show. The
 bias is steady per instance, so each finished request's measured TTFT against the
@@ -12,8 +12,9 @@ estimate its decision used (`RouteReply.predicted_ttft_ms`, echoed back in
 
 an exponentially weighted mean of the log ratio to the uncorrected replay (f_used: the
 factor the estimate carried), so f tracks the typical ratio (in log space, close to
-its median: what minimises the absolute percentage error of a multiplicative bias). A factor applies once `min_samples` were seen, and is clamped
-to [1 / max_factor, max_factor] so a burst of odd requests cannot run away with it.
+its median: what minimises the absolute percentage error of a multiplicative bias).
+A factor applies once `min_samples` were seen, and is clamped to
+[1 / max_factor, max_factor] so a burst of odd requests cannot run away with it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 
 # Feedback only from TTFTs well above the bus's own latency: the measured TTFT runs
-# from the gateway's submit to the first token's event there, two NATS hops (~1 ms)
+# from the gateway's submit to its first token there, two NATS hops (~1 ms)
 # the replay does not model; on a 2 ms request they would read as a 1.5x bias.
 MIN_TTFT_S = 0.02
 
