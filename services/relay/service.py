@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 
 from services.relay.books import RelayBooks, Send
@@ -38,6 +39,10 @@ from shared.store import SnapshotDecoder, Store
 
 log = get_logger(component="relay")
 CHECK_INTERVAL_S = 0.1
+# A hand-off to a model with no known worker re-reads the registry, at most this often
+# (a peer model that is really gone costs one Redis round trip per interval, not per
+# hand-off).
+RETRY_REFRESH_S = 0.2
 
 
 class RelayService:
@@ -50,6 +55,7 @@ class RelayService:
         self.workers: dict[str, WorkerInfo] = {}
         self.load: dict[str, int] = {}  # instance -> requests in its snapshot + sent since
         self._snapshots = SnapshotDecoder(log)
+        self._last_refresh_s = -math.inf  # monotonic time of the last registry read
         self._stop = asyncio.Event()
 
     def request_stop(self) -> None:
@@ -60,14 +66,18 @@ class RelayService:
     def _alive(self, instance_id: str) -> bool:
         return instance_id in self.workers
 
-    def _pick(self, preset: str, model_index: int, request_id: str) -> str | None:
+    def _serving(self, preset: str, model_index: int) -> list[str]:
+        """Live, not draining instances of the preset's model `model_index`."""
         cfg = self.cluster.presets.get(preset)
         if cfg is None or not 0 <= model_index < len(cfg.models):
-            return None
+            return []
         model = cfg.models[model_index]
-        live = [
+        return [
             w.instance_id for w in self.workers.values() if w.model == model and not w.is_draining
         ]
+
+    def _pick(self, preset: str, model_index: int, request_id: str) -> str | None:
+        live = self._serving(preset, model_index)
         if not live:
             return None
         best = min(live, key=lambda i: (self.load.get(i, 0), i))
@@ -75,6 +85,7 @@ class RelayService:
         return best
 
     async def _refresh(self) -> None:
+        self._last_refresh_s = time.monotonic()
         self.workers = {w.instance_id: w for w in await self.store.live_workers()}
         self._snapshots.keep_only(self.workers)
         blobs = await self.store.read_snapshots(list(self.workers))
@@ -95,8 +106,22 @@ class RelayService:
         if isinstance(msg, PeerRelease):
             sends = self.books.on_release(msg)
         else:
+            if msg.to_model != 0 and not self._serving(msg.preset, msg.to_model):
+                # A model this view knows no worker of: the registry may simply be older
+                # than the workers (the relay starts first); look again before giving
+                # the request back, at most once per RETRY_REFRESH_S.
+                await self._refresh_soon()
             sends = self.books.on_peer(msg, time.monotonic())
         await self._send(sends)
+
+    async def _refresh_soon(self) -> None:
+        now = time.monotonic()
+        if now - self._last_refresh_s < RETRY_REFRESH_S:
+            return
+        try:
+            await self._refresh()
+        except Exception as exc:  # Redis hiccup: keep the last view
+            log.warning("registry_refresh_failed", error=repr(exc))
 
     async def _send(self, sends: list[Send]) -> None:
         ns = self.cluster.namespace
