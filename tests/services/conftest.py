@@ -122,6 +122,18 @@ class Stack:
     _tasks: list[asyncio.Task] = field(default_factory=list)
     _server: uvicorn.Server | None = None
 
+    async def wait_idle(self) -> None:
+        """Until every snapshot the estimator holds shows no request and its ledger is
+        empty (a test that routes a burst must not see an earlier test's leftovers)."""
+        for _ in range(400):
+            states = self.estimator.instances.values()
+            if len(self.estimator.ledger) == 0 and all(
+                s.snapshot is not None and s.snapshot.num_requests == 0 for s in states
+            ):
+                return
+            await asyncio.sleep(0.02)
+        raise TimeoutError("the cluster did not go idle")
+
     async def stop(self) -> None:
         if self._server is not None:
             self._server.should_exit = True

@@ -134,21 +134,9 @@ def served_by(stack: Stack, resp: httpx.Response) -> str:
     return next(w.cfg.model for w in stack.workers if w.cfg.instance_id == iid)
 
 
-async def wait_idle(stack: Stack) -> None:
-    """Until every snapshot the estimator holds shows no request and the ledger is empty."""
-    for _ in range(400):
-        states = stack.estimator.instances.values()
-        if len(stack.estimator.ledger) == 0 and all(
-            s.snapshot is not None and s.snapshot.num_requests == 0 for s in states
-        ):
-            return
-        await asyncio.sleep(0.02)
-    raise TimeoutError("the cluster did not go idle")
-
-
 @pytest.mark.asyncio(loop_scope="session")
 async def test_idle_cluster_policies_and_the_slo_header(sim: Stack) -> None:
-    await wait_idle(sim)
+    await sim.wait_idle()
     # Idle: big answers its first token in ~30 ms, within the default 158 ms target.
     resp = await chat(sim, "constraint")
     assert served_by(sim, resp) == "big"
@@ -161,17 +149,17 @@ async def test_idle_cluster_policies_and_the_slo_header(sim: Stack) -> None:
     assert baton["cost"] == pytest.approx(
         (usage["prompt_tokens"] * 1.0 + usage["completion_tokens"] * 2.0) / 1e6
     )
-    await wait_idle(sim)
+    await sim.wait_idle()
     # x-slo-ttft-ms: 10 ms rules big out; small (~2 ms) meets it.
     resp = await chat(sim, "constraint", {"x-slo-ttft-ms": "10"})
     assert served_by(sim, resp) == "small"
     assert resp.json()["baton"]["predicted_ttft_ms"] < 10
     # x-baton-task: on trivia small is the more accurate one.
-    await wait_idle(sim)
+    await sim.wait_idle()
     resp = await chat(sim, "agnostic", {"x-baton-task": "trivia"})
     assert served_by(sim, resp) == "small"
     # x-baton-policy overrides the preset's.
-    await wait_idle(sim)
+    await sim.wait_idle()
     resp = await chat(sim, "agnostic", {"x-baton-policy": "sfs-constraint", "x-slo-ttft-ms": "10"})
     assert served_by(sim, resp) == "small" and resp.json()["baton"]["policy"] == "sfs-constraint"
     resp = await chat(sim, "agnostic", {"x-baton-policy": "routebalance"})
@@ -192,13 +180,13 @@ async def test_measured_ttft_comes_back_to_the_estimator(sim: Stack) -> None:
             await asyncio.sleep(0.01)
         return correction.num_observed(iid)
 
-    await wait_idle(sim)
+    await sim.wait_idle()
     resp = await chat(sim, "constraint")  # idle: big, one 30 ms prefill step
     assert served_by(sim, resp) == "big"
     iid = resp.headers["x-instance-id"]
     before = await feedback_after(0)
     assert before >= 1
-    await wait_idle(sim)
+    await sim.wait_idle()
     resp = await chat(sim, "constraint")
     assert resp.headers["x-instance-id"] == iid
     assert await feedback_after(before) == before + 1
@@ -207,7 +195,7 @@ async def test_measured_ttft_comes_back_to_the_estimator(sim: Stack) -> None:
 
 @pytest.mark.asyncio(loop_scope="session")
 async def test_loaded_instance_sfs_routes_away_agnostic_does_not(sim: Stack) -> None:
-    await wait_idle(sim)
+    await sim.wait_idle()
     # Load big directly (one instance serves "big": the gateway routes it locally):
     # 4 requests of 40 tokens, one at a time, ~1.2 s each.
     load = [asyncio.create_task(chat(sim, "big", max_tokens=40, ignore_eos=True)) for _ in range(4)]
@@ -228,7 +216,7 @@ async def test_loaded_instance_sfs_routes_away_agnostic_does_not(sim: Stack) -> 
     assert agnostic.json()["baton"]["predicted_ttft_ms"] is None  # it predicts no TTFT
     for r in await asyncio.gather(*load):
         assert r.status_code == 200
-    await wait_idle(sim)  # every ledger entry left: done events and snapshots agree
+    await sim.wait_idle()  # every ledger entry left: done events and snapshots agree
 
 
 @pytest.mark.asyncio(loop_scope="session")

@@ -162,6 +162,7 @@ async def test_a_burst_spreads_over_both_workers(stack: Stack) -> None:
     # must not herd them onto one instance. (The ledger's own bookkeeping is tested
     # in tests/services/test_estimator_*.py; here the whole path is.)
     body = {**CHAT, "stream": True, "max_tokens": 200, "ignore_eos": True}
+    await stack.wait_idle()  # an earlier test's aborted stream may still be running
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
 
         async def one() -> str:
