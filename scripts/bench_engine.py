@@ -3,8 +3,13 @@
 A closed loop of N concurrent requests (alpaca prompts, chat template, exactly
 --new-tokens output tokens each) through the engine, against HF `generate()` with
 static batches of the same N prompts, side by side in one run. Prints output
-tokens/s for both and their ratio; also bf16 vs fp32 and torch threads 1 vs 2 for
-the engine, and the peak RSS of a worker-sized engine. JSON to --out.
+tokens/s for both and their ratio; also bf16 vs fp32, fp32 with fp16 vs fp32
+weights, and torch threads 1 vs 2 for the engine, how often each faster numeric
+reproduces fp32 greedy decoding, and the peak RSS of a worker-sized engine. The
+engine runs as workers serve it (dtype and weight_dtype "auto" unless given); HF runs
+the same compute dtype with its weights as they load (fp32 weights where the engine
+holds fp16 ones: the ratio is then also printed with the engine's weights as HF's).
+JSON to --out.
 
     python scripts/bench_engine.py --out results/bench_engine.json
 """
@@ -12,6 +17,7 @@ the engine, and the peak RSS of a worker-sized engine. JSON to --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -27,7 +33,8 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from services.worker.engine.config import EngineConfig, resolve_dtype  # noqa: E402
+from services.worker.engine.config import EngineConfig, resolve_dtype, resolve_weight_dtype  # noqa: E402
+from services.worker.engine.cpu_kernels import fp16_weights_supported  # noqa: E402
 from services.worker.engine.engine import LLMEngine  # noqa: E402
 from services.worker.engine.loader import build_model, load_gguf  # noqa: E402
 from shared.model_store import load_tokenizer, smollm2_gguf_path  # noqa: E402
@@ -97,20 +104,28 @@ def hf_static_batches(
     return produced / (time.perf_counter() - t0)
 
 
-def bf16_agreement(
-    cfg: object, state: dict[str, torch.Tensor], prompts: list[list[int]], new_tokens: int
+def greedy_agreement(
+    cfg: object,
+    state: dict[str, torch.Tensor],
+    prompts: list[list[int]],
+    new_tokens: int,
+    dtype: str,
+    weight_dtype: str,
 ) -> dict[str, float]:
-    """How often bf16 greedy decoding reproduces fp32 greedy decoding."""
+    """How often greedy decoding in (dtype, weight_dtype) reproduces plain fp32's."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    outs = {}
-    for dt in (torch.float32, torch.bfloat16):
-        conf = EngineConfig(model="smollm2-135m", dtype=str(dt).removeprefix("torch."),
+    outs = []
+    for dt, wd in (("float32", "same"), (dtype, weight_dtype)):
+        conf = EngineConfig(model="smollm2-135m", dtype=dt, weight_dtype=wd,
                             max_num_seqs=len(prompts), num_kv_blocks=256, max_model_len=2048)
-        engine = LLMEngine(conf, build_model(cfg, dict(state), dt, torch.device("cpu")))  # type: ignore[arg-type]
-        outs[dt] = engine.generate(prompts, params)
+        model = build_model(cfg, dict(state), conf.torch_dtype, torch.device("cpu"))  # type: ignore[arg-type]
+        if conf.fp16_weights:
+            model.pack_for_cpu(batch_hint=conf.max_num_seqs, fp16_weights=True)
+        engine = LLMEngine(conf, model)  # fp32 and bf16: the plain model
+        outs.append(engine.generate(prompts, params))
         del engine
     same_tokens = same_prefix = identical = 0
-    for a, b in zip(outs[torch.float32], outs[torch.bfloat16], strict=True):
+    for a, b in zip(outs[0], outs[1], strict=True):
         same_tokens += sum(x == y for x, y in zip(a, b, strict=True))
         prefix = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
         same_prefix += prefix
@@ -123,7 +138,7 @@ def bf16_agreement(
     }
 
 
-def rss_probe(num_kv_blocks: int, dtype: str) -> dict[str, float]:
+def rss_probe(num_kv_blocks: int, dtype: str, weight_dtype: str) -> dict[str, float]:
     """Run in a child process: peak RSS of one SmolLM2 engine with its KV capacity."""
     # A child's peak RSS starts at its parent's size at fork (the high-water mark
     # survives exec): reset it first (writing 5 to clear_refs), then read VmHWM.
@@ -132,7 +147,7 @@ def rss_probe(num_kv_blocks: int, dtype: str) -> dict[str, float]:
         "import torch;from services.worker.engine.engine import LLMEngine;"
         "from services.worker.engine.config import EngineConfig;"
         "from shared.sampling import SamplingParams;"
-        f"e=LLMEngine.create(EngineConfig(model='smollm2-135m',dtype='{dtype}',num_kv_blocks={num_kv_blocks},max_model_len=2048));"
+        f"e=LLMEngine.create(EngineConfig(model='smollm2-135m',dtype='{dtype}',weight_dtype='{weight_dtype}',num_kv_blocks={num_kv_blocks},max_model_len=2048));"
         "e.generate([[1,2,3]*50]*8,SamplingParams(max_tokens=16,ignore_eos=True));"
         "hwm=[l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1];"
         "print(e.runner.kv_cache_bytes, hwm)"
@@ -154,15 +169,18 @@ def main() -> None:
                          "(shared machines drift: alternating keeps the comparison fair)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="auto (as workers run): bf16 where the CPU computes it natively, else fp32")
+    ap.add_argument("--weight-dtype", default="auto", choices=["auto", "same", "float16"],
+                    help="auto (as workers run): fp16 weights where fp32 runs on an x86 CPU")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--variants-at", type=int, default=8, help="N for the dtype/threads variants (0 = skip)")
     ap.add_argument("--agreement-prompts", type=int, default=16,
-                    help="prompts for the bf16-vs-fp32 greedy agreement check (0 = skip)")
+                    help="prompts for the greedy agreement checks against fp32 (0 = skip)")
     ap.add_argument("--prompts", type=Path, default=ALPACA)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO / "results" / "bench_engine.json")
     args = ap.parse_args()
     args.dtype = resolve_dtype(args.dtype, "cpu")
+    args.weight_dtype = resolve_weight_dtype(args.weight_dtype, args.dtype, "cpu", True)
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -171,28 +189,33 @@ def main() -> None:
     prompts = alpaca_prompts(max_n * args.requests_per_slot, args.seed, args.prompts)
     max_len = max(len(p) for p in prompts) + args.new_tokens + 16
     econf = EngineConfig(
-        model="smollm2-135m", dtype=args.dtype, threads=args.threads,
+        model="smollm2-135m", dtype=args.dtype, weight_dtype=args.weight_dtype, threads=args.threads,
         max_num_seqs=max_n, num_kv_blocks=max(128, -(-max_len // EngineConfig().block_size) * max_n + 4), max_model_len=2048,
     )
 
-    def make_engine(dt: torch.dtype, conf: EngineConfig) -> LLMEngine:
-        """The engine as a worker serves it (LLMEngine.create packs bf16 weights too)."""
-        model = build_model(cfg, dict(state), dt, torch.device("cpu"))
+    def make_engine(conf: EngineConfig) -> LLMEngine:
+        """The engine as a worker serves it (packed as LLMEngine.create packs it)."""
+        model = build_model(cfg, dict(state), conf.torch_dtype, torch.device("cpu"))
         if conf.pack_weights:
-            model.pack_for_cpu(batch_hint=conf.max_num_seqs)
+            model.pack_for_cpu(batch_hint=conf.max_num_seqs, fp16_weights=conf.fp16_weights)
         return LLMEngine(conf, model)
+
+    def label(conf: EngineConfig) -> str:
+        fp16w = " (fp16 weights)" if conf.fp16_weights else ""
+        return f"{conf.resolved_dtype}{fp16w}, {torch.get_num_threads()} thread(s)"
 
     from services.worker.engine.hf_twin import build_hf_twin
 
-    engine = make_engine(dtype, econf)
+    engine = make_engine(econf)
     # The twin needs plain weights: built from an unpacked copy of the same model.
     hf = build_hf_twin(build_model(cfg, dict(state), dtype, torch.device("cpu")), dtype)
     engine.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     hf_static_batches(hf, prompts[:1], 1, 4, "warm-up")
 
-    result: dict[str, object] = {"model": "smollm2-135m", "dtype": args.dtype, "threads": args.threads,
+    result: dict[str, object] = {"model": "smollm2-135m", "dtype": args.dtype,
+                                 "weight_dtype": econf.resolved_weight_dtype, "threads": args.threads,
                                  "new_tokens": args.new_tokens, "engine_tok_s": {}, "hf_tok_s": {}, "ratio": {}}
-    print(f"SmolLM2-135M, {args.dtype}, {args.threads} thread(s), {args.new_tokens} new tokens per request")
+    print(f"SmolLM2-135M, engine {label(econf)} vs HF {args.dtype}, {args.new_tokens} new tokens per request")
     print(f"{'N':>4} {'requests':>9} {'engine tok/s':>13} {'HF tok/s':>10} {'ratio':>7}")
     for n in args.concurrency:
         group = prompts[: n * args.requests_per_slot]
@@ -211,36 +234,52 @@ def main() -> None:
         n = args.variants_at
         group = prompts[: n * args.requests_per_slot]
         variants: dict[str, float] = {}
-        other = "float32" if args.dtype == "bfloat16" else "bfloat16"
-        variants[f"{args.dtype}, {args.threads} thread(s)"] = result["engine_tok_s"].get(str(n)) or engine_closed_loop(engine, group, n, args.new_tokens, "base")  # type: ignore[union-attr,attr-defined]
+        variants[label(econf)] = result["engine_tok_s"].get(str(n)) or engine_closed_loop(engine, group, n, args.new_tokens, "base")  # type: ignore[union-attr,attr-defined]
         del engine
-        alt = make_engine(getattr(torch, other), econf)
-        variants[f"{other}, {args.threads} thread(s)"] = engine_closed_loop(alt, group, n, args.new_tokens, other)
-        del alt
+        other = "float32" if args.dtype == "bfloat16" else "bfloat16"
+        alts = [dataclasses.replace(econf, dtype=other, weight_dtype="same")]
+        if args.dtype == "float32":  # the other weight storage of the served dtype
+            wd = "same" if econf.fp16_weights else "float16"
+            if wd == "same" or fp16_weights_supported():
+                alts.append(dataclasses.replace(econf, weight_dtype=wd))
+        for conf in alts:
+            alt = make_engine(conf)
+            variants[label(conf)] = engine_closed_loop(alt, group, n, args.new_tokens, label(conf))
+            del alt
         other_threads = 2 if args.threads == 1 else 1
         torch.set_num_threads(other_threads)
-        alt = make_engine(dtype, econf)
-        variants[f"{args.dtype}, {other_threads} thread(s)"] = engine_closed_loop(alt, group, n, args.new_tokens, "threads")
+        alt = make_engine(econf)
+        variants[label(econf)] = engine_closed_loop(alt, group, n, args.new_tokens, "threads")
         torch.set_num_threads(args.threads)
         del alt
         result["engine_variants_tok_s"] = {k: round(v, 2) for k, v in variants.items()}
         print(f"\nengine variants at N={n}:")
         for k, v in variants.items():
-            print(f"  {k:<28} {v:8.1f} tok/s")
+            print(f"  {k:<40} {v:8.1f} tok/s")
+        same = label(dataclasses.replace(econf, weight_dtype="same"))
+        if econf.fp16_weights and str(n) in result["hf_tok_s"]:  # type: ignore[operator]
+            # like for like: the engine with the fp32 weights HF holds, same run
+            ratio = variants[same] / result["hf_tok_s"][str(n)]  # type: ignore[index]
+            result["ratio_fp32_weights"] = {str(n): round(ratio, 3)}
+            print(f"  ratio to HF at N={n} with fp32 weights on both sides: {ratio:.2f}")
 
     if args.agreement_prompts:
-        agree = bf16_agreement(cfg, state, prompts[: args.agreement_prompts], 64)
-        result["bf16_vs_fp32_greedy"] = {"prompts": args.agreement_prompts, "new_tokens": 64,
-                                         **{k: round(v, 3) for k, v in agree.items()}}
-        print(f"\nbf16 vs fp32 greedy, {args.agreement_prompts} prompts x 64 tokens: "
-              f"{agree['position_match']:.1%} of positions equal, {agree['prefix_match']:.1%} before "
-              f"the first divergence, {agree['identical_answers']:.0%} of answers identical")
+        checks = [("bf16_vs_fp32_greedy", "bfloat16", "same", "bf16")]
+        if fp16_weights_supported():
+            checks.append(("fp16_weights_vs_fp32_greedy", "float32", "float16", "fp32 on fp16 weights"))
+        for key, dt, wd, name in checks:
+            agree = greedy_agreement(cfg, state, prompts[: args.agreement_prompts], 64, dt, wd)
+            result[key] = {"prompts": args.agreement_prompts, "new_tokens": 64,
+                           **{k: round(v, 3) for k, v in agree.items()}}
+            print(f"\n{name} vs fp32 greedy, {args.agreement_prompts} prompts x 64 tokens: "
+                  f"{agree['position_match']:.1%} of positions equal, {agree['prefix_match']:.1%} before "
+                  f"the first divergence, {agree['identical_answers']:.0%} of answers identical")
 
     # A worker's KV capacity as configs/local.toml sizes it: 8192 tokens.
     bs = EngineConfig().block_size
-    rss = rss_probe(8192 // bs, args.dtype)
+    rss = rss_probe(8192 // bs, args.dtype, args.weight_dtype)
     result["worker_memory"] = {"num_kv_blocks": 8192 // bs, "block_size": bs, **{k: round(v, 1) for k, v in rss.items()}}
-    print(f"\nworker peak RSS (SmolLM2, {args.dtype}, {8192 // bs} KV blocks = 8192 tokens): "
+    print(f"\nworker peak RSS (SmolLM2, {label(econf)}, {8192 // bs} KV blocks = 8192 tokens): "
           f"{rss['peak_rss_mib']:.0f} MiB, of which KV cache {rss['kv_cache_mib']:.0f} MiB")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

@@ -65,7 +65,7 @@ def make_engine(model: str, config: EngineConfig) -> LLMEngine:
     )
     built = build_model(cfg, state, config.torch_dtype, torch.device(config.device))
     if config.pack_weights:
-        built.pack_for_cpu(batch_hint=config.max_num_seqs)
+        built.pack_for_cpu(batch_hint=config.max_num_seqs, fp16_weights=config.fp16_weights)
     return LLMEngine(config, built)
 
 
@@ -80,10 +80,22 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument(
+        "--weight-dtype",
+        default="auto",
+        choices=["auto", "same", "float16"],
+        help="auto: fp16 weights where fp32 runs on an x86 CPU (as workers serve it)",
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(1)
-    config = EngineConfig(model=args.models[0], dtype=args.dtype, max_num_seqs=max(args.batches))
+    config = EngineConfig(
+        model=args.models[0],
+        dtype=args.dtype,
+        weight_dtype=args.weight_dtype,
+        max_num_seqs=max(args.batches),
+    )
+    print(f"dtype {config.resolved_dtype}, weights {config.resolved_weight_dtype}")
     engines = {name: make_engine(name, config) for name in args.models}
     results = {b: decode_steps(engines, b, args.prompt_len, args.steps) for b in args.batches}
     base = args.models[0]

@@ -13,7 +13,7 @@ never at import time.
     [worker]     heartbeat_interval_s, heartbeat_ttl_s, drain_timeout_s, ...
     [batcher]    hold_timeout_ms, publish_interval_s, max_n, min_*, half_life_s, fixed_b,
                  max_compute_share
-    [models.<name>]     engine, dtype, device, tokenizer, price_*_per_mtok
+    [models.<name>]     engine, dtype, weight_dtype, device, tokenizer, price_*_per_mtok
     [[instances]]       model, replicas, max_num_seqs, max_model_len, ...
     [presets.<name>]    models, policy
 """
@@ -97,6 +97,9 @@ class Env:
     HOST = EnvVar("BATON_HOST", "gateway bind address")
     PORT = EnvVar("BATON_PORT", "gateway HTTP port")
     DTYPE = EnvVar("BATON_DTYPE", "engine dtype for every model: auto | float32 | bfloat16")
+    WEIGHT_DTYPE = EnvVar(
+        "BATON_WEIGHT_DTYPE", "how every model stores its linear weights: auto | same | float16"
+    )
     DEVICE = EnvVar("BATON_DEVICE", "engine device for every model: cpu | cuda")
     THREADS = EnvVar("BATON_THREADS", "torch threads per worker process")
     INSTANCE_ID = EnvVar("BATON_INSTANCE_ID", "worker instance id (default: model-host-pid)")
@@ -212,6 +215,10 @@ class ModelConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     # auto: bf16 where the device computes it natively (AVX-512 BF16, AMX, CUDA),
     # else fp32; services/worker/engine/config.py resolve_dtype
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # How linear weights are stored. auto: fp16 (fp32 arithmetic on fp16 weights, half
+    # the bytes a step) where dtype resolves to fp32 on an x86 CPU, else as dtype;
+    # same: as dtype; float16: always (fp32 on the CPU only). resolve_weight_dtype
+    weight_dtype: Literal["auto", "same", "float16"] = "auto"
     device: str = "cpu"  # torch device
     tokenizer: str | None = None  # tokenizer name; default: the model's own
     price_input_per_mtok: float = 0.0  # cost units per million prompt tokens
@@ -421,6 +428,8 @@ def _apply_env(raw: dict, environ: Mapping[str, str] | None) -> None:
     for model in raw.get("models", {}).values():
         if (dtype := Env.DTYPE.get(environ)) is not None:
             model["dtype"] = dtype
+        if (weight_dtype := Env.WEIGHT_DTYPE.get(environ)) is not None:
+            model["weight_dtype"] = weight_dtype
         if (device := Env.DEVICE.get(environ)) is not None:
             model["device"] = device
     if (threads := Env.THREADS.get_int(environ)) is not None:

@@ -70,9 +70,7 @@ class WorkerServiceConfig:
             max_batch_samples=cluster.worker.max_batch_samples,
             max_inline_step_tokens=cluster.worker.max_inline_step_tokens,
             max_inline_step_ms=cluster.worker.max_inline_step_ms,
-            token_presets={
-                n: p for n, p in cluster.token_presets().items() if model in p.models
-            },
+            token_presets={n: p for n, p in cluster.token_presets().items() if model in p.models},
             relay=cluster.relay,
         )
 
@@ -84,6 +82,7 @@ class WorkerServiceConfig:
         return EngineConfig(
             model=self.model,
             dtype=self.model_config.dtype,
+            weight_dtype=self.model_config.weight_dtype,
             device=self.model_config.device,
             max_num_seqs=inst.max_num_seqs,
             max_num_batched_tokens=inst.max_num_batched_tokens,

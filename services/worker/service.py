@@ -125,11 +125,13 @@ class WorkerService:
         t0 = time.perf_counter()
         self._engine = await asyncio.to_thread(self._engine_factory, self.cfg)
         # the dtype the engine runs (None for the sim engine, which has no torch config)
-        self._dtype = getattr(getattr(self._engine, "config", None), "resolved_dtype", None)
+        engine_config = getattr(self._engine, "config", None)
+        self._dtype = getattr(engine_config, "resolved_dtype", None)
         log.info(
             "engine_loaded",
             model=self.cfg.model,
             dtype=self._dtype,
+            weight_dtype=getattr(engine_config, "resolved_weight_dtype", None),
             seconds=round(time.perf_counter() - t0, 2),
         )
         await self._bus.connect()

@@ -49,6 +49,19 @@ def test_cluster_errors_are_clear() -> None:
         parse_cluster("[relay]\nguest_idle_s = 0\n", environ={})
     with pytest.raises(ConfigError, match="dtype"):
         parse_cluster('[models.a]\ndtype = "fp8"\n', environ={})
+    with pytest.raises(ConfigError, match="weight_dtype"):
+        parse_cluster('[models.a]\nweight_dtype = "int4"\n', environ={})
+
+
+def test_dtype_environment_overrides_every_model() -> None:
+    text = '[models.a]\ndtype = "float32"\nweight_dtype = "same"\n[models.b]\n'
+    cluster = parse_cluster(text, environ={})
+    assert (cluster.models["a"].dtype, cluster.models["a"].weight_dtype) == ("float32", "same")
+    assert cluster.models["b"].weight_dtype == "auto"
+    env = {"BATON_DTYPE": "bfloat16", "BATON_WEIGHT_DTYPE": "float16"}
+    cluster = parse_cluster(text, environ=env)
+    for model in cluster.models.values():
+        assert (model.dtype, model.weight_dtype) == ("bfloat16", "float16")
 
 
 def test_subjects_and_keys_are_namespaced() -> None:

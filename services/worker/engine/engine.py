@@ -125,7 +125,7 @@ class LLMEngine:
         model = build_model(cfg, state, config.torch_dtype, torch.device(config.device))
         del state
         if config.pack_weights:
-            model.pack_for_cpu(batch_hint=config.max_num_seqs)
+            model.pack_for_cpu(batch_hint=config.max_num_seqs, fp16_weights=config.fp16_weights)
         return cls(config, model)
 
     # ---- requests (any thread) -------------------------------------------------

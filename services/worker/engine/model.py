@@ -19,7 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.engine.cpu_kernels import PackedLinear, can_pack, pack_linears
+from services.worker.engine.cpu_kernels import (
+    Fp16WeightLinear,
+    PackedLinear,
+    can_pack,
+    fp16_weights_supported,
+    pack_linears,
+)
 from services.worker.engine.outputs import StepLogits
 
 # A trimmed-vocabulary head (CausalLM.set_vocab_keep): the state-dict entry holding the
@@ -300,7 +306,13 @@ class Attention(nn.Module):
             for r in plan.prefill_rows():
                 start, end = plan.query_starts[r], plan.query_starts[r] + plan.query_lens[r]
                 self._attend_prefill(
-                    q[start:end], k[start:end], v[start:end], k_cache, v_cache, plan, r,
+                    q[start:end],
+                    k[start:end],
+                    v[start:end],
+                    k_cache,
+                    v_cache,
+                    plan,
+                    r,
                     out[start:end],
                 )
         return self.o_proj.forward(out.reshape(num_tokens, self.q_size))
@@ -433,20 +445,30 @@ class CausalLM(nn.Module):
         self.vocab_keep = keep.to(weight.device)
         self.kept_head = weight.detach().index_select(0, self.vocab_keep).contiguous()
 
-    def pack_for_cpu(self, batch_hint: int) -> bool:
-        """Pre-pack every linear and the LM head for oneDNN (CPU bf16 and fp32; see
-        cpu_kernels.py). Returns whether it packed. Serving only: afterwards the
-        state dict lacks the linear weights."""
+    def pack_for_cpu(self, batch_hint: int, fp16_weights: bool = False) -> bool:
+        """Pre-pack every linear and the LM head for oneDNN (CPU bf16 and fp32), or
+        with `fp16_weights` (fp32 models only) hold them as fp16 for fbgemm's fp16
+        GEMM; see cpu_kernels.py. Returns whether it packed. Serving only: afterwards
+        the state dict lacks the linear weights."""
         weight = self.embed_tokens.weight
-        if not can_pack(weight.device, weight.dtype):
+        if fp16_weights:
+            if weight.dtype != torch.float32 or weight.device.type != "cpu":
+                raise ValueError("fp16 weights need an fp32 model on the CPU")
+            if not fp16_weights_supported():
+                raise ValueError("fp16 weights need fbgemm (an x86 CPU with AVX2)")
+        elif not can_pack(weight.device, weight.dtype):
             return False
-        pack_linears(self.layers, batch_hint)
+        pack_linears(self.layers, batch_hint, fp16_weights)
         # The (often tied) LM head gets its own packed copy; the embedding keeps the
         # plain table for its row gathers.
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # A trimmed head packs only its kept rows.
         head = head if self.kept_head is None else self.kept_head
-        self.packed_head = PackedLinear(head, None, batch_hint, head.dtype == torch.float32)
+        self.packed_head = (
+            Fp16WeightLinear(head, None)
+            if fp16_weights
+            else PackedLinear(head, None, batch_hint, head.dtype == torch.float32)
+        )
         return True
 
     @torch.inference_mode()
