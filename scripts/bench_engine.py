@@ -33,7 +33,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from services.worker.engine.config import EngineConfig, resolve_dtype, resolve_weight_dtype  # noqa: E402
+from services.worker.engine.config import EngineConfig, resolve_dtype  # noqa: E402
 from services.worker.engine.cpu_kernels import fp16_weights_supported  # noqa: E402
 from services.worker.engine.engine import LLMEngine  # noqa: E402
 from services.worker.engine.loader import build_model, load_gguf  # noqa: E402
@@ -179,8 +179,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO / "results" / "bench_engine.json")
     args = ap.parse_args()
-    args.dtype = resolve_dtype(args.dtype, "cpu")
-    args.weight_dtype = resolve_weight_dtype(args.weight_dtype, args.dtype, "cpu", True)
+    args.dtype = resolve_dtype(args.dtype, "cpu")  # args.weight_dtype stays as given
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -258,7 +257,8 @@ def main() -> None:
             print(f"  {k:<40} {v:8.1f} tok/s")
         same = label(dataclasses.replace(econf, weight_dtype="same"))
         if econf.fp16_weights and str(n) in result["hf_tok_s"]:  # type: ignore[operator]
-            # like for like: the engine with the fp32 weights HF holds, same run
+            # like for like: the engine with the fp32 weights HF holds, same run (its
+            # engine figure from the variants phase, not alternated with HF's)
             ratio = variants[same] / result["hf_tok_s"][str(n)]  # type: ignore[index]
             result["ratio_fp32_weights"] = {str(n): round(ratio, 3)}
             print(f"  ratio to HF at N={n} with fp32 weights on both sides: {ratio:.2f}")
@@ -277,7 +277,7 @@ def main() -> None:
 
     # A worker's KV capacity as configs/local.toml sizes it: 8192 tokens.
     bs = EngineConfig().block_size
-    rss = rss_probe(8192 // bs, args.dtype, args.weight_dtype)
+    rss = rss_probe(8192 // bs, args.dtype, econf.weight_dtype)
     result["worker_memory"] = {"num_kv_blocks": 8192 // bs, "block_size": bs, **{k: round(v, 1) for k, v in rss.items()}}
     print(f"\nworker peak RSS (SmolLM2, {label(econf)}, {8192 // bs} KV blocks = 8192 tokens): "
           f"{rss['peak_rss_mib']:.0f} MiB, of which KV cache {rss['kv_cache_mib']:.0f} MiB")

@@ -642,6 +642,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
             "every step (no NATS hop, no Redis read)",
             "engine": {
                 "dtype": ecfg.resolved_dtype,
+                "weight_dtype": ecfg.resolved_weight_dtype,
                 "max_num_seqs": ecfg.max_num_seqs,
                 "max_num_batched_tokens": ecfg.max_num_batched_tokens,
                 "num_kv_blocks": ecfg.num_kv_blocks,

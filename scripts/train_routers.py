@@ -165,6 +165,12 @@ def model_view(
     )
 
 
+def weight_dtype(args: argparse.Namespace) -> str:
+    """How the small model's engine holds its weights (resolved: the hidden states the
+    routers read depend on it; recorded beside the dtype and in the feature cache key)."""
+    return EngineConfig(model=args.small, dtype=args.dtype).resolved_weight_dtype
+
+
 def create_engine(model: str, dtype: str) -> LLMEngine:
     return LLMEngine.create(
         EngineConfig(
@@ -190,6 +196,7 @@ def cached_views(
                 [args.small, model_digest(args.small)],
                 [args.large, model_digest(args.large)],
                 args.dtype,
+                weight_dtype(args),
                 args.topk,
                 [s.ids for s in block],
             ]
@@ -592,6 +599,7 @@ def main(argv: list[str] | None = None) -> None:
                 "small_model_digest": model_digest(args.small),
                 "large_model": args.large,
                 "dtype": args.dtype,
+                "weight_dtype": weight_dtype(args),
                 "threshold": t,
                 "threshold_rule": rules[name],
                 "objective": OBJECTIVE[name],

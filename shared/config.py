@@ -230,6 +230,17 @@ class ModelConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     ] = {}  # judged quality per task name, in [0, 1]; "default" for any task
     sim: dict[str, str | float | int] = {}  # SimEngineConfig fields other than the limits
 
+    def __post_init__(self) -> None:
+        # What a worker would refuse at start (EngineConfig checks the rest: fbgemm):
+        # say it when the file is read, once, not in every worker's log.
+        if self.weight_dtype == "float16" and (
+            self.dtype == "bfloat16" or not self.device.startswith("cpu")
+        ):
+            raise ValueError(
+                "weight_dtype = 'float16' (fp16 weights, fp32 arithmetic) needs dtype "
+                f"float32 or auto on the CPU, got dtype {self.dtype!r} on {self.device!r}"
+            )
+
     def accuracy(self, task: str | None) -> float:
         """Judged quality for `task` (its own entry, else "default", else 0)."""
         if task is not None and task in self.quality:

@@ -166,21 +166,24 @@ class WorkerService:
         )
         await self._link.start()
         log.info("token_routing_ready", presets=sorted(self.routing.policies))
-        serving = self._dtype
+        engine_config = getattr(self._engine, "config", None)
+        serving = (self._dtype, getattr(engine_config, "resolved_weight_dtype", self._dtype))
         for preset, policy in self.routing.policies.items():
             meta = getattr(policy, "meta", {})
-            trained = meta.get("dtype")
+            # routers from before weight_dtype held their weights in the compute dtype
+            trained = (meta.get("dtype"), meta.get("weight_dtype", meta.get("dtype")))
             reads_here = meta.get("small_model", self.cfg.model) == self.cfg.model
-            if reads_here and trained is not None and serving is not None and trained != serving:
+            if reads_here and None not in trained and None not in serving and trained != serving:
                 # The router reads this engine's hidden states; its threshold was set
-                # on another dtype's (close, not equal): say so rather than drift quietly.
+                # on another numeric's (close, not equal): say so rather than drift quietly.
                 log.warning(
                     "router_dtype_differs",
                     preset=preset,
-                    trained_on=trained,
-                    serving=serving,
-                    fix=f"set dtype = {trained!r} for {self.cfg.model} in the cluster file, "
-                    f"or rebuild the routers with `just routers --dtype {serving}`",
+                    trained_on={"dtype": trained[0], "weight_dtype": trained[1]},
+                    serving={"dtype": serving[0], "weight_dtype": serving[1]},
+                    fix=f"set dtype = {trained[0]!r} for {self.cfg.model} in the cluster "
+                    f"file, or rebuild the routers with `just routers --dtype {serving[0]}` "
+                    "on a machine that serves them alike",
                 )
 
     async def close(self) -> None:

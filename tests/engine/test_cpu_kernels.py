@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker.engine import cpu_kernels
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu_kernels import (
     Fp16WeightLinear,
@@ -156,9 +157,16 @@ def test_fp16_weights_engine_equals_plain_engine_on_rounded_weights() -> None:
     assert_same_answers(greedy_run(reference), greedy_run(served))
 
 
-@needs_fp16_weights
-def test_weight_dtype_resolution_and_errors() -> None:
-    assert tiny_config("float32", True, "auto").resolved_weight_dtype == "float16"
+@pytest.mark.parametrize("supported", [True, False])
+def test_weight_dtype_resolution_and_errors(
+    supported: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """auto: fp16 weights for packed fp32 on a CPU with fbgemm, else the compute
+    dtype; float16 refused, with the reason, wherever it cannot run."""
+    monkeypatch.setattr(cpu_kernels, "fp16_weights_supported", lambda: supported)
+    fp16_if = "float16" if supported else "float32"
+    assert tiny_config("float32", True, "auto").resolved_weight_dtype == fp16_if
+    assert tiny_config("float32", True, "auto").fp16_weights == supported
     assert tiny_config("float32", False, "auto").resolved_weight_dtype == "float32"  # plain model
     assert tiny_config("float32", True, "same").resolved_weight_dtype == "float32"
     assert tiny_config("bfloat16", True, "auto").resolved_weight_dtype == "bfloat16"
@@ -169,6 +177,11 @@ def test_weight_dtype_resolution_and_errors() -> None:
         tiny_config("float32", False, "float16")
     with pytest.raises(ValueError, match="weight_dtype must be one of"):
         tiny_config("float32", True, "int4")
+    if supported:
+        assert tiny_config("float32", True, "float16").fp16_weights
+    else:
+        with pytest.raises(ValueError, match="needs fbgemm"):
+            tiny_config("float32", True, "float16")
     env = EngineConfig().with_env({"BATON_WEIGHT_DTYPE": "same", "BATON_DTYPE": "float32"})
     assert (env.dtype, env.weight_dtype) == ("float32", "same")
 

@@ -30,8 +30,14 @@ def test_hf_directory_round_trip(tmp_path: Path, qk_norm: bool) -> None:
     cfg2, _ = load_hf_dir(tmp_path)
     assert cfg2.qk_norm == qk_norm and cfg2.head_dim == 32
     assert cfg2.tie_word_embeddings == cfg.tie_word_embeddings
-    engine = LLMEngine.create(
-        EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=32, max_model_len=256)
+    engine = LLMEngine.create(  # fp32 weights: compared token for token with the plain model
+        EngineConfig(
+            model=str(tmp_path),
+            dtype="float32",
+            weight_dtype="same",
+            num_kv_blocks=32,
+            max_model_len=256,
+        )
     )
     reference = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=32, max_model_len=256), model)
     prompt = [[5, 17, 300, 41]]

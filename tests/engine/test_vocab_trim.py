@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cpu_kernels import can_pack
+from services.worker.engine.cpu_kernels import can_pack, fp16_weights_supported
 from services.worker.engine.delta import apply_delta, read_delta, save_delta
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.loader import build_model, random_config, random_state_dict
@@ -120,6 +120,24 @@ def test_packed_trimmed_head_matches_the_plain_one() -> None:
     assert packed.pack_for_cpu(batch_hint=8)
     hidden = torch.randn(7, plain.config.hidden_size).bfloat16()
     assert torch.equal(plain.compute_logits(hidden), packed.compute_logits(hidden))
+
+
+@pytest.mark.skipif(not fp16_weights_supported(), reason="no fbgemm fp16 GEMM on this CPU")
+def test_fp16_weight_trimmed_head_packs_only_the_kept_rows() -> None:
+    """fp16 weights for a trimmed head: the kept rows, rounded to fp16, in fp32
+    arithmetic; dropped ids keep the trimmed floor."""
+    plain, packed = tiny(torch.float32, keep=KEEP), tiny(torch.float32, keep=KEEP)
+    assert packed.pack_for_cpu(batch_hint=8, fp16_weights=True)
+    assert packed.packed_head is not None and packed.packed_head.out_features == KEEP.numel() + 1
+    hidden = torch.randn(7, plain.config.hidden_size)
+    got, want = packed.compute_logits(hidden), plain.compute_logits(hidden)
+    kept = plain.vocab_keep
+    assert kept is not None and plain.kept_head is not None
+    rounded = torch.nn.functional.linear(hidden, plain.kept_head.half().float())
+    torch.testing.assert_close(got[:, kept], rounded, rtol=1e-5, atol=1e-5)
+    dropped = torch.ones(VOCAB, dtype=torch.bool)
+    dropped[kept] = False
+    assert torch.equal(got[:, dropped], want[:, dropped])
 
 
 def test_a_delta_with_vocab_keep_serves_a_trimmed_head(tmp_path: Path) -> None:

@@ -58,10 +58,15 @@ def test_dtype_environment_overrides_every_model() -> None:
     cluster = parse_cluster(text, environ={})
     assert (cluster.models["a"].dtype, cluster.models["a"].weight_dtype) == ("float32", "same")
     assert cluster.models["b"].weight_dtype == "auto"
-    env = {"BATON_DTYPE": "bfloat16", "BATON_WEIGHT_DTYPE": "float16"}
+    env = {"BATON_DTYPE": "float32", "BATON_WEIGHT_DTYPE": "float16"}
     cluster = parse_cluster(text, environ=env)
     for model in cluster.models.values():
-        assert (model.dtype, model.weight_dtype) == ("bfloat16", "float16")
+        assert (model.dtype, model.weight_dtype) == ("float32", "float16")
+    # what every worker would refuse is refused when the file is read
+    with pytest.raises(ConfigError, match="needs dtype float32 or auto on the CPU"):
+        parse_cluster(text, environ={**env, "BATON_DTYPE": "bfloat16"})
+    with pytest.raises(ConfigError, match="needs dtype float32 or auto on the CPU"):
+        parse_cluster('[models.a]\nweight_dtype = "float16"\ndevice = "cuda"\n', environ={})
 
 
 def test_subjects_and_keys_are_namespaced() -> None:
