@@ -137,8 +137,9 @@ class Cell:
     policy: str | None  # None for the baselines (large_only / small_only)
     mode: str
     concurrency: int
-    wall_s: float = 0.0
+    wall_s: float = 0.0  # summed over rounds
     replies: list[Reply] = field(default_factory=list)
+    round_tok_s: list[float] = field(default_factory=list)  # output tok/s of each round
     agreements: list[float] = field(default_factory=list)
     logprob_sum: float = 0.0
     logprob_tokens: int = 0
@@ -169,6 +170,7 @@ class Cell:
         if self.logprob_tokens:
             row["mean_logprob_large"] = self.logprob_sum / self.logprob_tokens
         row["requests"] = n
+        row["output_tok_s_rounds"] = self.round_tok_s
         return row
 
 
@@ -507,10 +509,13 @@ async def closed_loop(
             bar.update(1)
 
     limits = httpx.Limits(max_connections=cell.concurrency + 4)
+    first = len(cell.replies)
     async with httpx.AsyncClient(base_url=base_url, timeout=1800, limits=limits) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(client_loop(client) for _ in range(cell.concurrency)))
-        cell.wall_s = time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+    cell.wall_s += wall
+    cell.round_tok_s.append(sum(r.completion_tokens for r in cell.replies[first:]) / wall)
     bar.close()
 
 
@@ -587,6 +592,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests-per-slot", type=int, default=2, help="requests per client per cell")
     p.add_argument("--new-tokens", type=int, default=256, help="max_tokens (ignore_eos)")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every cell this many times, alternating the order (a ratio of two cells "
+        "near 1 needs >= 2 on a shared machine)",
+    )
+    p.add_argument(
         "--only",
         nargs="*",
         default=[],
@@ -634,9 +646,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.fixed_b and min(args.fixed_b) < 1:
         p.error("--fixed-b values must be >= 1")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     if any(c < 1 for c in args.concurrency) or args.requests_per_slot < 1 or args.new_tokens < 1:
         p.error("--concurrency, --requests-per-slot and --new-tokens must be >= 1")
     return args
+
+
+def round_schedule(cells: list[Cell], rounds: int) -> list[Cell]:
+    """The order cells run in: every cell once per round, rounds alternating forward
+    and reversed (each cell's rounds add into the same Cell)."""
+    return [cell for r in range(rounds) for cell in (cells if r % 2 == 0 else cells[::-1])]
 
 
 def selected(cells: list[Cell], only: list[str]) -> list[Cell]:
@@ -684,7 +704,10 @@ def main(argv: list[str] | None = None) -> None:
                         f"warm-up {policy}",
                     )
                 )
-        for cell in tqdm(cells, desc="cells", unit="cell"):
+        # Cells run one after another; with --rounds > 1 the order alternates (forward,
+        # reversed, ...), so a drift of the machine's speed hits every cell alike and
+        # a ratio of two cells is not the order they ran in.
+        for cell in tqdm(round_schedule(cells, args.rounds), desc="cells", unit="cell"):
             model = BASELINE_MODEL.get(cell.mode) or preset_name(cell.policy or "", cell.mode)
             desc = f"{cell.policy or '-'} {cell.mode} c={cell.concurrency}"
             total = cell.concurrency * args.requests_per_slot
@@ -721,6 +744,7 @@ def main(argv: list[str] | None = None) -> None:
         "argv": sys.argv[1:],
         "new_tokens": args.new_tokens,
         "requests_per_slot": args.requests_per_slot,
+        "rounds": args.rounds,
         "fixed_b": args.fixed_b,
         "load_avg": os.getloadavg(),
         "presets": {

@@ -155,6 +155,16 @@ def test_only_selects_cells() -> None:
         bt.selected(cells, ["me:baton"])
 
 
+def test_rounds_alternate_the_cell_order() -> None:
+    cells = bt.plan_cells(["r2r"], ["baton", "eager_async"], [8])
+    names = [c.mode for c in bt.round_schedule(cells, 3)]
+    assert names == ["baton", "eager_async", "eager_async", "baton", "baton", "eager_async"]
+    assert bt.round_schedule(cells, 1) == cells
+    assert bt.parse_args(["--rounds", "2"]).rounds == 2
+    with pytest.raises(SystemExit):
+        bt.parse_args(["--rounds", "0"])
+
+
 def test_quality_is_scored_on_the_answer_before_its_end_of_turn() -> None:
     assert bt.answer_proper("Paris.<|im_end|>\nuser more") == "Paris."
     assert bt.answer_proper("no end yet") == "no end yet"
