@@ -359,11 +359,12 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         num_kv_blocks=args.num_kv_blocks,  # of the engine's default block size, as workers run
         max_model_len=args.max_model_len,
         threads=1,
-    )
+    ).with_env(os.environ)  # BATON_DTYPE / BATON_WEIGHT_DTYPE, as for workers
     if args.max_input + args.max_output > ecfg.max_model_len:
         raise SystemExit("--max-input + --max-output must fit --max-model-len")
     print(
-        f"[1] loading {args.model} ({ecfg.resolved_dtype}, 1 thread, its own process) ...",
+        f"[1] loading {args.model} ({ecfg.resolved_dtype}, weights {ecfg.resolved_weight_dtype}, "
+        "1 thread, its own process) ...",
         flush=True,
     )
     corpus = alpaca_token_ids(args.model)
