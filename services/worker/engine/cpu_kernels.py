@@ -1,4 +1,5 @@
-"""Linear layers with weights pre-packed in oneDNN's blocked layout (CPU, bf16 and fp32).
+"""Linear layers with weights packed once at load: oneDNN's blocked layout (CPU
+bf16 and fp32) or fbgemm's fp16 layout (fp32 arithmetic on fp16 weights).
 
 `F.linear` on a bf16 CPU tensor hands the weight to oneDNN in PyTorch's plain
 layout, and oneDNN reorders it into its blocked layout on every call. For a
