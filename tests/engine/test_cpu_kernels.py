@@ -130,6 +130,18 @@ def test_fp16_weight_linear_is_fp32_arithmetic_on_rounded_weights(rows: int) -> 
     )
 
 
+@needs_fp16_weights
+def test_fp16_weight_linear_takes_any_leading_shape() -> None:
+    """fbgemm takes 2-D inputs with rows only; a vector, a 3-D batch and an empty
+    batch come back shaped like F.linear's."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=gen)
+    lin, ref = Fp16WeightLinear(w, None), w.half().float()
+    for x in (torch.randn(64, generator=gen), torch.randn(2, 3, 64, generator=gen)):
+        torch.testing.assert_close(lin(x), F.linear(x, ref), rtol=1e-5, atol=1e-5)
+    assert lin(torch.empty(0, 64)).shape == (0, 96)
+
+
 def _round_weights_to_fp16(model: CausalLM) -> None:
     """The plain model's reference for fp16 weights: every linear's weight and the LM
     head rounded to fp16 (the embedding table keeps fp32, as the engine's does)."""

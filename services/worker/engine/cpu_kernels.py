@@ -115,7 +115,15 @@ class Fp16WeightLinear(nn.Module):
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+        if x.dim() == 2 and x.shape[0] > 0:
+            return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+        # fbgemm takes 2-D inputs with rows only: fold any other shape (a 1-D vector,
+        # an empty batch) into rows and back
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] == 0:
+            return x.new_zeros((*x.shape[:-1], self.out_features))
+        out = torch.ops.quantized.linear_dynamic_fp16(rows, self.packed)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 def pack_linears(module: nn.Module, batch_hint: int, fp16_weights: bool = False) -> int:
