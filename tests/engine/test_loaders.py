@@ -74,3 +74,21 @@ def test_gguf_dequantization_matches_transformers(smollm2_state) -> None:  # typ
         "model.norm.weight",
     ):
         assert torch.allclose(ours[name].float(), theirs[name], atol=1e-6), name
+
+
+def test_build_model_takes_the_state_tensors_without_a_second_copy() -> None:
+    """Peak memory at load: parameters are the (cast) state tensors themselves, and
+    the model is fully materialised (nothing left on the meta device)."""
+    cfg = random_config(num_hidden_layers=2)
+    state = random_state_dict(cfg, seed=3)
+    embed = state["model.embed_tokens.weight"]
+    norm = state["model.norm.weight"]
+    model = build_model(cfg, state, torch.float32, torch.device("cpu"))
+    assert state == {}  # consumed
+    assert model.embed_tokens.weight.data_ptr() == embed.data_ptr()
+    assert model.norm.weight.data_ptr() == norm.data_ptr()
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    state = random_state_dict(cfg, seed=3)
+    del state["model.norm.weight"]
+    with pytest.raises(ValueError, match="missing"):
+        build_model(cfg, state, torch.float32, torch.device("cpu"))

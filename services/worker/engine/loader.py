@@ -207,19 +207,23 @@ def build_model(
 ) -> CausalLM:
     """Instantiate a CausalLM in dtype on device and load state (HF names) into it.
 
-    Consumes state: tensors are cast one by one and dropped, so peak memory stays
-    near one copy of the weights in the source dtype. Integer tensors (a trimmed
-    head's kept ids) keep their dtype.
+    Consumes state: tensors are cast one by one and dropped, and the model's
+    parameters become the cast tensors themselves (built on the meta device, loaded
+    with assign), so peak memory stays near one copy of the weights in the source
+    dtype plus the fused q/k/v and gate/up copies of one layer at a time. Integer
+    tensors (a trimmed head's kept ids) keep their dtype.
     """
     with torch.device("meta"):
         model = CausalLM(cfg)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    # to_empty leaves non-persistent buffers uninitialised: rebuild the RoPE tables
-    # (kept in fp32 like HF's; cast per lookup).
+    # Non-persistent buffers are not in the state: rebuild the RoPE tables (kept in
+    # fp32 like HF's; cast per lookup).
     model.rotary = type(model.rotary)(cfg).to(device)
     cast = {}
     for name in list(state):
         t = state.pop(name)
         cast[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-    model.load_hf_state_dict(cast)
+    model.load_hf_state_dict(cast, assign=True)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"checkpoint left {left[:5]} unset")
     return model.eval()

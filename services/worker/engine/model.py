@@ -510,7 +510,7 @@ class CausalLM(nn.Module):
             logits = F.linear(hidden, weight).float()
         return StepLogits(logits, self.vocab_keep, self.config.vocab_size)
 
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor], assign: bool = False) -> None:
         """Load weights named as in HF Llama/Qwen3 checkpoints, fusing q/k/v and gate/up."""
         own: dict[str, torch.Tensor] = {}
         for name, t in state.items():
@@ -533,7 +533,7 @@ class CausalLM(nn.Module):
                     own[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(parts, dim=0)  # type: ignore[arg-type]
             gate, up = own.pop(f"{p}mlp.gate_proj.weight"), own.pop(f"{p}mlp.up_proj.weight")
             own[f"{p}mlp.gate_up_proj.weight"] = torch.cat([gate, up], dim=0)
-        missing, unexpected = self.load_state_dict(own, strict=False)
+        missing, unexpected = self.load_state_dict(own, strict=False, assign=assign)
         if missing or unexpected:
             raise ValueError(
                 f"checkpoint mismatch: missing={missing[:5]} unexpected={unexpected[:5]}"
