@@ -86,6 +86,7 @@ class WorkerService:
         self._num_new_prompt_tokens = 0
         self._last_step_s = float("inf")  # wall time of the last step
         self._dtype: str | None = None  # set when the engine loads
+        self._weight_dtype: str | None = None  # (the sim engine has neither)
         self._next_expiry_s = 0.0  # monotonic time of the next relay-silence check
         self._relay_query: asyncio.Task[None] | None = None  # a PeerQuery in flight
         # the relay's answer, applied by the loop: (asked ids with the time their
@@ -127,11 +128,12 @@ class WorkerService:
         # the dtype the engine runs (None for the sim engine, which has no torch config)
         engine_config = getattr(self._engine, "config", None)
         self._dtype = getattr(engine_config, "resolved_dtype", None)
+        self._weight_dtype = getattr(engine_config, "resolved_weight_dtype", None)
         log.info(
             "engine_loaded",
             model=self.cfg.model,
             dtype=self._dtype,
-            weight_dtype=getattr(engine_config, "resolved_weight_dtype", None),
+            weight_dtype=self._weight_dtype,
             seconds=round(time.perf_counter() - t0, 2),
         )
         await self._bus.connect()
@@ -166,8 +168,7 @@ class WorkerService:
         )
         await self._link.start()
         log.info("token_routing_ready", presets=sorted(self.routing.policies))
-        engine_config = getattr(self._engine, "config", None)
-        serving = (self._dtype, getattr(engine_config, "resolved_weight_dtype", self._dtype))
+        serving = (self._dtype, self._weight_dtype)
         for preset, policy in self.routing.policies.items():
             meta = getattr(policy, "meta", {})
             # routers from before weight_dtype held their weights in the compute dtype

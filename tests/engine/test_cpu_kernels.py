@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.engine import cpu_kernels
+from services.worker.engine import config as engine_config
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu_kernels import (
     Fp16WeightLinear,
@@ -175,7 +175,7 @@ def test_weight_dtype_resolution_and_errors(
 ) -> None:
     """auto: fp16 weights for packed fp32 on a CPU with fbgemm, else the compute
     dtype; float16 refused, with the reason, wherever it cannot run."""
-    monkeypatch.setattr(cpu_kernels, "fp16_weights_supported", lambda: supported)
+    monkeypatch.setattr(engine_config, "fp16_weights_supported", lambda: supported)
     fp16_if = "float16" if supported else "float32"
     assert tiny_config("float32", True, "auto").resolved_weight_dtype == fp16_if
     assert tiny_config("float32", True, "auto").fp16_weights == supported

@@ -77,8 +77,9 @@ def test_gguf_dequantization_matches_transformers(smollm2_state) -> None:  # typ
 
 
 def test_build_model_takes_the_state_tensors_without_a_second_copy() -> None:
-    """Peak memory at load: parameters are the (cast) state tensors themselves, and
-    the model is fully materialised (nothing left on the meta device)."""
+    """Peak memory at load: parameters are the (cast) state tensors themselves, the
+    model is fully materialised (nothing left on the meta device), and a missing
+    tensor is an error, not a parameter left on meta."""
     cfg = random_config(num_hidden_layers=2)
     state = random_state_dict(cfg, seed=3)
     embed = state["model.embed_tokens.weight"]

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.engine.cpu_kernels import fp16_weights_supported
+from shared.config import Env
 from shared.scheduling.scheduler import SchedulerConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,11 +53,9 @@ def resolve_weight_dtype(weight_dtype: str, dtype: str, device: str, pack_weight
     config checks it can run)."""
     if weight_dtype == "float16":
         return "float16"
-    if weight_dtype == AUTO and dtype == "float32" and device == "cpu" and pack_weights:
-        from services.worker.engine.cpu_kernels import fp16_weights_supported
-
-        if fp16_weights_supported():
-            return "float16"
+    fp32_cpu = dtype == "float32" and device == "cpu" and pack_weights
+    if weight_dtype == AUTO and fp32_cpu and fp16_weights_supported():
+        return "float16"
     return dtype
 
 
@@ -96,8 +96,6 @@ class EngineConfig:
                 f"weight_dtype must be one of {list(WEIGHT_DTYPES)}, got {self.weight_dtype!r}"
             )
         if self.weight_dtype == "float16":
-            from services.worker.engine.cpu_kernels import fp16_weights_supported
-
             if self.resolved_dtype != "float32" or self.device != "cpu":
                 raise ValueError(
                     "weight_dtype = 'float16' (fp16 weights, fp32 arithmetic) needs dtype "
@@ -133,7 +131,7 @@ class EngineConfig:
     @property
     def fp16_weights(self) -> bool:
         """fp32 arithmetic on fp16 weights (weights stored apart from the compute dtype)."""
-        return self.resolved_weight_dtype == "float16" and self.resolved_dtype == "float32"
+        return self.resolved_weight_dtype != self.resolved_dtype
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -147,6 +145,6 @@ class EngineConfig:
     def with_env(self, environ: Mapping[str, str]) -> EngineConfig:
         """Apply deployment-wide overrides: BATON_DTYPE sets every worker's dtype,
         BATON_WEIGHT_DTYPE its weight storage."""
-        dtype = environ.get("BATON_DTYPE") or self.dtype
-        weight_dtype = environ.get("BATON_WEIGHT_DTYPE") or self.weight_dtype
+        dtype = Env.DTYPE.get(environ) or self.dtype
+        weight_dtype = Env.WEIGHT_DTYPE.get(environ) or self.weight_dtype
         return dataclasses.replace(self, dtype=dtype, weight_dtype=weight_dtype)
