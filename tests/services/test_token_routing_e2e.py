@@ -73,7 +73,12 @@ async def routed(nats_url: str, redis_url: str) -> AsyncIterator[tuple[Stack, Re
 
 
 def reference(prompt: list[int], n: int) -> list[int]:
-    """What one process applying the same rule writes (greedy, fp32)."""
+    """What one process applying the same rule writes (greedy, fp32).
+
+    Call it through `asyncio.to_thread`: it builds two engines and decodes token by
+    token (about a second on a slow core); on the event loop it would stall the
+    in-process workers' heartbeats, the relay and the gateway for that long, close to
+    the suite's 1 s registration TTL."""
     small, big = (
         LLMEngine.create(
             EngineConfig(model=m, dtype="float32", seed=seed, num_kv_blocks=64, max_model_len=256)
@@ -143,7 +148,7 @@ async def test_routed_completion_equals_single_process(routed: tuple[Stack, Rela
     prompt = "Token routing passes the pen"
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
         body = await greedy_completion(client, "pair", prompt, 16)
-    expected = reference(tok.encode(prompt), 16)
+    expected = await asyncio.to_thread(reference, tok.encode(prompt), 16)
     assert body["choices"][0]["text"] == tok.decode(expected)
     usage = body["usage"]
     assert usage["completion_tokens"] == 16
@@ -169,7 +174,7 @@ async def test_barrier_mode_answers_concurrent_requests_exactly(
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
         texts = await asyncio.gather(*(one(client, p) for p in prompts))
     for prompt, text in zip(prompts, texts, strict=True):
-        assert text == tok.decode(reference(tok.encode(prompt), 12))
+        assert text == tok.decode(await asyncio.to_thread(reference, tok.encode(prompt), 12))
     await wait_idle(stack, relay)
 
 
