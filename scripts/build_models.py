@@ -15,9 +15,14 @@ softmax against the teacher's top-k probabilities (KL at temperature 1 up to a
 constant). Validation uses prompts [4000, 4500); [4500, 5000) is held out for
 ``scripts/eval_models.py``.
 
-Example::
+A student may start from another one's delta (``StudentSpec.init_from``):
+``smollm2-small`` is distilled on from ``smollm2-small-12`` (a 12-layer stage written
+to ``--cache-dir``, not shipped), which starts from ``smollm2-medium``; the students
+are built in that order, and a missing starting delta is an error that names it.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/build_models.py --models smollm2-small
+Example (the whole chain; docs/models.md runs a teacher helper beside each online stage)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/build_models.py
 """
 
 from __future__ import annotations
@@ -88,21 +93,14 @@ class StudentSpec:
     vocab: int = 0  # trimmed LM head: keep this many token ids (0 = full vocabulary)
     # "cached": teacher top-k from the cached corpus; "online": teacher run on each batch.
     teacher: str = "cached"
+    # The student whose delta this one starts from: its LoRA factors and norms for the
+    # layers both keep (it must keep all of this one's layers, with the same rank).
+    init_from: str | None = None
+    # A stage of another student's build, not shipped: written to --cache-dir.
+    intermediate: bool = False
 
 
 SPECS: dict[str, StudentSpec] = {
-    # Started (--init-from) from smollm2-medium's delta: its LoRA factors and norms for
-    # the 12 layers both keep (see docs/models.md).
-    "smollm2-small": StudentSpec(
-        "smollm2-small",
-        (0, 1, 2, 3, 22, 23, 24, 25, 26, 27, 28, 29),
-        rank=16,
-        lr=3e-3,
-        steps=900,
-        minutes=45.0,
-        vocab=12288,
-        teacher="online",
-    ),
     "smollm2-medium": StudentSpec(
         "smollm2-medium",
         (0, 1, 2, 3, 4, 5, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29),
@@ -111,7 +109,46 @@ SPECS: dict[str, StudentSpec] = {
         steps=380,
         minutes=36.0,
     ),
+    # The previous 12-layer smollm2-small, now the first stage of the shipped one:
+    # started from smollm2-medium's factors and norms for the 12 layers both keep.
+    "smollm2-small-12": StudentSpec(
+        "smollm2-small-12",
+        (0, 1, 2, 3, 22, 23, 24, 25, 26, 27, 28, 29),
+        rank=16,
+        lr=3e-3,
+        steps=900,
+        minutes=45.0,
+        vocab=12288,
+        teacher="online",
+        init_from="smollm2-medium",
+        intermediate=True,
+    ),
+    # smollm2-small-12 without base layer 26, the layer whose removal cost the least
+    # validation agreement untrained (0.490 -> 0.448; docs/models.md), then distilled
+    # on at a lower peak lr: 11 layers put the decode step clearly under 0.4x.
+    "smollm2-small": StudentSpec(
+        "smollm2-small",
+        (0, 1, 2, 3, 22, 23, 24, 25, 27, 28, 29),
+        rank=16,
+        lr=1e-3,
+        steps=900,
+        minutes=30.0,
+        vocab=12288,
+        teacher="online",
+        init_from="smollm2-small-12",
+    ),
 }
+# Every student after the ones it starts from.
+BUILD_ORDER = ("smollm2-medium", "smollm2-small-12", "smollm2-small")
+assert set(BUILD_ORDER) == set(SPECS) and all(
+    SPECS[n].init_from is None or BUILD_ORDER.index(SPECS[n].init_from) < BUILD_ORDER.index(n)  # type: ignore[arg-type]
+    for n in BUILD_ORDER
+)
+
+
+def student_path(spec: StudentSpec, args: argparse.Namespace) -> Path:
+    """Where a student's delta is written (and read back by the students started from it)."""
+    return (args.cache_dir if spec.intermediate else args.out_dir) / f"{spec.name}.safetensors"
 
 
 # ----------------------------------------------------------------------------- base model
@@ -786,6 +823,22 @@ def export_delta(
     save_delta(path, list(spec.layers), lora, full, note, vocab_keep=vocab_keep)
 
 
+def starting_delta(
+    spec: StudentSpec, args: argparse.Namespace, built: frozenset[str] = frozenset()
+) -> Path | None:
+    """The delta a student starts from (``--init-from``, else its spec's ``init_from``),
+    or None; exits naming the missing one unless a student in ``built`` will write it."""
+    if args.init_from is not None or spec.init_from is None:
+        return args.init_from  # type: ignore[no-any-return]
+    path = student_path(SPECS[spec.init_from], args)
+    if not path.exists() and spec.init_from not in built:
+        raise SystemExit(
+            f"{spec.name} starts from {spec.init_from}, not found at {path}: build it "
+            f"first (--models {spec.init_from} {spec.name}) or pass --init-from"
+        )
+    return path
+
+
 def build_student(
     spec: StudentSpec,
     base: dict[str, torch.Tensor],
@@ -801,7 +854,8 @@ def build_student(
     delta = DeltaFile(BASE_NAME, list(spec.layers), vocab_keep=vocab_keep)
     model = student_from_base(config, base, delta, torch.float32)
     loras = add_lora(model, spec.rank, alpha=spec.rank)
-    init = read_delta(args.init_from) if args.init_from is not None else None
+    init_path = starting_delta(spec, args)
+    init = read_delta(init_path) if init_path is not None else None
     if init is not None:
         init_from_delta(model, loras, init, list(spec.layers))
     start = validate(model, val)
@@ -826,7 +880,7 @@ def build_student(
             if vocab_keep is not None
             else "; "
         )
-        + (f"continued from {args.init_from.name} ({init.note}); " if init is not None else "")
+        + (f"continued from {init_path.name} ({init.note}); " if init_path and init else "")
         + f"val agreement (alpaca[4000:{4000 + args.n_val}] references) {start:.3f} -> {result.val_agreement:.3f}. "
         f"Schedule: step budget {spec.steps}, time cap {spec.minutes:g} min; "
         + (
@@ -835,7 +889,8 @@ def build_student(
             else "the step budget was reached."
         )
     )
-    path = args.out_dir / f"{spec.name}.safetensors"
+    path = student_path(spec, args)
+    path.parent.mkdir(parents=True, exist_ok=True)
     export_delta(model, loras, spec, path, note, vocab_keep)
     print(f"{spec.name}: {note}\n-> {path} ({path.stat().st_size / 1e6:.1f} MB)")
     return result
@@ -852,9 +907,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--models",
         nargs="+",
-        choices=sorted(SPECS),
-        default=sorted(SPECS, reverse=True),
-        help="which students to build (default: both)",
+        choices=BUILD_ORDER,
+        default=list(BUILD_ORDER),
+        help="which students to build, each after the ones it starts from (default: all: "
+        "smollm2-small-12 is a stage of smollm2-small, written to --cache-dir)",
     )
     p.add_argument("--out-dir", type=Path, default=REPO / "models", help="where the deltas go")
     p.add_argument(
@@ -894,7 +950,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--init-from",
         type=Path,
         default=None,
-        help="start from this delta's LoRA factors and norms (same layers and rank)",
+        help="start from this delta's LoRA factors and norms (it keeps every layer of the "
+        "student, same rank; default: the spec's own starting student)",
     )
     p.add_argument(
         "--teacher-dir",
@@ -925,9 +982,14 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
+    names = sorted(set(args.models), key=BUILD_ORDER.index)
+    if args.layers and len(names) > 1:
+        raise SystemExit("--layers applies to one model: pass a single --models")
+    specs = [spec_with_overrides(SPECS[name], args) for name in names]
+    for i, spec in enumerate(specs):  # before minutes of loading: each start exists or comes first
+        starting_delta(spec, args, frozenset(names[:i]))
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     base, config, tok = load_base(args.cache_dir)
-    specs = [spec_with_overrides(SPECS[name], args) for name in args.models]
     prompts = load_prompts(args.prompts)
     lo, hi = TRAIN_RANGE
     ref_seqs = [reference_sequence(tok, prompts[i], args.max_len) for i in range(lo, hi)]
@@ -985,6 +1047,8 @@ def spec_with_overrides(spec: StudentSpec, args: argparse.Namespace) -> StudentS
         minutes=args.minutes or spec.minutes,
         vocab=spec.vocab if args.vocab is None else args.vocab,
         teacher=args.teacher or spec.teacher,
+        init_from=spec.init_from,
+        intermediate=spec.intermediate,
     )
 
 

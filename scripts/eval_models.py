@@ -148,8 +148,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--models",
         nargs="+",
-        default=sorted(SPECS, reverse=True),
-        help="delta names to evaluate (besides the full model)",
+        default=[n for n in sorted(SPECS, reverse=True) if not SPECS[n].intermediate],
+        help="delta names to evaluate (besides the full model; default: the shipped ones)",
     )
     p.add_argument("--models-dir", type=Path, default=REPO / "models")
     p.add_argument("--cache-dir", type=Path, default=REPO / ".cache")
