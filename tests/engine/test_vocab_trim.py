@@ -16,6 +16,7 @@ from services.worker.engine.engine import LLMEngine
 from services.worker.engine.loader import build_model, random_config, random_state_dict
 from services.worker.engine.model import VOCAB_KEEP_KEY, CausalLM
 from services.worker.engine.outputs import TRIMMED_LOGIT, StepLogits, StepOutputs
+from services.worker.engine.sampler import ARGMAX_CHUNK, first_argmax, greedy_tokens
 from shared.sampling import SamplingParams
 
 VOCAB, EOS = 512, 2
@@ -186,12 +187,29 @@ def test_step_logits_greedy_needs_no_full_rows_and_keeps_argmax_ties() -> None:
         ]
     )
     step = StepLogits(rows, keep, vocab_size=64)
-    assert step.greedy() == [7, 20]
+    assert greedy_tokens(step) == [7, 20]
     assert step._full is None  # greedy spread nothing over the vocabulary
     full = step.full()
-    assert full.shape == (2, 64) and step.greedy() == full.argmax(-1).tolist()
+    assert full.shape == (2, 64) and greedy_tokens(step) == full.argmax(-1).tolist()
     assert full[0, 7] == 2.0 and full[0, 0] == TRIMMED_LOGIT
     assert step.full() is full  # built once
+
+
+@pytest.mark.parametrize(
+    "width", [5, ARGMAX_CHUNK - 1, ARGMAX_CHUNK, ARGMAX_CHUNK + 1, 12290, 49152]
+)
+def test_first_argmax_is_argmax_with_its_tie_rule(width: int) -> None:
+    g = torch.Generator().manual_seed(width)
+    rows = torch.randn(16, width, generator=g)
+    assert torch.equal(first_argmax(rows), rows.argmax(-1))
+    # Few distinct values: the max is repeated across chunks; the first one wins.
+    ties = torch.randint(0, 3, (16, width), generator=g).float()
+    assert torch.equal(first_argmax(ties), ties.argmax(-1))
+    # The max only in the short last chunk, or only at the very first column.
+    edge = torch.full((2, width), TRIMMED_LOGIT)
+    edge[0, -1], edge[1, 0] = 1.0, 1.0
+    assert first_argmax(edge).tolist() == [width - 1, 0]
+    assert torch.equal(first_argmax(rows.t().contiguous().t()), rows.argmax(-1))  # strided
 
 
 def test_hook_outputs_build_full_logits_only_when_read() -> None:
