@@ -827,15 +827,27 @@ def starting_delta(
     spec: StudentSpec, args: argparse.Namespace, built: frozenset[str] = frozenset()
 ) -> Path | None:
     """The delta a student starts from (``--init-from``, else its spec's ``init_from``),
-    or None; exits naming the missing one unless a student in ``built`` will write it."""
-    if args.init_from is not None or spec.init_from is None:
-        return args.init_from  # type: ignore[no-any-return]
-    path = student_path(SPECS[spec.init_from], args)
-    if not path.exists() and spec.init_from not in built:
-        raise SystemExit(
-            f"{spec.name} starts from {spec.init_from}, not found at {path}: build it "
-            f"first (--models {spec.init_from} {spec.name}) or pass --init-from"
-        )
+    or None; exits naming the missing one unless a student in ``built`` will write it,
+    and one on disk that lacks some of the student's layers or has another LoRA rank."""
+    path: Path | None = args.init_from
+    if path is None and spec.init_from is not None:
+        path = student_path(SPECS[spec.init_from], args)
+        if spec.init_from in built:
+            return path  # written earlier in this run
+        if not path.exists():
+            raise SystemExit(
+                f"{spec.name} starts from {spec.init_from}, not found at {path}: build it "
+                f"first (--models {spec.init_from} {spec.name}) or pass --init-from"
+            )
+    if path is not None:
+        if not path.exists():
+            raise SystemExit(f"--init-from {path}: no such file")
+        start = read_delta(path)
+        if missing := sorted(set(spec.layers) - set(start.layers)):
+            raise SystemExit(f"{path} keeps layers {start.layers}, not {spec.name}'s {missing}")
+        ranks = {a.shape[0] for a, _ in start.lora.values()}
+        if ranks and ranks != {spec.rank}:
+            raise SystemExit(f"{path} has LoRA rank {sorted(ranks)}, {spec.name} {spec.rank}")
     return path
 
 
@@ -983,11 +995,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     names = sorted(set(args.models), key=BUILD_ORDER.index)
-    if args.layers and len(names) > 1:
-        raise SystemExit("--layers applies to one model: pass a single --models")
+    for flag, given in (("--layers", args.layers), ("--init-from", args.init_from)):
+        if given and len(names) > 1:
+            raise SystemExit(f"{flag} applies to one model: pass a single --models")
     specs = [spec_with_overrides(SPECS[name], args) for name in names]
-    for i, spec in enumerate(specs):  # before minutes of loading: each start exists or comes first
-        starting_delta(spec, args, frozenset(names[:i]))
+    if not args.teacher_worker:  # the helper never reads a starting delta
+        for i, spec in enumerate(specs):  # before minutes of loading: each start is usable
+            starting_delta(spec, args, frozenset(names[:i]))
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     base, config, tok = load_base(args.cache_dir)
     prompts = load_prompts(args.prompts)

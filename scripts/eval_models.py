@@ -171,6 +171,7 @@ def markdown(rows: list[Row]) -> str:
         "| argmax coverage | ref. ppl | ref. coverage | file MB |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+
     def step(ms: float, rel: float) -> str:
         return f"{ms:.1f} ({rel:.2f}x)" if ms > 0 else "-"  # "-": not measured (--no-latency)
 
@@ -196,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
         ("smollm2-135m (full)", list(range(30)), None)
     ]
     for name in args.models:
-        path = args.models_dir / f"{name}.safetensors"
+        stage = name in SPECS and SPECS[name].intermediate  # a build stage: in the cache
+        path = (args.cache_dir if stage else args.models_dir) / f"{name}.safetensors"
         models.append((name, read_delta(path).layers, path))
     rows: list[Row] = []
     ref: list[torch.Tensor] | None = None

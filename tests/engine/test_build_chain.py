@@ -50,14 +50,35 @@ def test_a_missing_start_is_named_and_a_start_built_first_is_not(tmp_path: Path)
     # Built earlier in the same run: its path, not an error.
     path = bm.starting_delta(small, args, frozenset({"smollm2-small-12"}))
     assert path == tmp_path / "smollm2-small-12.safetensors"  # an intermediate: in the cache
-    # --init-from wins over the spec's start.
-    explicit = bm.parse_args(["--models", "smollm2-small", "--init-from", "x.safetensors"])
-    assert bm.starting_delta(small, explicit) == Path("x.safetensors")
     assert bm.starting_delta(bm.SPECS["smollm2-medium"], args) is None
+    with pytest.raises(SystemExit, match="no such file"):
+        bm.starting_delta(small, bm.parse_args(["--init-from", str(tmp_path / "x.safetensors")]))
 
 
-def test_default_builds_the_whole_chain_in_order() -> None:
-    args = bm.parse_args([])
-    assert sorted(set(args.models), key=bm.BUILD_ORDER.index) == list(bm.BUILD_ORDER)
-    with pytest.raises(SystemExit, match="one model"):
-        bm.main(["--models", "smollm2-medium", "smollm2-small", "--layers", "[0, 29]"])
+def test_an_explicit_start_must_keep_the_students_layers_and_rank(tmp_path: Path) -> None:
+    # The shipped medium (rank 16) keeps layers 0-5 and 20-29: every layer of the small
+    # model, so it is a valid start; a student keeping layer 10, or of another rank, is not.
+    medium = REPO / "models" / "smollm2-medium.safetensors"
+    small = bm.SPECS["smollm2-small"]
+    args = bm.parse_args(["--models", "smollm2-small", "--init-from", str(medium)])
+    assert bm.starting_delta(small, args) == medium
+    odd = bm.StudentSpec("odd", (0, 10, 29), rank=16, lr=1e-3, steps=1, minutes=1.0)
+    with pytest.raises(SystemExit, match=r"not odd's \[10\]"):
+        bm.starting_delta(odd, args)
+    wide = bm.StudentSpec("wide", (0, 29), rank=32, lr=1e-3, steps=1, minutes=1.0)
+    with pytest.raises(SystemExit, match="rank"):
+        bm.starting_delta(wide, args)
+
+
+def test_main_refuses_before_loading_anything(tmp_path: Path) -> None:
+    # No base model in this cache: reaching the loading step would fail differently.
+    cache = ["--cache-dir", str(tmp_path)]
+    with pytest.raises(SystemExit, match="starts from smollm2-small-12"):
+        bm.main(["--models", "smollm2-small", *cache])
+    with pytest.raises(SystemExit, match="--layers applies to one model"):
+        bm.main(["--models", "smollm2-medium", "smollm2-small", "--layers", "[0, 29]", *cache])
+    with pytest.raises(SystemExit, match="--init-from applies to one model"):
+        bm.main(["--init-from", "x.safetensors", *cache])
+    assert not (tmp_path / "smollm2-135m").exists()  # the base was never loaded
+    default = bm.parse_args([])
+    assert default.models == list(bm.BUILD_ORDER)  # all three, in the order they build

@@ -178,7 +178,7 @@ def test_an_old_delta_without_vocab_keep_serves_the_full_head(tmp_path: Path) ->
     assert bool((logits != TRIMMED_LOGIT).all())
 
 
-def test_step_logits_greedy_needs_no_full_rows_and_keeps_argmax_ties() -> None:
+def test_greedy_tokens_need_no_full_rows_and_keep_argmax_ties() -> None:
     keep = torch.tensor([3, 7, 8, 20, 40])
     rows = torch.tensor(
         [
@@ -210,6 +210,17 @@ def test_first_argmax_is_argmax_with_its_tie_rule(width: int) -> None:
     edge[0, -1], edge[1, 0] = 1.0, 1.0
     assert first_argmax(edge).tolist() == [width - 1, 0]
     assert torch.equal(first_argmax(rows.t().contiguous().t()), rows.argmax(-1))  # strided
+    # The max tied only in two later chunks (past the first): the earlier one wins.
+    tied = torch.zeros(1, width)
+    a, b = min(width - 2, ARGMAX_CHUNK + 3), width - 1
+    tied[0, a] = tied[0, b] = 5.0
+    assert first_argmax(tied).tolist() == [a]
+    # NaN is argmax's maximum (its first one wins); no rows at all is no indices.
+    nan = rows[:2].clone()
+    nan[0, width // 2] = nan[1, width - 1] = float("nan")
+    nan[1, width // 3] = float("nan")
+    assert first_argmax(nan).tolist() == nan.argmax(-1).tolist() == [width // 2, width // 3]
+    assert first_argmax(torch.empty(0, width)).shape == (0,)
 
 
 def test_hook_outputs_build_full_logits_only_when_read() -> None:

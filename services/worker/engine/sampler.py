@@ -54,29 +54,35 @@ ARGMAX_CHUNK = 1024
 
 def first_argmax(rows: torch.Tensor) -> torch.Tensor:
     """The index of the first maximum of every row of a 2-D tensor: what
-    `rows.argmax(-1)` and `rows.max(-1).indices` return, several times faster on a CPU.
+    `rows.argmax(-1)` returns (NaN counts as the maximum, as there), several times
+    faster on a CPU.
 
-    Both of those reduce to a value and an index per element; `amax` alone is a
-    plain vector reduction. So: the max of every chunk of ARGMAX_CHUNK columns
+    argmax and max(dim) reduce to a value and an index per element; `amax` alone is
+    a plain vector reduction. So: the max of every chunk of ARGMAX_CHUNK columns
     (amax), the first chunk that holds the row's max, then the first maximal index
     inside that chunk only. A row's first maximum lies in the first chunk whose max
     equals the row's max, so the tie rule is argmax's. One thread, [16, 49152] fp32:
     ~65 us against ~410 us for max(dim) and ~435 us for argmax. Columns past the
-    last whole chunk form one shorter chunk."""
+    last whole chunk form one shorter chunk. Other devices, shapes and layouts take
+    argmax (on a GPU it is one kernel, this is several)."""
+    if rows.dim() != 2 or rows.device.type != "cpu" or not rows.is_contiguous():
+        return rows.argmax(dim=-1)
     n, width = rows.shape
-    whole = width // ARGMAX_CHUNK * ARGMAX_CHUNK
-    if whole == 0 or not rows.is_contiguous():
-        return rows.max(dim=-1).indices
-    chunk_max = rows[:, :whole].view(n, -1, ARGMAX_CHUNK).amax(dim=-1)  # [n, chunks]
+    chunks = width // ARGMAX_CHUNK
+    if chunks == 0:
+        return rows.argmax(dim=-1)
+    whole = chunks * ARGMAX_CHUNK
+    chunk_max = rows[:, :whole].view(n, chunks, ARGMAX_CHUNK).amax(dim=-1)  # [n, chunks]
     if whole < width:
         chunk_max = torch.cat([chunk_max, rows[:, whole:].amax(dim=-1, keepdim=True)], dim=1)
-    start = chunk_max.max(dim=-1).indices * ARGMAX_CHUNK  # the first chunk holding the max
-    # Each row's chosen chunk, [n, ARGMAX_CHUNK]; the short last chunk is padded with
-    # -inf, which never beats the row's max that it holds.
-    cols = start.unsqueeze(1) + torch.arange(ARGMAX_CHUNK, device=rows.device)
-    outside = cols >= width
-    picked = rows.gather(1, cols.clamp_(max=width - 1)).masked_fill_(outside, float("-inf"))
-    return start + picked.max(dim=-1).indices
+    start = chunk_max.argmax(dim=-1) * ARGMAX_CHUNK  # the first chunk holding the max
+    # Each row's chosen chunk, [n, ARGMAX_CHUNK]. Past the end of a short last chunk the
+    # columns are clamped to its last one: repeats of a value it holds, after it, so
+    # the first maximal index is still a real column's.
+    cols = (start.unsqueeze(1) + torch.arange(ARGMAX_CHUNK, device=rows.device)).clamp_(
+        max=width - 1
+    )
+    return start + rows.gather(1, cols).argmax(dim=-1)
 
 
 def greedy_tokens(step: StepLogits) -> list[int]:
