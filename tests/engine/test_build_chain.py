@@ -4,28 +4,14 @@ starting delta is refused before any model is loaded."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.scripts import SCRIPTS, load_script
 
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "build_models", REPO / "scripts" / "build_models.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["build_models"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bm = _load()
+REPO = SCRIPTS.parent
+bm = load_script("build_models")
 
 
 def test_every_start_keeps_the_students_layers_and_comes_first() -> None:

@@ -23,6 +23,7 @@ from services.estimator.predictors import (
     Predictors,
     TreeEnsemble,
 )
+from tests.scripts import load_script
 
 SPEC = FeatureSpec(num_buckets=16, tasks=("alpaca", "aime"), models=("big", "small"))
 LONG_PROMPT = 80  # tokens: the synthetic rules switch here
@@ -213,15 +214,7 @@ def test_models_with_other_weights_than_their_labels_are_left_out(tmp_path: Path
 def test_training_falls_back_to_the_task_model_table_when_prompts_say_nothing() -> None:
     """Labels that depend only on (task, model), plus noise: cross-validation must not
     pick a booster that splits on the prompt's tokens or length."""
-    import importlib.util
-    import sys
-
-    path = Path(__file__).resolve().parents[2] / "scripts" / "train_predictors.py"
-    spec_ = importlib.util.spec_from_file_location("train_predictors", path)
-    assert spec_ is not None and spec_.loader is not None
-    tp = importlib.util.module_from_spec(spec_)
-    sys.modules["train_predictors"] = tp
-    spec_.loader.exec_module(tp)
+    tp = load_script("train_predictors")
 
     rng = np.random.default_rng(1)
     means = {("alpaca", "big"): 0.2, ("alpaca", "small"): 0.05}

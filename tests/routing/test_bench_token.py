@@ -3,31 +3,15 @@ targets and the generated cluster file. No serving, no timing."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
 from shared.config import load_cluster, parse_cluster
+from tests.scripts import SCRIPTS, load_script
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "bench_token", REPO / "scripts" / "bench_token.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_token"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bt = _load()
+REPO = SCRIPTS.parent
+bt = load_script("bench_token")
 
 ROW_KEYS = {
     "policy",
