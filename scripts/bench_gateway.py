@@ -460,7 +460,12 @@ def main() -> int:
     parser.add_argument(
         "--model", default="random-tiny", help="random-tiny (default) | smollm2-135m | ..."
     )
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="engine dtype on both sides (default float32, comparable across machines; "
+        "auto = what a worker serves: bf16 where the CPU computes it, else fp32)",
+    )
     parser.add_argument("--streams", type=int, default=16, help="concurrent streams for tokens/s")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per stream")
     parser.add_argument(
