@@ -210,6 +210,19 @@ class BatcherConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     fixed_b: list[int] = []
 
 
+def fp16_weights_refusal(dtype: str, device: str) -> str | None:
+    """Why weight_dtype = "float16" (fp16 weights, fp32 arithmetic) cannot run with
+    this compute dtype on this device, or None. The one rule for the cluster file
+    (where dtype may still be "auto") and the engine (resolved); the engine also
+    checks that fbgemm runs here, which needs torch."""
+    if dtype in ("float32", "auto") and device == "cpu":
+        return None
+    return (
+        "weight_dtype = 'float16' (fp16 weights, fp32 arithmetic) needs dtype float32 "
+        f"on the CPU, got dtype {dtype!r} on {device!r}"
+    )
+
+
 class ModelConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     engine: EngineKind = "torch"  # torch: real forward | sim: scheduler + batch-time model
     # auto: bf16 where the device computes it natively (AVX-512 BF16, AMX, CUDA),
@@ -231,15 +244,11 @@ class ModelConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     sim: dict[str, str | float | int] = {}  # SimEngineConfig fields other than the limits
 
     def __post_init__(self) -> None:
-        # What a worker would refuse at start (EngineConfig checks the rest: fbgemm):
-        # say it when the file is read, once, not in every worker's log.
+        # What every worker would refuse at start: said when the file is read, once.
         if self.weight_dtype == "float16" and (
-            self.dtype == "bfloat16" or not self.device.startswith("cpu")
+            why := fp16_weights_refusal(self.dtype, self.device)
         ):
-            raise ValueError(
-                "weight_dtype = 'float16' (fp16 weights, fp32 arithmetic) needs dtype "
-                f"float32 or auto on the CPU, got dtype {self.dtype!r} on {self.device!r}"
-            )
+            raise ValueError(why)
 
     def accuracy(self, task: str | None) -> float:
         """Judged quality for `task` (its own entry, else "default", else 0)."""

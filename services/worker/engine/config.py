@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.engine.cpu_kernels import fp16_weights_supported
-from shared.config import Env
+from shared.config import Env, fp16_weights_refusal
 from shared.scheduling.scheduler import SchedulerConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -96,11 +96,8 @@ class EngineConfig:
                 f"weight_dtype must be one of {list(WEIGHT_DTYPES)}, got {self.weight_dtype!r}"
             )
         if self.weight_dtype == "float16":
-            if self.resolved_dtype != "float32" or self.device != "cpu":
-                raise ValueError(
-                    "weight_dtype = 'float16' (fp16 weights, fp32 arithmetic) needs dtype "
-                    f"float32 on the CPU, got dtype {self.resolved_dtype!r} on {self.device!r}"
-                )
+            if why := fp16_weights_refusal(self.resolved_dtype, self.device):
+                raise ValueError(why)
             if not self.pack_weights:
                 raise ValueError("weight_dtype = 'float16' needs pack_weights = true")
             if not fp16_weights_supported():
