@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import math
@@ -138,11 +139,11 @@ SPECS: dict[str, StudentSpec] = {
         init_from="smollm2-small-12",
     ),
 }
-# Every student after the ones it starts from.
-BUILD_ORDER = ("smollm2-medium", "smollm2-small-12", "smollm2-small")
-assert set(BUILD_ORDER) == set(SPECS) and all(
-    SPECS[n].init_from is None or BUILD_ORDER.index(SPECS[n].init_from) < BUILD_ORDER.index(n)  # type: ignore[arg-type]
-    for n in BUILD_ORDER
+# The order students are built in: SPECS lists every one after the one it starts from.
+BUILD_ORDER = tuple(SPECS)
+assert all(
+    s.init_from is None or BUILD_ORDER.index(s.init_from) < BUILD_ORDER.index(s.name)
+    for s in SPECS.values()
 )
 
 
@@ -774,15 +775,28 @@ def validate(model: LlamaForCausalLM, val: tuple[list[Sequence], list[torch.Tens
         return agreement(model, *val)
 
 
+def check_start(delta: DeltaFile, spec: StudentSpec, path: Path) -> None:
+    """Exit unless the delta at `path` can start `spec`: it keeps every one of the
+    student's layers (it may keep more) with the student's LoRA rank."""
+    if missing := sorted(set(spec.layers) - set(delta.layers)):
+        raise SystemExit(f"{path} keeps layers {delta.layers}, not {spec.name}'s {missing}")
+    ranks = {a.shape[0] for a, _ in delta.lora.values()}
+    if ranks and ranks != {spec.rank}:
+        raise SystemExit(f"{path} has LoRA rank {sorted(ranks)}, {spec.name} {spec.rank}")
+
+
 def init_from_delta(
-    model: LlamaForCausalLM, loras: dict[str, LoRALinear], delta: DeltaFile, layers: list[int]
+    model: LlamaForCausalLM,
+    loras: dict[str, LoRALinear],
+    delta: DeltaFile,
+    spec: StudentSpec,
+    path: Path,
 ) -> None:
     """Start a student from another delta over the same base: for every kept base layer
     its LoRA factors and RMSNorm weights (and the final norm) become the starting
-    values. The delta must keep all of this student's layers (it may keep more, e.g.
-    a larger member of the family) with the same LoRA rank; its vocab_keep is unused."""
-    if missing := sorted(set(layers) - set(delta.layers)):
-        raise SystemExit(f"--init-from keeps layers {delta.layers}, not this student's {missing}")
+    values (`check_start` says which deltas can); its vocab_keep is unused."""
+    check_start(delta, spec, path)
+    layers = list(spec.layers)
     # Student layer j is base layer layers[j], which is layer delta.layers.index(...) there.
     where = {
         f"model.layers.{j}.": f"model.layers.{delta.layers.index(i)}." for j, i in enumerate(layers)
@@ -823,32 +837,29 @@ def export_delta(
     save_delta(path, list(spec.layers), lora, full, note, vocab_keep=vocab_keep)
 
 
-def starting_delta(
-    spec: StudentSpec, args: argparse.Namespace, built: frozenset[str] = frozenset()
-) -> Path | None:
-    """The delta a student starts from (``--init-from``, else its spec's ``init_from``),
-    or None; exits naming the missing one unless a student in ``built`` will write it,
-    and one on disk that lacks some of the student's layers or has another LoRA rank."""
-    path: Path | None = args.init_from
-    if path is None and spec.init_from is not None:
-        path = student_path(SPECS[spec.init_from], args)
-        if spec.init_from in built:
-            return path  # written earlier in this run
+def starting_delta(spec: StudentSpec, args: argparse.Namespace) -> Path | None:
+    """The delta a student starts from: ``--init-from``, else its spec's ``init_from``
+    student's file, else None."""
+    if args.init_from is not None or spec.init_from is None:
+        return args.init_from  # type: ignore[no-any-return]
+    return student_path(SPECS[spec.init_from], args)
+
+
+def check_starts(specs: list[StudentSpec], args: argparse.Namespace) -> None:
+    """Before minutes of loading: exit unless every student's start exists (or is
+    built earlier in this run) and can start it."""
+    for i, spec in enumerate(specs):
+        path = starting_delta(spec, args)
+        if path is None or spec.init_from in {s.name for s in specs[:i]}:
+            continue  # nothing to start from, or written earlier in this run
         if not path.exists():
             raise SystemExit(
                 f"{spec.name} starts from {spec.init_from}, not found at {path}: build it "
                 f"first (--models {spec.init_from} {spec.name}) or pass --init-from"
+                if args.init_from is None
+                else f"--init-from {path}: no such file"
             )
-    if path is not None:
-        if not path.exists():
-            raise SystemExit(f"--init-from {path}: no such file")
-        start = read_delta(path)
-        if missing := sorted(set(spec.layers) - set(start.layers)):
-            raise SystemExit(f"{path} keeps layers {start.layers}, not {spec.name}'s {missing}")
-        ranks = {a.shape[0] for a, _ in start.lora.values()}
-        if ranks and ranks != {spec.rank}:
-            raise SystemExit(f"{path} has LoRA rank {sorted(ranks)}, {spec.name} {spec.rank}")
-    return path
+        check_start(read_delta(path), spec, path)
 
 
 def build_student(
@@ -866,10 +877,11 @@ def build_student(
     delta = DeltaFile(BASE_NAME, list(spec.layers), vocab_keep=vocab_keep)
     model = student_from_base(config, base, delta, torch.float32)
     loras = add_lora(model, spec.rank, alpha=spec.rank)
-    init_path = starting_delta(spec, args)
-    init = read_delta(init_path) if init_path is not None else None
-    if init is not None:
-        init_from_delta(model, loras, init, list(spec.layers))
+    continued = ""  # what the note says of the start
+    if (init_path := starting_delta(spec, args)) is not None:
+        init = read_delta(init_path)
+        init_from_delta(model, loras, init, spec, init_path)
+        continued = f"continued from {init_path.name} ({init.note}); "
     start = validate(model, val)
     shared = None
     if teacher is not None and args.teacher_dir is not None:
@@ -892,7 +904,7 @@ def build_student(
             if vocab_keep is not None
             else "; "
         )
-        + (f"continued from {init_path.name} ({init.note}); " if init_path and init else "")
+        + continued
         + f"val agreement (alpaca[4000:{4000 + args.n_val}] references) {start:.3f} -> {result.val_agreement:.3f}. "
         f"Schedule: step budget {spec.steps}, time cap {spec.minutes:g} min; "
         + (
@@ -1000,8 +1012,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"{flag} applies to one model: pass a single --models")
     specs = [spec_with_overrides(SPECS[name], args) for name in names]
     if not args.teacher_worker:  # the helper never reads a starting delta
-        for i, spec in enumerate(specs):  # before minutes of loading: each start is usable
-            starting_delta(spec, args, frozenset(names[:i]))
+        check_starts(specs, args)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     base, config, tok = load_base(args.cache_dir)
     prompts = load_prompts(args.prompts)
@@ -1051,18 +1062,16 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def spec_with_overrides(spec: StudentSpec, args: argparse.Namespace) -> StudentSpec:
-    """Apply command-line overrides (layers, rank, lr, steps, minutes) to a spec."""
-    return StudentSpec(
-        spec.name,
-        tuple(json.loads(args.layers)) if args.layers else spec.layers,
+    """Apply command-line overrides (layers, rank, lr, steps, minutes, vocab, teacher)."""
+    return dataclasses.replace(
+        spec,
+        layers=tuple(json.loads(args.layers)) if args.layers else spec.layers,
         rank=args.rank or spec.rank,
         lr=args.lr or spec.lr,
         steps=args.steps or spec.steps,
         minutes=args.minutes or spec.minutes,
         vocab=spec.vocab if args.vocab is None else args.vocab,
         teacher=args.teacher or spec.teacher,
-        init_from=spec.init_from,
-        intermediate=spec.intermediate,
     )
 
 

@@ -30,15 +30,17 @@ def test_every_start_keeps_the_students_layers_and_comes_first() -> None:
 
 def test_a_missing_start_is_named_and_a_start_built_first_is_not(tmp_path: Path) -> None:
     args = bm.parse_args(["--models", "smollm2-small", "--cache-dir", str(tmp_path)])
-    small = bm.SPECS["smollm2-small"]
-    with pytest.raises(SystemExit, match="starts from smollm2-small-12"):
-        bm.starting_delta(small, args)
-    # Built earlier in the same run: its path, not an error.
-    path = bm.starting_delta(small, args, frozenset({"smollm2-small-12"}))
-    assert path == tmp_path / "smollm2-small-12.safetensors"  # an intermediate: in the cache
+    small, stage = bm.SPECS["smollm2-small"], bm.SPECS["smollm2-small-12"]
+    # an intermediate stage is read back from the cache
+    assert bm.starting_delta(small, args) == tmp_path / "smollm2-small-12.safetensors"
     assert bm.starting_delta(bm.SPECS["smollm2-medium"], args) is None
+    with pytest.raises(SystemExit, match="starts from smollm2-small-12"):
+        bm.check_starts([small], args)
+    # built earlier in the same run: not an error (the medium it starts from is shipped)
+    bm.check_starts([stage, small], args)
+    missing = bm.parse_args(["--init-from", str(tmp_path / "x.safetensors")])
     with pytest.raises(SystemExit, match="no such file"):
-        bm.starting_delta(small, bm.parse_args(["--init-from", str(tmp_path / "x.safetensors")]))
+        bm.check_starts([small], missing)
 
 
 def test_an_explicit_start_must_keep_the_students_layers_and_rank(tmp_path: Path) -> None:
@@ -48,12 +50,13 @@ def test_an_explicit_start_must_keep_the_students_layers_and_rank(tmp_path: Path
     small = bm.SPECS["smollm2-small"]
     args = bm.parse_args(["--models", "smollm2-small", "--init-from", str(medium)])
     assert bm.starting_delta(small, args) == medium
+    bm.check_starts([small], args)
     odd = bm.StudentSpec("odd", (0, 10, 29), rank=16, lr=1e-3, steps=1, minutes=1.0)
     with pytest.raises(SystemExit, match=r"not odd's \[10\]"):
-        bm.starting_delta(odd, args)
+        bm.check_starts([odd], args)
     wide = bm.StudentSpec("wide", (0, 29), rank=32, lr=1e-3, steps=1, minutes=1.0)
     with pytest.raises(SystemExit, match="rank"):
-        bm.starting_delta(wide, args)
+        bm.check_starts([wide], args)
 
 
 def test_main_refuses_before_loading_anything(tmp_path: Path) -> None:
