@@ -1,8 +1,8 @@
-"""The gateway's HTTP surface: FastAPI routes, OpenAI-format errors, lifespan."""
+"""The gateway's HTTP surface: FastAPI (models, health, metrics, OpenAI-format errors,
+lifespan) behind the completion routes, which `asgi.CompletionRoutes` serves directly."""
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -13,13 +13,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.gateway import completions
+from services.gateway.asgi import CompletionRoutes, authorize, error_response
 from services.gateway.config import GatewayServiceConfig
 from services.gateway.protocol import error_body
 from services.gateway.service import GatewayError, GatewayService
-from shared.logging import get_logger
-
-log = get_logger(component="gateway")
 
 
 def create_app(cfg: GatewayServiceConfig) -> FastAPI:
@@ -38,17 +35,7 @@ def create_app(cfg: GatewayServiceConfig) -> FastAPI:
 
     @app.exception_handler(GatewayError)
     async def on_gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
-        headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
-        service.metrics.requests.labels("", str(exc.status)).inc()
-        if exc.status >= 500:
-            log.warning(
-                "request_failed", status=exc.status, error=exc.message, path=request.url.path
-            )
-        return JSONResponse(
-            error_body(exc.message, exc.type, exc.code, exc.param),
-            status_code=exc.status,
-            headers=headers,
-        )
+        return error_response(service, exc, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -60,39 +47,12 @@ def create_app(cfg: GatewayServiceConfig) -> FastAPI:
         return JSONResponse(error_body(str(exc.errors()), "invalid_request_error"), status_code=400)
 
     api_keys = [k.encode() for k in cfg.settings.api_keys]
-
-    def authorize(request: Request) -> None:
-        """Optional API keys: OpenAI clients send `Authorization: Bearer <key>`."""
-        if not api_keys:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[7:].encode() if header.lower().startswith("bearer ") else b""
-        if not any(hmac.compare_digest(token, k) for k in api_keys):
-            raise GatewayError(
-                401, "invalid or missing API key", "invalid_request_error", "invalid_api_key"
-            )
-
-    async def complete(request: Request, *, is_chat: bool) -> Response:
-        authorize(request)
-        return await completions.handle(
-            service,
-            await request.body(),
-            is_chat=is_chat,
-            headers=request.headers,
-            receive=request.receive,
-        )
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await complete(request, is_chat=True)
-
-    @app.post("/v1/completions")
-    async def text_completions(request: Request) -> Response:
-        return await complete(request, is_chat=False)
+    # The completion routes run ahead of FastAPI's routing (services/gateway/asgi.py says why).
+    app.add_middleware(CompletionRoutes, service=service, api_keys=api_keys)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, object]:
-        authorize(request)
+        authorize(request.headers, api_keys)
         created = int(time.time())
         live = {w.model for w in service.workers.values() if not w.is_draining}
         data: list[dict[str, object]] = [

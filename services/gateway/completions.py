@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive
 
 from services.gateway.generation import ClientDisconnected, Generation, failure
 from services.gateway.protocol import (
@@ -30,6 +30,7 @@ from services.gateway.protocol import (
     CompletionRequest,
 )
 from services.gateway.service import GatewayError, GatewayService
+from services.gateway.sse import SSEResponse
 from services.gateway.streams import CLIENT_GONE, RequestStream
 from shared.config import IMPLEMENTED_POLICIES
 from shared.messages.estimator import RouteRequest
@@ -249,12 +250,12 @@ async def handle(
     is_chat: bool,
     headers: Mapping[str, str] | None = None,
     receive: Receive | None = None,
-) -> Response:
-    """The whole request; GatewayError propagates to the app's error handler.
+) -> ASGIApp:
+    """The whole request; GatewayError propagates to the caller (asgi.CompletionRoutes).
 
-    `receive` (the ASGI channel) is watched while the handler waits for the worker: a
-    client that disconnects then gets its request aborted on the worker, streaming or
-    not (once an SSE response runs, Starlette notices the disconnect itself)."""
+    `receive` (the ASGI channel) is watched while the handler waits for the worker and,
+    for a stream, while the SSEResponse runs: a client that disconnects gets its request
+    aborted on the worker, streaming or not."""
     p = prepare(service, raw, is_chat, headers)
     service.admit()
     try:
@@ -311,11 +312,9 @@ async def handle(
             raise failure(first)
         headers = {"X-Request-Id": p.request_id, "X-Instance-Id": stream.instance_id}
         if p.body.stream:
-            return StreamingResponse(
-                run.sse(first),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", **headers},
-            )
+            response = SSEResponse(run.sse(first), headers, watcher)
+            watcher = None  # the response owns it now: it watches the client while streaming
+            return response
         try:
             return JSONResponse(await run.collect(first), headers=headers)
         finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from services.gateway.protocol import SSE_DONE, error_body, sse, usage
@@ -230,7 +230,7 @@ class Generation:
             "baton": self.baton_summary(),
         }
 
-    async def sse(self, first: GatewayEvent) -> AsyncIterator[bytes]:
+    async def sse(self, first: GatewayEvent) -> AsyncGenerator[bytes, None]:
         include_usage = self.p.body.include_usage
         obj = "chat.completion.chunk" if self.p.is_chat else "text_completion"
         head = {

@@ -415,6 +415,36 @@ async def test_an_out_of_range_sampling_field_is_named_in_the_error(
     assert err["param"] == param and err["message"].startswith(param)
 
 
+async def test_other_methods_on_a_completion_route_get_405(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        resp = await client.get("/v1/chat/completions")
+    assert resp.status_code == 405
+    assert resp.headers["allow"] == "POST"
+    assert "use POST" in resp.json()["error"]["message"]
+
+
+async def test_a_crash_in_the_handler_is_a_500_in_openai_format_and_serving_goes_on(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unexpected exception (a bug) answers 500 with OpenAI's error object, is logged,
+    releases nothing it did not take, and the next request is served."""
+    from services.gateway import completions
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug")
+
+    in_flight = stack.gateway.num_in_flight
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        with monkeypatch.context() as patch:
+            patch.setattr(completions, "prepare", broken)
+            resp = await client.post("/v1/chat/completions", json=CHAT)
+        assert resp.status_code == 500
+        assert resp.json()["error"]["type"] == "server_error"
+        assert stack.gateway.num_in_flight == in_flight
+        ok = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+    assert ok.status_code == 200
+
+
 async def test_admission_limit_answers_429_with_retry_after(stack: Stack) -> None:
     service = stack.gateway
     saved = service.num_in_flight
