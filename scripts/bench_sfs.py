@@ -103,6 +103,7 @@ from services.estimator.sfs.replay import (  # noqa: E402
     Probe,
     SfsReplayer,
 )
+from services.estimator.sfs.speed import RecentSpeed  # noqa: E402
 from services.estimator.sfs.utility import default_ttft_target_s  # noqa: E402
 from shared.config import ClusterConfig, EstimatorConfig, ModelConfig, load_cluster  # noqa: E402
 from shared.messages.estimator import RouteRequest  # noqa: E402
@@ -145,6 +146,7 @@ class Measured:
     pred_sfs_snapshot_s: float  # SfsReplayer.estimate: from the snapshot's time (the old service)
     pred_throughput_s: float
     pred_sfs_point_s: float  # as pred_sfs_eval_s, running requests end at bare predictions
+    pred_sfs_flat_s: float  # as pred_sfs_s, the snapshot's batch_time_speed left at 1
     first_token_s: float = math.nan  # seconds from the origin
     ttft_s: float = math.nan  # first token - add_request
 
@@ -428,10 +430,14 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         flush=True,
     )
 
-    # 3. Open-loop replay: predict at each arrival, then submit. The service's
-    #    estimator prices with the current fit (config_model: the snapshot carries none).
+    # 3. Open-loop replay: predict at each arrival, then submit. The snapshot carries
+    #    the current fit and the recent speed under it, as a worker's does (the worker
+    #    holds the estimator's calibration and observes its own iterations); side by
+    #    side, the same estimator with the speed left at 1 (`flat`, its own correction).
     est_cfg = EstimatorConfig(default_output_tokens=args.max_output, snapshot_max_age_s=math.inf)
     latency = LatencyEstimator(est_cfg)
+    latency_flat = LatencyEstimator(est_cfg)
+    speed = RecentSpeed()
     info = WorkerInfo(
         instance_id="real",
         model=args.model,
@@ -442,6 +448,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         heartbeat_at_s=0.0,
     )
     state = create_instance_state(info, None, est_cfg)
+    state_flat = create_instance_state(info, None, est_cfg)
     replayer = SfsReplayer(OutputPolicy(args.max_output))
     policy = OutputPolicy(args.max_output)  # measured length ratios from the snapshots
     point_policy = OutputPolicy(args.max_output, use_measured_ratios=False)
@@ -471,12 +478,16 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
             with contextlib.suppress(ValueError):
                 profile = profile_throughput(list(recent))
             refits += 1
+        speed.observe(model, new)  # the worker's side: its iterations against its calibration
         # measured TTFTs so far go back to the estimator, as RequestDoneEvent does
         for rid2, m in list(unfed.items()):
             first = runner.first.get(rid2)
             if first is not None:
+                measured = first - t_replay - m.add_s
                 if latency.correction is not None:
-                    latency.correction.observe("real", m.pred_sfs_s, first - t_replay - m.add_s)
+                    latency.correction.observe("real", m.pred_sfs_s, measured)
+                if latency_flat.correction is not None:
+                    latency_flat.correction.observe("real", m.pred_sfs_flat_s, measured)
                 del unfed[rid2]
         rid = f"m{i}"
         pred_out = max(
@@ -501,8 +512,17 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         sfs_point = estimate_from_now(
             snap, model, probe, after, age, joined=joined, policy=point_policy
         )
-        state.config_model, state.snapshot = model, snap
-        state.snapshot_wall_time_s = snap.wall_time_s
+        calibrated = msgspec.structs.replace(
+            snap,
+            batch_time_features=model.feature_set,
+            batch_time_coefs=list(model.coefs),
+            batch_time_speed=speed.factor(),
+        )
+        state.snapshot = calibrated
+        state_flat.snapshot = msgspec.structs.replace(calibrated, batch_time_speed=1.0)
+        for st_ in (state, state_flat):
+            st_.config_model = model
+            st_.snapshot_wall_time_s = snap.wall_time_s
         ledger = [  # dispatch times on the wall clock, as the service's ledger has them
             LedgerEntry(
                 e.request_id,
@@ -515,6 +535,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
             for t_add, e in unseen
         ]
         sfs = latency.ttft(state, probe, ledger, now_wall, now)
+        sfs_flat = latency_flat.ttft(state_flat, probe, ledger, now_wall, now)
         old = replayer.estimate("real", snap, probe, ledger, model=model)
         num_lps += sfs.source != "sfs"  # not replayable: the service's queue model
         tp = throughput_ttft_s(
@@ -546,6 +567,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
                 old.ttft_s,
                 tp,
                 sfs_point.ttft_s,
+                sfs_flat.ttft_s,
             )
         )
         unfed[rid] = rows[-1]
@@ -579,6 +601,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         "sfs": err([m.pred_sfs_s for m in done_rows]),
         "sfs_evaluation": err([m.pred_sfs_eval_s for m in done_rows]),
         "sfs_point_lengths": err([m.pred_sfs_point_s for m in done_rows]),
+        "sfs_without_speed": err([m.pred_sfs_flat_s for m in done_rows]),
         "sfs_from_snapshot": err([m.pred_sfs_snapshot_s for m in done_rows]),
         "throughput": err([m.pred_throughput_s for m in done_rows]),
     }
@@ -590,6 +613,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         "mape_sfs_evaluation": errors["sfs_evaluation"]["mape"],
         "mape_sfs_from_snapshot": errors["sfs_from_snapshot"]["mape"],
         "mape_sfs_point_lengths": errors["sfs_point_lengths"]["mape"],
+        "mape_sfs_without_speed": errors["sfs_without_speed"]["mape"],
         "num_sfs_fell_back_to_lps": num_lps,
         "max_abs_diff_sfs_vs_evaluation_s": max(
             (abs(m.pred_sfs_s - m.pred_sfs_eval_s) for m in done_rows), default=math.nan
@@ -1368,7 +1392,7 @@ def main() -> None:
                 "1. TTFT prediction, real CPU engine in its own process (no NATS hop), "
                 f"{real['setup']['model']}, {real['num_measured']} requests at {real['rate_rps']:.2f} req/s "
                 f"({real['num_queued_at_arrival']} found work queued):",
-                f"   MAPE SFS {real['mape_sfs']:.1%} (service's LatencyEstimator, with the measured-TTFT correction; the bare replay, evaluation.estimate_from_now, {real['mape_sfs_evaluation']:.1%}; from the snapshot's time, the service before {real['mape_sfs_from_snapshot']:.1%}; running requests ending at bare length predictions {real['mape_sfs_point_lengths']:.1%}) vs "
+                f"   MAPE SFS {real['mape_sfs']:.1%} (service's LatencyEstimator, with the measured-TTFT correction; the bare replay, evaluation.estimate_from_now, {real['mape_sfs_evaluation']:.1%}; from the snapshot's time, the service before {real['mape_sfs_from_snapshot']:.1%}; running requests ending at bare length predictions {real['mape_sfs_point_lengths']:.1%}; without the recent speed {real['mape_sfs_without_speed']:.1%}) vs "
                 f"throughput {real['mape_throughput']:.1%} -> {real['mape_throughput'] / real['mape_sfs']:.1f}x better; "
                 f"target SFS <= {TARGET_MAPE:.0%} ({'met' if real['mape_sfs'] <= TARGET_MAPE else 'NOT met'}); "
                 f"paper: {PAPER_MAPE_SFS:.0%} vs {PAPER_MAPE_THROUGHPUT:.0%}",

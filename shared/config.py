@@ -158,6 +158,11 @@ class EstimatorConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields
     # clipped); read by the latency-aware policies.
     ttft_slo_base_ms: float = 158.0  # ms
     ttft_slo_per_prompt_token_ms: float = 3.5e-3  # ms per prompt token
+    # A snapshot's batch_time_speed (how fast its latest iterations ran against its
+    # calibration) scales an SFS TTFT estimate T by speed ** exp(-T / this): the recent
+    # speed says much about the next few iterations, little about those a second away
+    # (docs/sfs.md, "Recent speed"); 0 = ignore it.
+    speed_horizon_s: float = 0.3
     ttft_slo_min_ms: float = 150.0  # ms
     ttft_slo_max_ms: float = 1120.0  # ms
     # Weights of the utility policies for requests naming a real model (presets set
@@ -189,6 +194,9 @@ class WorkerConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # hand-offs) or follows a step of at most max_inline_step_ms; 0: always a thread.
     max_inline_step_tokens: int = 256
     max_inline_step_ms: float = 5.0  # 0: only the first step after an idle wait
+    # Weight of the newest iteration in the snapshot's batch_time_speed (measured /
+    # modeled batch time lately, services/estimator/sfs/speed.py); 0: always 1.
+    batch_time_speed_alpha: float = 0.2
 
 
 class BatcherConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -376,8 +384,12 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
             raise ConfigError("[worker] max_inline_step_tokens must be >= 0")
         if not self.worker.max_inline_step_ms >= 0:
             raise ConfigError("[worker] max_inline_step_ms must be >= 0")
+        if not 0.0 <= self.worker.batch_time_speed_alpha <= 1.0:
+            raise ConfigError("[worker] batch_time_speed_alpha must be in [0, 1]")
         if self.estimator.lambda_ < 0 or self.estimator.delta < 0:
             raise ConfigError("[estimator] lambda and delta must be >= 0")
+        if not self.estimator.speed_horizon_s >= 0:
+            raise ConfigError("[estimator] speed_horizon_s must be >= 0")
         b = self.batcher
         if not 1 <= b.max_n <= 20:  # a table costs ~N^5 (16: ~2 s on one core, 20: ~8 s)
             raise ConfigError(f"[batcher] max_n must be in 1..20, got {b.max_n}")

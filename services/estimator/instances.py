@@ -45,6 +45,7 @@ from services.estimator.sfs.replay import (
     run_on_state,
     snapshot_ids,
 )
+from services.estimator.sfs.speed import horizon_factor
 from shared.config import EstimatorConfig, ModelConfig
 from shared.messages.registry import WorkerInfo
 from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot
@@ -199,6 +200,12 @@ class LatencyEstimator:
             except ValueError:  # e.g. more KV held than the capacity: not replayable
                 pass
             else:
+                # The speed is against the calibration the snapshot carries (which
+                # batch_time_model() prices with when there is one).
+                if snap.batch_time_speed != 1.0 and snap.batch_time_coefs:
+                    ttft_s *= horizon_factor(
+                        snap.batch_time_speed, ttft_s, self.settings.speed_horizon_s
+                    )
                 if self.correction is not None:
                     ttft_s *= self.correction.factor(state.instance_id)
                 return TtftEstimate(ttft_s, "sfs")

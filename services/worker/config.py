@@ -46,6 +46,7 @@ class WorkerServiceConfig:
     # stays free to take the inbox and publish (docs/services.md, worker).
     max_inline_step_tokens: int = 256
     max_inline_step_ms: float = 5.0
+    batch_time_speed_alpha: float = 0.2  # the snapshot's batch_time_speed EWMA; 0: off
 
     @classmethod
     def from_cluster(
@@ -70,6 +71,7 @@ class WorkerServiceConfig:
             max_batch_samples=cluster.worker.max_batch_samples,
             max_inline_step_tokens=cluster.worker.max_inline_step_tokens,
             max_inline_step_ms=cluster.worker.max_inline_step_ms,
+            batch_time_speed_alpha=cluster.worker.batch_time_speed_alpha,
             token_presets={n: p for n, p in cluster.token_presets().items() if model in p.models},
             relay=cluster.relay,
         )

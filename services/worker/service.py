@@ -36,6 +36,8 @@ from typing import Any
 
 import msgspec
 
+from services.estimator.sfs.batch_time import BatchTimeModel
+from services.estimator.sfs.speed import RecentSpeed
 from services.worker.config import WorkerServiceConfig, create_engine
 from services.worker.routing.link import RoutingLink
 from services.worker.routing.runtime import Outbox, TokenRouting
@@ -103,6 +105,11 @@ class WorkerService:
         # The estimator's fitted batch-time model of this instance, read with the
         # heartbeat; copied into every snapshot (the engine's own, if any, otherwise).
         self.calibration: BatchTimeCalibration | None = None
+        self._calibrated: BatchTimeModel | None = None  # the calibration as a model
+        # How fast the latest iterations ran against the calibration (speed.py): the
+        # snapshot's batch_time_speed, so a replay prices the next steps at it.
+        alpha = cfg.batch_time_speed_alpha
+        self._speed = RecentSpeed(alpha=alpha) if alpha > 0 else None
         self.ready = asyncio.Event()  # set once the engine is loaded and the inbox subscribed
         # Token-level routing (only when a token-level preset names this model).
         self.routing: TokenRouting | None = None
@@ -447,7 +454,10 @@ class WorkerService:
         outpace Redis (a fast model), fewer and fuller writes instead of a queue of
         stale ones, and no encoding of snapshots nobody will read."""
         if samples:
-            self._unsent_samples.extend(self._engine.pop_batch_samples())
+            new = self._engine.pop_batch_samples()
+            if self._speed is not None and self._calibrated is not None:
+                self._speed.observe(self._calibrated, new)
+            self._unsent_samples.extend(new)
             del self._unsent_samples[: -self.cfg.max_batch_samples]
         self._record_pending = True
         if self._record_task is None or self._record_task.done():
@@ -460,7 +470,10 @@ class WorkerService:
             cal = self.calibration
             if cal is not None:
                 snapshot = msgspec.structs.replace(
-                    snapshot, batch_time_features=cal.feature_set, batch_time_coefs=list(cal.coefs)
+                    snapshot,
+                    batch_time_features=cal.feature_set,
+                    batch_time_coefs=list(cal.coefs),
+                    batch_time_speed=1.0 if self._speed is None else self._speed.factor(),
                 )
             batch = [msgspec.msgpack.encode(s) for s in self._unsent_samples]
             self._unsent_samples = []
@@ -522,6 +535,11 @@ class WorkerService:
                 mape=round(cal.mape, 4),
                 num_samples=cal.num_samples,
             )
+            try:
+                self._calibrated = BatchTimeModel(cal.feature_set, tuple(cal.coefs))
+            except ValueError as exc:  # a feature set this worker does not know
+                log.warning("calibration_unusable", error=str(exc))
+                self._calibrated = None
         self.calibration = cal
 
     async def _begin_drain(self) -> float:

@@ -88,6 +88,9 @@ class WorkloadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     num_blocks: list[int] = []  # KV blocks held; 0 for waiting rows
     batch_time_features: str = ""  # name of the feature set of batch_time_coefs
     batch_time_coefs: list[float] = []  # seconds per feature unit, publisher's calibration
+    # measured / modeled time of the latest iterations under batch_time_coefs (an EWMA,
+    # services/estimator/sfs/speed.py); readers price with coefs x this factor
+    batch_time_speed: float = 1.0
     # quantiles of actual / predicted output length of requests finished here lately
     # (shared.scheduling.lengths); [] until enough of them had a prediction
     output_length_ratios: list[float] = []
