@@ -41,7 +41,9 @@ log = get_logger(component="relay")
 CHECK_INTERVAL_S = 0.1
 # A hand-off to a model with no known worker re-reads the registry, at most this often
 # (a peer model that is really gone costs one Redis round trip per interval, not per
-# hand-off).
+# hand-off). Counted from the last re-read a miss triggered, not from any read: the
+# read at start (or a periodic one) may be just older than the workers, and a burst of
+# first hand-offs within this of it would otherwise all be given back.
 RETRY_REFRESH_S = 0.2
 
 
@@ -55,7 +57,7 @@ class RelayService:
         self.workers: dict[str, WorkerInfo] = {}
         self.load: dict[str, int] = {}  # instance -> requests in its snapshot + sent since
         self._snapshots = SnapshotDecoder(log)
-        self._last_refresh_s = -math.inf  # monotonic time of the last registry read
+        self._last_retry_s = -math.inf  # monotonic time of the last re-read on a miss
         self._stop = asyncio.Event()
 
     def request_stop(self) -> None:
@@ -85,7 +87,6 @@ class RelayService:
         return best
 
     async def _refresh(self) -> None:
-        self._last_refresh_s = time.monotonic()
         self.workers = {w.instance_id: w for w in await self.store.live_workers()}
         self._snapshots.keep_only(self.workers)
         blobs = await self.store.read_snapshots(list(self.workers))
@@ -116,8 +117,9 @@ class RelayService:
 
     async def _refresh_soon(self) -> None:
         now = time.monotonic()
-        if now - self._last_refresh_s < RETRY_REFRESH_S:
+        if now - self._last_retry_s < RETRY_REFRESH_S:
             return
+        self._last_retry_s = now
         try:
             await self._refresh()
         except Exception as exc:  # Redis hiccup: keep the last view
