@@ -38,6 +38,17 @@ log = get_logger(component="gateway")
 COMPLETION_PATHS = {"/v1/chat/completions": True, "/v1/completions": False}
 
 
+def route_path(scope: Scope) -> str:
+    """The path the routes see: without the app's root_path (a server or proxy prefix)
+    and without a trailing slash (FastAPI answered one with a redirect; here it is
+    served)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    return path.rstrip("/") or "/"
+
+
 def authorize(headers: Mapping[str, str], api_keys: list[bytes]) -> None:
     """Optional API keys: OpenAI clients send `Authorization: Bearer <key>`."""
     if not api_keys:
@@ -84,7 +95,7 @@ class CompletionRoutes:
         self.api_keys = api_keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        is_chat = COMPLETION_PATHS.get(scope["path"]) if scope["type"] == "http" else None
+        is_chat = COMPLETION_PATHS.get(route_path(scope)) if scope["type"] == "http" else None
         if is_chat is None:
             await self.app(scope, receive, send)
             return
@@ -92,7 +103,9 @@ class CompletionRoutes:
         try:
             if scope["method"] != "POST":
                 raise GatewayError(
-                    405, f"{scope['method']} is not allowed on {path}; use POST", "invalid_request_error"
+                    405,
+                    f"{scope['method']} is not allowed on {path}; use POST",
+                    "invalid_request_error",
                 )
             headers = Headers(scope=scope)
             authorize(headers, self.api_keys)

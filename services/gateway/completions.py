@@ -312,7 +312,7 @@ async def handle(
             raise failure(first)
         headers = {"X-Request-Id": p.request_id, "X-Instance-Id": stream.instance_id}
         if p.body.stream:
-            response = SSEResponse(run.sse(first), headers, watcher)
+            response = SSEResponse(run.sse(first), headers, watcher, run.close)
             watcher = None  # the response owns it now: it watches the client while streaming
             return response
         try:

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 
 from starlette.types import Receive, Scope, Send
+
+from services.gateway.protocol import SSE_DONE, error_body, sse
+from shared.logging import get_logger
+
+log = get_logger(component="gateway")
 
 
 class SSEResponse:
     """Server-sent events from pre-encoded chunks: one ASGI body message per chunk.
 
     `watcher` is the task that notices the client's disconnect; it is cancelled when the
-    stream ends. The chunk generator is closed on every way out, so its `finally` (which
-    aborts an unfinished request on the worker) always runs.
+    stream ends. On every way out the chunk generator is closed and `on_close` runs
+    (idempotent: it releases admission and aborts an unfinished request on the worker),
+    also when the stream ends before the generator started (a cancelled first send),
+    where closing the generator runs none of its code. An unexpected exception after the
+    headers is logged and reported in-band, as OpenAI reports errors mid-stream.
     """
 
     def __init__(
@@ -21,9 +29,11 @@ class SSEResponse:
         chunks: AsyncGenerator[bytes, None],
         headers: Mapping[str, str],
         watcher: asyncio.Task[None] | None,
+        on_close: Callable[[], None],
     ) -> None:
         self.chunks = chunks
         self.watcher = watcher
+        self.on_close = on_close
         self.raw_headers = [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
@@ -33,10 +43,23 @@ class SSEResponse:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for chunk in self.chunks:
+            while True:
+                try:
+                    chunk = await anext(self.chunks)
+                except StopAsyncIteration:
+                    break
+                except Exception:  # a bug in the generation (a failing send is not caught)
+                    log.exception("stream_crashed", path=scope.get("path"))
+                    err = error_body("internal error in the gateway; see its log", "server_error")
+                    chunk = sse(err) + SSE_DONE
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    break
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            await self.chunks.aclose()
-            if self.watcher is not None:
-                self.watcher.cancel()
+            try:
+                await self.chunks.aclose()
+            finally:
+                if self.watcher is not None:
+                    self.watcher.cancel()
+                self.on_close()

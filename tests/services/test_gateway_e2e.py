@@ -423,26 +423,74 @@ async def test_other_methods_on_a_completion_route_get_405(stack: Stack) -> None
     assert "use POST" in resp.json()["error"]["message"]
 
 
+async def test_a_trailing_slash_is_served_and_root_path_is_stripped(stack: Stack) -> None:
+    from services.gateway.asgi import route_path
+
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        resp = await client.post("/v1/chat/completions/", json={**CHAT, "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+    assert route_path({"path": "/api/v1/completions", "root_path": "/api"}) == "/v1/completions"
+    assert route_path({"path": "/v1/completions/"}) == "/v1/completions"
+    assert route_path({"path": "/"}) == "/"
+
+
 async def test_a_crash_in_the_handler_is_a_500_in_openai_format_and_serving_goes_on(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An unexpected exception (a bug) answers 500 with OpenAI's error object, is logged,
-    releases nothing it did not take, and the next request is served."""
-    from services.gateway import completions
+    """An unexpected exception (a bug) after admission answers 500 with OpenAI's error
+    object, gives the admission back, and the next request is served."""
 
-    def broken(*args: object, **kwargs: object) -> None:
+    async def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("a bug")
 
     in_flight = stack.gateway.num_in_flight
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
         with monkeypatch.context() as patch:
-            patch.setattr(completions, "prepare", broken)
+            patch.setattr(stack.gateway, "route", broken)  # runs after admit()
             resp = await client.post("/v1/chat/completions", json=CHAT)
-        assert resp.status_code == 500
-        assert resp.json()["error"]["type"] == "server_error"
+            stream = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        for r in (resp, stream):
+            assert r.status_code == 500
+            assert r.json()["error"]["type"] == "server_error"
         assert stack.gateway.num_in_flight == in_flight
         ok = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
     assert ok.status_code == 200
+
+
+async def test_a_crash_mid_stream_is_reported_in_band_and_released(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug after the headers went out: an error event and [DONE] end the stream, the
+    admission is given back and the worker's KV freed."""
+    from services.gateway.generation import Generation
+
+    real = Generation._logprobs
+
+    def broken(self: Generation, *args: object) -> object:
+        if self.num_output_tokens >= 2:
+            raise RuntimeError("a bug")
+        return real(self, *args)  # type: ignore[arg-type]
+
+    in_flight = stack.gateway.num_in_flight
+    body = {**CHAT, "stream": True, "max_tokens": 50, "ignore_eos": True}
+    with monkeypatch.context() as patch:
+        patch.setattr(Generation, "_logprobs", broken)
+        async with (
+            httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client,
+            client.stream("POST", "/v1/chat/completions", json=body) as resp,
+        ):
+            assert resp.status_code == 200
+            instance_id = resp.headers["x-instance-id"]
+            lines = [line async for line in resp.aiter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["error"]["type"] == "server_error"
+    assert stack.gateway.num_in_flight == in_flight
+    for _ in range(200):
+        snap = await snapshot_of(stack, instance_id)
+        if snap.num_free_blocks == snap.num_kv_blocks:
+            break
+        await asyncio.sleep(0.05)
+    assert snap.num_free_blocks == snap.num_kv_blocks
 
 
 async def test_admission_limit_answers_429_with_retry_after(stack: Stack) -> None:
