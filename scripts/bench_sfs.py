@@ -516,7 +516,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
             snap,
             batch_time_features=model.feature_set,
             batch_time_coefs=list(model.coefs),
-            batch_time_speed=speed.factor(),
+            batch_time_speed=speed.factor(snap.wall_time_s),
         )
         state.snapshot = calibrated
         state_flat.snapshot = msgspec.structs.replace(calibrated, batch_time_speed=1.0)

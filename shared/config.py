@@ -158,11 +158,6 @@ class EstimatorConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields
     # clipped); read by the latency-aware policies.
     ttft_slo_base_ms: float = 158.0  # ms
     ttft_slo_per_prompt_token_ms: float = 3.5e-3  # ms per prompt token
-    # A snapshot's batch_time_speed (how fast its latest iterations ran against its
-    # calibration) scales an SFS TTFT estimate T by speed ** exp(-T / this): the recent
-    # speed says much about the next few iterations, little about those a second away
-    # (docs/sfs.md, "Recent speed"); 0 = ignore it.
-    speed_horizon_s: float = 0.3
     ttft_slo_min_ms: float = 150.0  # ms
     ttft_slo_max_ms: float = 1120.0  # ms
     # Weights of the utility policies for requests naming a real model (presets set
@@ -181,6 +176,11 @@ class EstimatorConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields
     # Correct each instance's SFS estimate by the measured TTFTs the gateway reports
     # (sfs/correction.py): weight of each new one, 0 turns the correction off.
     ttft_correction_alpha: float = 0.05
+    # A snapshot's batch_time_speed (how fast its latest iterations ran against its
+    # calibration) scales an SFS TTFT estimate T by speed ** exp(-T / this): the recent
+    # speed says much about the next few iterations, little about those a second away
+    # (docs/sfs.md, "Recent speed"); 0 = ignore it.
+    speed_horizon_s: float = 0.3
 
 
 class WorkerConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -473,7 +473,11 @@ class WorkerService:
                     snapshot,
                     batch_time_features=cal.feature_set,
                     batch_time_coefs=list(cal.coefs),
-                    batch_time_speed=1.0 if self._speed is None else self._speed.factor(),
+                    batch_time_speed=(
+                        1.0
+                        if self._speed is None or self._calibrated is None
+                        else self._speed.factor(time.time())
+                    ),
                 )
             batch = [msgspec.msgpack.encode(s) for s in self._unsent_samples]
             self._unsent_samples = []
@@ -537,9 +541,12 @@ class WorkerService:
             )
             try:
                 self._calibrated = BatchTimeModel(cal.feature_set, tuple(cal.coefs))
-            except ValueError as exc:  # a feature set this worker does not know
+            except ValueError as exc:  # a feature set this worker does not know: speed 1
                 log.warning("calibration_unusable", error=str(exc))
                 self._calibrated = None
+            if self._speed is not None and self._calibrated is not None:
+                # the kept iterations priced with the new model now, not at the next step
+                self._speed.observe(self._calibrated, [])
         self.calibration = cal
 
     async def _begin_drain(self) -> float:

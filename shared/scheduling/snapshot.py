@@ -89,7 +89,8 @@ class WorkloadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     batch_time_features: str = ""  # name of the feature set of batch_time_coefs
     batch_time_coefs: list[float] = []  # seconds per feature unit, publisher's calibration
     # measured / modeled time of the latest iterations under batch_time_coefs (an EWMA,
-    # services/estimator/sfs/speed.py); readers price with coefs x this factor
+    # services/estimator/sfs/speed.py); the estimator scales an SFS TTFT estimate T by
+    # this ** exp(-T / speed_horizon_s)
     batch_time_speed: float = 1.0
     # quantiles of actual / predicted output length of requests finished here lately
     # (shared.scheduling.lengths); [] until enough of them had a prediction

@@ -8,7 +8,12 @@ import msgspec
 import pytest
 
 from services.estimator.sfs.batch_time import SIX_TERM, BatchTimeModel
-from services.estimator.sfs.speed import MAX_STEP_LOG_RATIO, RecentSpeed, horizon_factor
+from services.estimator.sfs.speed import (
+    IDLE_FADE_S,
+    MAX_STEP_LOG_RATIO,
+    RecentSpeed,
+    horizon_factor,
+)
 from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot
 
 MODEL = BatchTimeModel(SIX_TERM, (2e-3, 1e-5, 0.0, 1e-4, 0.0, 0.0))
@@ -62,6 +67,20 @@ def test_a_new_model_prices_the_kept_iterations_again() -> None:
     refit = BatchTimeModel(SIX_TERM, tuple(1.2 * c for c in MODEL.coefs))
     speed.observe(refit, [])
     assert speed.factor() == pytest.approx(1.0)
+
+
+def test_an_idle_instance_fades_back_to_one() -> None:
+    speed = RecentSpeed(alpha=0.2, min_samples=1)
+    steps = [
+        msgspec.structs.replace(s, wall_time_s=10.0 + 0.01 * i)
+        for i, s in enumerate(at(1.5, MODEL, 20))
+    ]
+    speed.observe(MODEL, steps)
+    end = max(s.wall_time_s + s.duration_s for s in steps)
+    assert speed.factor(end) == pytest.approx(1.5)
+    assert speed.factor(end + IDLE_FADE_S) == pytest.approx(1.5 ** math.exp(-1.0))
+    assert speed.factor(end + 20 * IDLE_FADE_S) == pytest.approx(1.0, abs=1e-6)
+    assert speed.factor() == pytest.approx(1.5)  # no time given: no fade
 
 
 def test_bad_settings_and_unpriceable_iterations() -> None:

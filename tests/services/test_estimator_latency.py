@@ -167,6 +167,38 @@ def test_fresh_snapshot_is_replayed_stale_and_missing_use_the_queue_model() -> N
     assert est_missing.source == "lps" and est_missing.ttft_s > 0
 
 
+def test_the_snapshot_speed_scales_the_estimate_faded_with_the_wait() -> None:
+    """A snapshot at speed s (its latest iterations ran s x its calibration) scales an SFS
+    estimate T by s ** exp(-T / speed_horizon_s); horizon 0 or no carried calibration:
+    unscaled."""
+    probe = Probe(100, 16, 64)
+    base = snapshot(4, num_waiting=3)
+
+    def estimate(snap: WorkloadSnapshot, settings: EstimatorConfig) -> float:
+        latency = LatencyEstimator(settings)
+        state = create_instance_state(info("a"), ModelConfig(), settings)
+        state.config_model = MODEL
+        state.snapshot, state.snapshot_wall_time_s = snap, 100.0
+        est = latency.ttft(state, probe, [], now_wall_s=100.0, now_mono_s=0.0)
+        assert est.source == "sfs"
+        return est.ttft_s
+
+    plain = estimate(base, SETTINGS)
+    slow = estimate(msgspec.structs.replace(base, batch_time_speed=1.5), SETTINGS)
+    fast = estimate(msgspec.structs.replace(base, batch_time_speed=0.5), SETTINGS)
+    weight = math.exp(-plain / SETTINGS.speed_horizon_s)
+    assert slow == pytest.approx(plain * 1.5**weight)
+    assert fast == pytest.approx(plain * 0.5**weight)
+    assert fast < plain < slow
+    off = msgspec.structs.replace(SETTINGS, speed_horizon_s=0.0)
+    assert estimate(msgspec.structs.replace(base, batch_time_speed=1.5), off) == plain
+    # No carried calibration: the speed is against nothing the estimator prices with.
+    bare = msgspec.structs.replace(
+        base, batch_time_features="", batch_time_coefs=[], batch_time_speed=1.5
+    )
+    assert estimate(bare, SETTINGS) == pytest.approx(plain)
+
+
 def test_queue_model_grows_with_the_arrival_rate() -> None:
     latency = LatencyEstimator(SETTINGS)
     probe = Probe(100, 64, 64)

@@ -271,22 +271,6 @@ async def test_batch_time_fit_is_published_and_carried_by_snapshots(sim: Stack) 
                 break
             await asyncio.sleep(0.05)
         assert snap is not None and snap.batch_time_coefs == cal.coefs
-    # Iterations after the calibration arrived are priced against it: the snapshot
-    # reports their speed (a sim steps at its model, so close to 1, but measured).
-    for _ in range(3):
-        await asyncio.gather(
-            chat(sim, "big", max_tokens=8, ignore_eos=True),
-            chat(sim, "small", max_tokens=16, ignore_eos=True),
-        )
-    for w in sim.workers:
-        for _ in range(100):
-            blob = (await store.read_snapshots([w.cfg.instance_id]))[w.cfg.instance_id]
-            assert blob is not None
-            snap = msgspec.msgpack.decode(blob.data, type=WorkloadSnapshot)
-            if snap.batch_time_speed != 1.0:
-                break
-            await asyncio.sleep(0.05)
-        assert 0.5 < snap.batch_time_speed < 2.0 and snap.batch_time_speed != 1.0
     async with httpx.AsyncClient(base_url=sim.base_url) as client:
         metrics = (await client.get("/metrics")).text
     assert re.search(r'baton_batch_time_fit_mape\{feature_set="six-term",instance="w0"\}', metrics)

@@ -31,9 +31,13 @@ from dataclasses import dataclass, field
 from services.estimator.sfs.batch_time import BatchTimeModel
 from shared.scheduling.snapshot import BatchSample
 
-# One iteration moves the factor by at most this ratio: a stall (a page fault storm,
-# the VM descheduled) says nothing about the next iterations.
+# Each iteration's residual is clamped to this log ratio before it enters the mean: a
+# stall (a page fault storm, the VM descheduled) says little about the next iterations.
 MAX_STEP_LOG_RATIO = math.log(2.0)
+# Seconds over which the factor fades back to 1 once the instance stops iterating (an
+# idle worker keeps publishing snapshots; the residuals decorrelate within ~50
+# iterations, about a second here, so an old factor says nothing about the next ones).
+IDLE_FADE_S = 0.5
 # Iterations kept to re-price when the model changes (a refit): with alpha 0.2 the
 # oldest of 32 weighs 0.8^31 ~ 0.1% of the newest.
 NUM_KEPT = 32
@@ -49,6 +53,7 @@ class RecentSpeed:
     _model: BatchTimeModel | None = None
     _log_ratio: float = 0.0
     _count: int = 0
+    _last_end_s: float = -math.inf  # wall time the newest observed iteration ended
     _bound: float = field(init=False, default=0.0)
     _kept: deque[BatchSample] = field(init=False, default_factory=lambda: deque(maxlen=NUM_KEPT))
 
@@ -69,6 +74,8 @@ class RecentSpeed:
         samples = list(samples)
         self._kept.extend(samples)
         self._add(model, samples)
+        for sample in samples:
+            self._last_end_s = max(self._last_end_s, sample.wall_time_s + sample.duration_s)
 
     def _add(self, model: BatchTimeModel, samples: list[BatchSample]) -> None:
         for sample in samples:
@@ -84,11 +91,16 @@ class RecentSpeed:
             self._log_ratio = min(self._bound, max(-self._bound, self._log_ratio))
             self._count += 1
 
-    def factor(self) -> float:
-        """Measured / modeled batch time now (1.0 until `min_samples` iterations)."""
+    def factor(self, now_s: float | None = None) -> float:
+        """Measured / modeled batch time now (1.0 until `min_samples` iterations); with
+        `now_s` (wall time), faded toward 1 with the time since the newest iteration."""
         if self._count < self.min_samples:
             return 1.0
-        return math.exp(self._log_ratio)
+        log_ratio = self._log_ratio
+        if now_s is not None:
+            idle_s = max(0.0, now_s - self._last_end_s)
+            log_ratio *= math.exp(-idle_s / IDLE_FADE_S)
+        return math.exp(log_ratio)
 
 
 def horizon_factor(speed: float, ttft_s: float, horizon_s: float) -> float:
