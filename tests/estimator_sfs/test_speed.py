@@ -1,4 +1,5 @@
-"""RecentSpeed (the snapshot's batch_time_speed) and how an estimate uses it."""
+"""RecentSpeed (the snapshot's batch_time_speed) and the fade of an estimate's factor
+(LatencyEstimator's use of it: tests/services/test_estimator_latency.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from services.estimator.sfs.speed import (
     RecentSpeed,
     horizon_factor,
 )
-from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot
+from shared.scheduling.snapshot import BatchSample
 
 MODEL = BatchTimeModel(SIX_TERM, (2e-3, 1e-5, 0.0, 1e-4, 0.0, 0.0))
 
@@ -96,24 +97,6 @@ def test_bad_settings_and_unpriceable_iterations() -> None:
     assert speed.factor() == pytest.approx(1.5)  # clamped to max_factor
 
 
-def snapshot(**fields: object) -> WorkloadSnapshot:
-    base = WorkloadSnapshot(
-        version=1,
-        wall_time_s=0.0,
-        max_num_seqs=8,
-        max_num_batched_tokens=256,
-        block_size=16,
-        num_kv_blocks=64,
-        num_free_blocks=64,
-        max_model_len=1024,
-        num_running=0,
-        num_pending=0,
-        batch_time_features=MODEL.feature_set,
-        batch_time_coefs=list(MODEL.coefs),
-    )
-    return msgspec.structs.replace(base, **fields)
-
-
 def test_horizon_factor_fades_the_speed_with_the_wait() -> None:
     assert horizon_factor(1.5, 1e-9, 0.3) == pytest.approx(1.5)
     assert horizon_factor(1.5, 0.3, 0.3) == pytest.approx(1.5 ** math.exp(-1.0))
@@ -121,10 +104,3 @@ def test_horizon_factor_fades_the_speed_with_the_wait() -> None:
     assert horizon_factor(0.5, 0.1, 0.3) < 1.0
     for speed, ttft, horizon in ((1.5, 0.1, 0.0), (math.nan, 0.1, 0.3), (-1.0, 0.1, 0.3)):
         assert horizon_factor(speed, ttft, horizon) == 1.0
-
-
-def test_an_old_snapshot_decodes_at_speed_one() -> None:
-    fields = msgspec.to_builtins(snapshot(batch_time_speed=1.5))
-    del fields["batch_time_speed"]
-    old = msgspec.msgpack.decode(msgspec.msgpack.encode(fields), type=WorkloadSnapshot)
-    assert old.batch_time_speed == 1.0

@@ -199,6 +199,13 @@ def test_the_snapshot_speed_scales_the_estimate_faded_with_the_wait() -> None:
     assert estimate(bare, SETTINGS) == pytest.approx(plain)
 
 
+def test_an_old_writers_snapshot_decodes_at_speed_one() -> None:
+    fields = msgspec.to_builtins(msgspec.structs.replace(snapshot(2), batch_time_speed=1.5))
+    del fields["batch_time_speed"]
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(fields), type=WorkloadSnapshot)
+    assert old.batch_time_speed == 1.0
+
+
 def test_queue_model_grows_with_the_arrival_rate() -> None:
     latency = LatencyEstimator(SETTINGS)
     probe = Probe(100, 64, 64)
