@@ -101,8 +101,8 @@ class StudentSpec:
     intermediate: bool = False
 
 
-SPECS: dict[str, StudentSpec] = {
-    "smollm2-medium": StudentSpec(
+_STUDENTS = (
+    StudentSpec(
         "smollm2-medium",
         (0, 1, 2, 3, 4, 5, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29),
         rank=16,
@@ -112,7 +112,7 @@ SPECS: dict[str, StudentSpec] = {
     ),
     # The previous 12-layer smollm2-small, now the first stage of the shipped one:
     # started from smollm2-medium's factors and norms for the 12 layers both keep.
-    "smollm2-small-12": StudentSpec(
+    StudentSpec(
         "smollm2-small-12",
         (0, 1, 2, 3, 22, 23, 24, 25, 26, 27, 28, 29),
         rank=16,
@@ -127,7 +127,7 @@ SPECS: dict[str, StudentSpec] = {
     # smollm2-small-12 without base layer 26, the layer whose removal cost the least
     # validation agreement untrained (0.490 -> 0.448; docs/models.md), then distilled
     # on at a lower peak lr: 11 layers put the decode step clearly under 0.4x.
-    "smollm2-small": StudentSpec(
+    StudentSpec(
         "smollm2-small",
         (0, 1, 2, 3, 22, 23, 24, 25, 27, 28, 29),
         rank=16,
@@ -138,7 +138,8 @@ SPECS: dict[str, StudentSpec] = {
         teacher="online",
         init_from="smollm2-small-12",
     ),
-}
+)
+SPECS: dict[str, StudentSpec] = {s.name: s for s in _STUDENTS}
 # The order students are built in: SPECS lists every one after the one it starts from.
 BUILD_ORDER = tuple(SPECS)
 assert all(
@@ -147,9 +148,10 @@ assert all(
 )
 
 
-def student_path(spec: StudentSpec, args: argparse.Namespace) -> Path:
-    """Where a student's delta is written (and read back by the students started from it)."""
-    return (args.cache_dir if spec.intermediate else args.out_dir) / f"{spec.name}.safetensors"
+def student_path(spec: StudentSpec, out_dir: Path, cache_dir: Path) -> Path:
+    """Where a student's delta is written (and read back by the students started from it):
+    a shipped one in out_dir, a build stage in cache_dir."""
+    return (cache_dir if spec.intermediate else out_dir) / f"{spec.name}.safetensors"
 
 
 # ----------------------------------------------------------------------------- base model
@@ -842,7 +844,7 @@ def starting_delta(spec: StudentSpec, args: argparse.Namespace) -> Path | None:
     student's file, else None."""
     if args.init_from is not None or spec.init_from is None:
         return args.init_from  # type: ignore[no-any-return]
-    return student_path(SPECS[spec.init_from], args)
+    return student_path(SPECS[spec.init_from], args.out_dir, args.cache_dir)
 
 
 def check_starts(specs: list[StudentSpec], args: argparse.Namespace) -> None:
@@ -913,7 +915,7 @@ def build_student(
             else "the step budget was reached."
         )
     )
-    path = student_path(spec, args)
+    path = student_path(spec, args.out_dir, args.cache_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     export_delta(model, loras, spec, path, note, vocab_keep)
     print(f"{spec.name}: {note}\n-> {path} ({path.stat().st_size / 1e6:.1f} MB)")

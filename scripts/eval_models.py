@@ -54,6 +54,7 @@ from build_models import (
     make_model,
     reference_sequence,
     student_from_base,
+    student_path,
 )
 
 from services.worker.engine.delta import read_delta
@@ -197,8 +198,11 @@ def main(argv: list[str] | None = None) -> None:
         ("smollm2-135m (full)", list(range(30)), None)
     ]
     for name in args.models:
-        stage = name in SPECS and SPECS[name].intermediate  # a build stage: in the cache
-        path = (args.cache_dir if stage else args.models_dir) / f"{name}.safetensors"
+        path = (
+            student_path(SPECS[name], args.models_dir, args.cache_dir)  # a stage: the cache
+            if name in SPECS
+            else args.models_dir / f"{name}.safetensors"
+        )
         models.append((name, read_delta(path).layers, path))
     rows: list[Row] = []
     ref: list[torch.Tensor] | None = None
