@@ -10,10 +10,10 @@ front as an ASGI middleware: it answers POST /v1/chat/completions and /v1/comple
 from the ASGI messages directly and hands everything else (models, health, metrics,
 any other path) to FastAPI unchanged.
 
-What FastAPI did for these routes and is done here instead: reading the body,
-the optional API-key check, OpenAI-format errors (GatewayError -> JSON with its
-status; an unexpected exception -> a logged 500 in the same format), 405 for other
-methods, and streaming. A streaming client's disconnect is noticed by the handler's
+What FastAPI did for these routes and is done here instead: reading the body (with
+Starlette's `Request`, which FastAPI builds too), the optional API-key check,
+OpenAI-format errors (GatewayError -> JSON with its status; an unexpected exception
+-> a logged 500 in the same format), 405 for other methods, and streaming. A streaming client's disconnect is noticed by the handler's
 `watch_disconnect` task (it reads `receive` until http.disconnect and wakes the
 generation, which aborts the request on the worker), which lives as long as the stream.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Mapping
 
-from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -74,18 +74,6 @@ def error_response(service: GatewayService, exc: GatewayError, path: str) -> JSO
     )
 
 
-async def read_body(receive: Receive) -> bytes:
-    """The whole request body (ASGI delivers it in one or more http.request messages)."""
-    parts: list[bytes] = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":  # http.disconnect before the body was complete
-            raise ConnectionError("the client went away while sending the request")
-        parts.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(parts) if len(parts) != 1 else parts[0]
-
-
 class CompletionRoutes:
     """ASGI middleware: the completion routes served directly, the rest passed to `app`."""
 
@@ -107,14 +95,14 @@ class CompletionRoutes:
                     f"{scope['method']} is not allowed on {path}; use POST",
                     "invalid_request_error",
                 )
-            headers = Headers(scope=scope)
-            authorize(headers, self.api_keys)
+            request = Request(scope, receive)
+            authorize(request.headers, self.api_keys)
             try:
-                raw = await read_body(receive)
-            except ConnectionError:
-                return  # nobody to answer
+                raw = await request.body()
+            except ClientDisconnect:  # gone before the body was complete: nobody to answer
+                return
             response = await completions.handle(
-                self.service, raw, is_chat=is_chat, headers=headers, receive=receive
+                self.service, raw, is_chat=is_chat, headers=request.headers, receive=receive
             )
         except GatewayError as exc:
             response = error_response(self.service, exc, path)
