@@ -102,6 +102,13 @@ class InstanceState:
                 return carried
         return self.fitter.model or self.config_model
 
+    def batch_time_speed(self) -> float:
+        """Measured / modeled time of the instance's latest iterations under the model
+        batch_time_model() returns: the snapshot's factor when that model is the
+        snapshot's own calibration (sfs/speed.py), else 1."""
+        snap = self.snapshot
+        return snap.batch_time_speed if snap is not None and snap.carries_calibration else 1.0
+
     def add_samples(self, samples: Iterable[BatchSample]) -> FitResult | None:
         new = [s for s in samples if s.wall_time_s > self.last_sample_time_s]
         if not new:
@@ -200,12 +207,9 @@ class LatencyEstimator:
             except ValueError:  # e.g. more KV held than the capacity: not replayable
                 pass
             else:
-                # The speed is against the calibration the snapshot carries (which
-                # batch_time_model() prices with when there is one).
-                if snap.batch_time_speed != 1.0 and snap.batch_time_coefs:
-                    ttft_s *= horizon_factor(
-                        snap.batch_time_speed, ttft_s, self.settings.speed_horizon_s
-                    )
+                speed = state.batch_time_speed()
+                if speed != 1.0:
+                    ttft_s *= horizon_factor(speed, ttft_s, self.settings.speed_horizon_s)
                 if self.correction is not None:
                     ttft_s *= self.correction.factor(state.instance_id)
                 return TtftEstimate(ttft_s, "sfs")

@@ -96,6 +96,12 @@ class WorkloadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     # (shared.scheduling.lengths); [] until enough of them had a prediction
     output_length_ratios: list[float] = []
 
+    @property
+    def carries_calibration(self) -> bool:
+        """Whether the publisher priced its batches with a model it names here (the
+        batch_time_* fields; batch_time_speed is measured against it)."""
+        return bool(self.batch_time_features and self.batch_time_coefs)
+
     def __post_init__(self) -> None:
         n = len(self.request_ids)
         if not (

@@ -168,7 +168,7 @@ class BatchTimeModel:
     @classmethod
     def from_snapshot(cls, snapshot: WorkloadSnapshot) -> BatchTimeModel | None:
         """The publisher's calibration, if the snapshot carries one."""
-        if not snapshot.batch_time_features or not snapshot.batch_time_coefs:
+        if not snapshot.carries_calibration:
             return None
         return cls(snapshot.batch_time_features, tuple(snapshot.batch_time_coefs))
 
