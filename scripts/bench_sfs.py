@@ -1003,13 +1003,20 @@ async def _decision_async(
         "service_path_cpu_us_p99": out["service_path_cpu"]["p99"],
         "redis_read_us_p50": out["read_only"]["p50"],
         "redis_read_us_p99": out["read_only"]["p99"],
+        "every_ttft_decision_us_p50": out["every_ttft"]["p50"],
+        "every_ttft_decision_us_p99": out["every_ttft"]["p99"],
+        "ttfts_per_decision_mean": out["ttfts_per_decision"],
+        "all_ttfts_share": out["all_ttfts_share"],
         "plain_kernel_decision_us_p50": plain["with_reads"]["p50"],
         "plain_kernel_service_path_us_p50": plain["service_path"]["p50"],
         "target_p50_us_13": TARGET_DECISION_P50_US_13,
         "note": "with_reads: one pipelined Redis read of every instance's snapshot (all new "
-        "versions), msgpack decode, parse, ledger reconcile, SFS replay per instance and "
-        "sfs-constraint choice; service_path: the replay and choice alone (the estimator "
-        "reads and parses snapshots in its background refresh loop); snapshots of 20-50 "
+        "versions), msgpack decode, ledger reconcile and the sfs-constraint choice, which "
+        "parses and replays only the candidates whose TTFT can change its pick (best "
+        "utility first until one meets the target: ttfts_per_decision_mean, all_ttfts_share "
+        "how often it needed all); every_ttft: the same computing every candidate's TTFT; "
+        "service_path: the choice alone (the estimator reads and parses snapshots in its "
+        "background refresh loop; here the parse of the replayed ones is in it); snapshots of 20-50 "
         "running requests from a live scheduler (bench_sfs_decision.live_snapshot); the ledger "
         f"holds the last {args.ledger_depth} dispatches; plain_kernel_*: the same with the "
         "replay kernel as plain Python (the headline figures use the kernel named in sfs_kernel)",
@@ -1023,8 +1030,9 @@ async def _decision_runs(
     dec = msgspec.msgpack.Decoder(WorkloadSnapshot)
     models = list(SFS_H100_QWEN3.items())
     out: dict[str, Any] = {}
-    for regime in ("with_reads", "service_path", "service_path_cpu", "read_only"):
+    for regime in ("with_reads", "service_path", "service_path_cpu", "read_only", "every_ttft"):
         out[regime] = {"p50": {}, "p99": {}}
+    out["ttfts_per_decision"], out["all_ttfts_share"] = {}, {}
     for n in args.decision_instances:
         est = EstimatorConfig(snapshot_max_age_s=60.0)
         cluster = ClusterConfig(
@@ -1065,6 +1073,8 @@ async def _decision_runs(
         with_reads: list[float] = []
         service: list[float] = []
         reads: list[float] = []
+        replays: list[int] = []  # TTFTs the policy read (the others were never computed)
+        every: list[float] = []  # with_reads plus computing the TTFTs it did not read
         version = 0
         for d in tqdm(range(args.decisions), desc=f"[4] {label}, {n} instances", unit="decision"):
             # untimed: every worker writes a new snapshot version (worst case: all new)
@@ -1080,7 +1090,9 @@ async def _decision_runs(
                 predicted_output_tokens=rng.randint(50, 500),
             )
             probe = Probe(request.num_prompt_tokens, request.predicted_output_tokens or 1, 1024)
-            # timed A: read + decode + parse + reconcile + replay + choose
+            # timed A: read + decode + reconcile, then the choice: it parses and
+            # replays the snapshots of the candidates whose TTFT it reads (the service
+            # parses every new one in its refresh loop, `LatencyEstimator.prepare`)
             t0 = time.perf_counter()
             blobs = await store.read_snapshots(ids)
             t_read = time.perf_counter()
@@ -1090,7 +1102,6 @@ async def _decision_runs(
                 snap = dec.decode(blob.data)
                 state.take_snapshot(snap, (blob.version, blob.wall_time_s))
                 ledger.reconcile(state.instance_id, state.visible)
-                latency.prepare(state)
             t_parsed, c_parsed = time.perf_counter(), time.thread_time()
             views = build_views(
                 cluster,
@@ -1106,6 +1117,14 @@ async def _decision_runs(
             chosen = policy.choose(request, views)
             t1 = time.perf_counter()
             service_cpu.append((time.thread_time() - c_parsed) * 1e6)
+            replays.append(sum(1 for v in views if v.scores is not None and v.scores.ttft_known))
+            # untimed by the headline: the TTFTs the choice did not need, so that the
+            # cost of a decision that computes every one is reported next to it
+            t_rest = time.perf_counter()
+            for v in views:
+                if v.scores is not None:
+                    v.scores.ttft_s  # noqa: B018 (computes it)
+            every.append((t1 - t0 + time.perf_counter() - t_rest) * 1e6)
             ledger.add(
                 LedgerEntry(
                     request.request_id,
@@ -1130,9 +1149,12 @@ async def _decision_runs(
             ("service_path", service),
             ("service_path_cpu", service_cpu),
             ("read_only", reads),
+            ("every_ttft", every),
         ):
             out[regime]["p50"][str(n)] = pct(xs, 50)
             out[regime]["p99"][str(n)] = pct(xs, 99)
+        out["ttfts_per_decision"][str(n)] = statistics.fmean(replays)
+        out["all_ttfts_share"][str(n)] = sum(1 for r in replays if r == n) / len(replays)
     return out
 
 
@@ -1463,6 +1485,18 @@ def main() -> None:
                 for n in res4["service_path_us_p50"]
             )
             + f"; target p50 <= {TARGET_DECISION_P50_US_13:.0f} us at 13; paper C++ ~{PAPER_DECISION_US:.0f} us"
+            + "\n   TTFTs computed per decision (mean; share needing all): "
+            + ", ".join(
+                f"{n} inst {res4['ttfts_per_decision_mean'][n]:.1f} "
+                f"({res4['all_ttfts_share'][n]:.0%})"
+                for n in res4["ttfts_per_decision_mean"]
+            )
+            + "; computing every TTFT instead (p50/p99 us): "
+            + ", ".join(
+                f"{n} inst {res4['every_ttft_decision_us_p50'][n]:.0f}/"
+                f"{res4['every_ttft_decision_us_p99'][n]:.0f}"
+                for n in res4["every_ttft_decision_us_p50"]
+            )
             + f"\n   kernel: {res4['sfs_kernel']}; the plain-Python kernel side by side: "
             + ", ".join(
                 f"{n} inst {res4['plain_kernel_decision_us_p50'][n]:.0f} with reads, "

@@ -20,25 +20,66 @@ from typing import Protocol
 
 from services.estimator.ledger import LedgerEntry
 from services.estimator.sfs.utility import (
-    Candidate,
+    choose_latency_agnostic,
+    choose_sfs_constraint,
+    choose_sfs_lagrangian,
     default_ttft_target_s,
-    pick_latency_agnostic,
-    pick_sfs_constraint,
-    pick_sfs_lagrangian,
 )
 from shared.messages.estimator import RouteRequest
 from shared.messages.registry import WorkerInfo
 from shared.scheduling.snapshot import WorkloadSnapshot
 
+TtftThunk = Callable[[], tuple[float, str]]  # () -> (predicted TTFT s, its source)
 
-@dataclass(frozen=True, slots=True)
+
 class Scores:
-    """The request's predictions on one instance."""
+    """The request's predictions on one instance.
 
-    accuracy: float  # the model's judged quality for the request's task
-    cost: float  # cost units: prompt and predicted output tokens at the model's prices
-    ttft_s: float = math.nan  # predicted TTFT, seconds (nan: not computed; inf: cannot serve)
-    ttft_source: str = ""  # "sfs" (replay on a fresh snapshot) | "lps" (queue model)
+    The TTFT is given, or computed by `estimate` on first read (once): an SFS replay
+    costs tens of us per instance, and a utility policy reads it only for the
+    candidates that can still change its pick (sfs/utility.py, `choose_*`).
+    """
+
+    __slots__ = ("_estimate", "_ttft_s", "_ttft_source", "accuracy", "cost")
+
+    def __init__(
+        self,
+        accuracy: float,  # the model's judged quality for the request's task
+        cost: float,  # cost units: prompt and predicted output tokens at the model's prices
+        ttft_s: float = math.nan,  # predicted TTFT, s (nan: not computed; inf: cannot serve)
+        ttft_source: str = "",  # "sfs" (replay on a fresh snapshot) | "lps" (queue model)
+        *,
+        estimate: TtftThunk | None = None,  # computes (ttft_s, ttft_source) when first read
+    ) -> None:
+        self.accuracy = accuracy
+        self.cost = cost
+        self._ttft_s = ttft_s
+        self._ttft_source = ttft_source
+        self._estimate = estimate
+
+    def _resolve(self) -> None:
+        if self._estimate is not None:
+            self._ttft_s, self._ttft_source = self._estimate()
+            self._estimate = None
+
+    @property
+    def ttft_s(self) -> float:
+        self._resolve()
+        return self._ttft_s
+
+    @property
+    def ttft_source(self) -> str:
+        self._resolve()
+        return self._ttft_source
+
+    @property
+    def ttft_known(self) -> bool:
+        """Whether the TTFT was given or has been computed (not merely computable)."""
+        return self._estimate is None
+
+    def __repr__(self) -> str:
+        ttft = f"{self._ttft_s!r}" if self._estimate is None else "<not computed>"
+        return f"Scores(accuracy={self.accuracy!r}, cost={self.cost!r}, ttft_s={ttft})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,19 +185,20 @@ class UtilityPolicy:
 
     def choose(self, request: RouteRequest, candidates: list[InstanceView]) -> InstanceView:
         ordered = sorted(candidates, key=lambda c: c.instance_id)
-        by_id = {c.instance_id: c for c in ordered}
-        cands = []
+        scores: list[Scores] = []
         for c in ordered:
             assert c.scores is not None, "the service fills scores for utility policies"
-            s = c.scores
-            cands.append(Candidate(c.instance_id, s.accuracy, s.cost, s.ttft_s))
+            scores.append(c.scores)
+        utilities = [s.accuracy - self.lam * s.cost for s in scores]
+
+        def ttft_s(j: int) -> float:
+            return scores[j].ttft_s
+
         if self.name == "latency-agnostic":
-            picked = pick_latency_agnostic(cands, self.lam)
-        elif self.name == "sfs-constraint":
-            picked = pick_sfs_constraint(cands, self.lam, self.target_s(request))
-        else:
-            picked = pick_sfs_lagrangian(cands, self.lam, self.delta)
-        return by_id[picked.instance_id]
+            return ordered[choose_latency_agnostic(utilities)]
+        if self.name == "sfs-constraint":
+            return ordered[choose_sfs_constraint(utilities, ttft_s, self.target_s(request))]
+        return ordered[choose_sfs_lagrangian(utilities, ttft_s, self.delta)]
 
 
 UTILITY_POLICIES = ("latency-agnostic", "sfs-constraint", "sfs-lagrangian")

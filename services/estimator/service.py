@@ -356,6 +356,10 @@ class EstimatorService:
         predictions = self._predict(request, models)
         views = self._views(request, states, policy, predictions)
         chosen = policy.choose(request, views)
+        # before the ledger and the arrival rate change (a TTFT the policy did not
+        # read would be computed here, on the state it decided on)
+        ttft = chosen.scores.ttft_s if chosen.scores is not None else math.nan
+        source = chosen.scores.ttft_source if chosen.scores is not None else ""
         predicted = self._predicted_output(request, chosen.info.model, predictions)
         entry = LedgerEntry(
             request.request_id,
@@ -372,7 +376,6 @@ class EstimatorService:
             self.ledger.add(entry)
         self.instances[chosen.instance_id].arrivals.observe(time.monotonic())
         self.num_decisions += 1
-        ttft = chosen.scores.ttft_s if chosen.scores is not None else math.nan
         return RouteReply(
             request_id=request.request_id,
             instance_id=chosen.instance_id,
@@ -380,7 +383,7 @@ class EstimatorService:
             inbox=chosen.info.inbox,
             policy=policy.name,
             predicted_ttft_ms=ttft * 1000.0 if math.isfinite(ttft) else None,
-            predicted_ttft_source=(chosen.scores.ttft_source or None) if chosen.scores else None,
+            predicted_ttft_source=source or None,
             predicted_output_tokens=predicted,
             decision_ms=(time.perf_counter() - t0) * 1000.0,
         )
@@ -424,19 +427,15 @@ class EstimatorService:
                 model = self.cluster.models[name]
                 predicted = self._predicted_output(request, name, predictions)
                 num_output = max(1, default_output if predicted is None else predicted)
-                ttft_s, source = math.nan, ""
-                if policy.needs_ttft:
+                estimate = None
+                if policy.needs_ttft:  # computed only if the policy reads it
                     probe = Probe(request.num_prompt_tokens, num_output, request.max_tokens)
-                    est = self.latency.ttft(state, probe, pending, now_wall, now_mono)
-                    ttft_s, source = est.ttft_s, est.source
+                    estimate = self.latency.ttft_thunk(state, probe, pending, now_wall, now_mono)
                 accuracy = (
                     predictions[name].quality if use_quality else model.accuracy(request.task)
                 )
                 scores = Scores(
-                    accuracy=accuracy,
-                    cost=model.cost(request.num_prompt_tokens, num_output),
-                    ttft_s=ttft_s,
-                    ttft_source=source,
+                    accuracy, model.cost(request.num_prompt_tokens, num_output), estimate=estimate
                 )
             views.append(InstanceView(state.info, fresh, pending, scores))
         return views

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import collections
 import math
+import random
 
 import pytest
 
 from services.estimator.sfs.utility import (
     Candidate,
+    choose_latency_agnostic,
+    choose_sfs_constraint,
+    choose_sfs_lagrangian,
     default_ttft_target_s,
     on_time_utility,
     pick_latency_agnostic,
@@ -74,3 +79,73 @@ def test_cost_and_on_time_utility() -> None:
     )
     assert on_time_utility([0.5, 0.8, 0.2], [True, False, True]) == pytest.approx(0.7 / 3)
     assert on_time_utility([], []) == 0.0
+
+
+# -- the lazy choices: same pick as the formulas, fewer TTFTs -------------------------
+
+
+def _lazy_case(
+    rng: random.Random,
+) -> tuple[list[Candidate], list[float], float]:
+    """Candidates with repeated utilities (replicas of one model) and TTFTs with ties
+    and infinities, as a router sees them."""
+    n = rng.randint(1, 9)
+    levels = [rng.choice([0.2, 0.5, 0.8]) for _ in range(n)]
+    ttfts = [rng.choice([0.0, 0.1, 0.3, 0.3, 0.9, 2.0, math.inf]) for _ in range(n)]
+    cands = [Candidate(f"i{j}", levels[j], 0.0, ttfts[j]) for j in range(n)]
+    return cands, [utility(c, 0.0) for c in cands], rng.choice([0.05, 0.3, 1.0, 5.0])
+
+
+class _Asked:
+    """ttft_s(j) that counts each index it is asked for."""
+
+    def __init__(self, cands: list[Candidate]) -> None:
+        self.cands, self.asked = cands, collections.Counter[int]()
+
+    def __call__(self, j: int) -> float:
+        self.asked[j] += 1
+        return self.cands[j].ttft_s
+
+
+def test_lazy_choices_pick_what_the_formulas_pick() -> None:
+    rng = random.Random(7)
+    saved = 0
+    for _ in range(3000):
+        cands, utilities, knob = _lazy_case(rng)
+        ask = _Asked(cands)
+        j = choose_sfs_constraint(utilities, ask, knob)
+        assert cands[j] is pick_sfs_constraint(cands, 0.0, knob)
+        assert max(ask.asked.values()) == 1  # each TTFT asked at most once
+        saved += len(cands) - len(ask.asked)
+        ask = _Asked(cands)
+        j = choose_sfs_lagrangian(utilities, ask, knob)
+        assert cands[j] is pick_sfs_lagrangian(cands, 0.0, knob)
+        assert max(ask.asked.values()) == 1
+        saved += len(cands) - len(ask.asked)
+        assert cands[choose_latency_agnostic(utilities)] is pick_latency_agnostic(cands, 0.0)
+    assert saved > 3000  # the point: most decisions skip some replays
+
+
+def test_lazy_constraint_stops_at_the_first_feasible_best_utility() -> None:
+    ask = _Asked(ALL)
+    # lambda 0: utilities big > mid > small; big meets 3 s: only its TTFT is needed
+    assert choose_sfs_constraint([utility(c, 0.0) for c in ALL], ask, 3.0) == 2
+    assert set(ask.asked) == {2}
+    ask = _Asked(ALL)  # none meets 0.01 s: every TTFT, the fastest wins
+    assert choose_sfs_constraint([utility(c, 0.0) for c in ALL], ask, 0.01) == 0
+    assert set(ask.asked) == {0, 1, 2}
+
+
+def test_lazy_lagrangian_stops_when_utility_bounds_the_rest() -> None:
+    # delta 0.01/s: big's score 0.90 - 0.02 = 0.88 beats mid's utility 0.79: one TTFT
+    ask = _Asked(ALL)
+    assert choose_sfs_lagrangian([utility(c, 0.0) for c in ALL], ask, 0.01) == 2
+    assert set(ask.asked) == {2}
+    # delta 1/s: big 0.90 - 2 < mid 0.79 - 0.4 = 0.39 > small's utility 0.35: two
+    ask = _Asked(ALL)
+    assert choose_sfs_lagrangian([utility(c, 0.0) for c in ALL], ask, 1.0) == 1
+    assert set(ask.asked) == {1, 2}
+    with pytest.raises(ValueError, match="no candidates"):
+        choose_sfs_lagrangian([], ask, 1.0)
+    with pytest.raises(ValueError, match="no candidates"):
+        choose_sfs_constraint([], ask, 1.0)

@@ -122,6 +122,33 @@ def test_sfs_lagrangian_trades_utility_against_ttft() -> None:
     )
 
 
+def test_a_policy_computes_only_the_ttfts_it_needs_and_each_once() -> None:
+    calls: list[str] = []
+
+    def lazy(iid: str, acc: float, ttft_s: float) -> InstanceView:
+        def estimate() -> tuple[float, str]:
+            calls.append(iid)
+            return ttft_s, "sfs"
+
+        return InstanceView(info(iid), None, [], Scores(acc, 0.0, estimate=estimate))
+
+    views = [lazy("a", 0.9, 0.1), lazy("b", 0.7, 0.05), lazy("c", 0.5, 0.01)]
+    policy = UtilityPolicy("sfs-constraint", 0.0, 0.0, default_ttft_target_s)
+    chosen = policy.choose(req(500), views)
+    # a has the best utility and meets 0.5 s: b's and c's replays never run
+    assert chosen.instance_id == "a" and calls == ["a"]
+    assert chosen.scores is not None and chosen.scores.ttft_s == 0.1
+    assert chosen.scores.ttft_source == "sfs" and calls == ["a"]  # memoised
+    assert [v.scores.ttft_known for v in views if v.scores] == [True, False, False]
+    calls.clear()
+    views = [lazy("a", 0.9, 2.0), lazy("b", 0.7, 0.05), lazy("c", 0.5, 0.01)]
+    assert policy.choose(req(500), views).instance_id == "b" and calls == ["a", "b"]
+    # latency-agnostic never reads a TTFT
+    calls.clear()
+    agnostic = UtilityPolicy("latency-agnostic", 0.0, 0.0, default_ttft_target_s)
+    assert agnostic.choose(req(500), views).instance_id == "a" and calls == []
+
+
 def test_create_policy_runs_the_utility_policies_and_refuses_routebalance() -> None:
     for name in ("latency-agnostic", "sfs-constraint", "sfs-lagrangian"):
         policy = create_policy(name, 0.1, 0.2)

@@ -227,15 +227,13 @@ def build_views(
         scores = None
         if policy.needs_scores:
             mc = cluster.models[state.info.model]
-            ttft_s, source = math.nan, ""
-            if policy.needs_ttft:
-                e = latency.ttft(state, probe, pending, now_wall_s, now_mono_s)
-                ttft_s, source = e.ttft_s, e.source
+            estimate = None
+            if policy.needs_ttft:  # computed only if the policy reads it
+                estimate = latency.ttft_thunk(state, probe, pending, now_wall_s, now_mono_s)
             scores = Scores(
-                accuracy=mc.accuracy(request.task),
-                cost=mc.cost(request.num_prompt_tokens, probe.predicted_output_tokens),
-                ttft_s=ttft_s,
-                ttft_source=source,
+                mc.accuracy(request.task),
+                mc.cost(request.num_prompt_tokens, probe.predicted_output_tokens),
+                estimate=estimate,
             )
         views.append(InstanceView(state.info, fresh, pending, scores))
     return views
@@ -378,13 +376,13 @@ def simulate_cluster(
         )
         chosen = policy.choose(request, views)
         iid = chosen.instance_id
+        predicted = chosen.scores.ttft_s if chosen.scores is not None else math.nan
         ledger.add(
             LedgerEntry(
                 r.request_id, iid, r.num_prompt_tokens, r.max_tokens, t, r.predicted_output_tokens
             )
         )
         instances[iid].state.arrivals.observe(t)
-        predicted = chosen.scores.ttft_s if chosen.scores is not None else math.nan
         decided[r.request_id] = (iid, predicted)
         push(t + settings.dispatch_delay_s, _DELIVER, (iid, r))
 

@@ -12,11 +12,16 @@ TTFTs are the predicted ones, in seconds; delta is utility per second. Ties go t
 earliest candidate (callers shuffle candidates for random tie-breaking, as the SFS
 code does). Default TTFT target (paper): tau = 158 ms + 3.5e-3 ms per prompt token,
 clipped to [150, 1120] ms.
+
+A TTFT is a replay (tens of us per instance), so `choose_sfs_constraint` and
+`choose_sfs_lagrangian` ask for each candidate's only when it can still change the
+answer, and answer what the formulas above answer on every candidate's TTFT.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 TTFT_TARGET_BASE_MS = 158.0
@@ -59,14 +64,21 @@ def default_ttft_target_s(num_prompt_tokens: int) -> float:
     return min(TTFT_TARGET_MAX_MS, max(TTFT_TARGET_MIN_MS, ms)) / 1000.0
 
 
-def _argmax(cands: Sequence[Candidate], score: list[float]) -> Candidate:
-    if not cands:
+def _first_max(score: Sequence[float]) -> int:
+    """Index of the largest score, the earliest among equal ones."""
+    if not score:
         raise ValueError("no candidates")
     best = 0
-    for j in range(1, len(cands)):
+    for j in range(1, len(score)):
         if score[j] > score[best]:
             best = j
-    return cands[best]
+    return best
+
+
+def _argmax(cands: Sequence[Candidate], score: list[float]) -> Candidate:
+    if len(cands) != len(score):
+        raise ValueError("one score per candidate")
+    return cands[_first_max(score)]
 
 
 def pick_latency_agnostic(cands: Sequence[Candidate], lam: float) -> Candidate:
@@ -87,6 +99,56 @@ def pick_sfs_lagrangian(cands: Sequence[Candidate], lam: float, delta: float) ->
     if delta == 0:  # exactly latency-agnostic (and no 0 * inf)
         return pick_latency_agnostic(cands, lam)
     return _argmax(cands, [utility(c, lam) - delta * c.ttft_s for c in cands])
+
+
+def _by_utility(utilities: Sequence[float]) -> list[int]:
+    """Candidate indices, best utility first; equal utilities in candidate order."""
+    return sorted(range(len(utilities)), key=lambda j: (-utilities[j], j))
+
+
+def choose_latency_agnostic(utilities: Sequence[float]) -> int:
+    """`pick_latency_agnostic`'s index (no TTFT needed)."""
+    return _first_max(utilities)
+
+
+def choose_sfs_constraint(
+    utilities: Sequence[float], ttft_s: Callable[[int], float], ttft_target_s: float
+) -> int:
+    """`pick_sfs_constraint`'s index, asking `ttft_s(j)` (once each) in order of
+    utility until one meets the target (no later candidate has a better utility);
+    every TTFT only when none does (the fastest then wins)."""
+    if not utilities:
+        raise ValueError("no candidates")
+    known: dict[int, float] = {}
+    for j in _by_utility(utilities):
+        known[j] = ttft_s(j)
+        if known[j] <= ttft_target_s:
+            return j
+    return _first_max([-known[j] for j in range(len(utilities))])
+
+
+def choose_sfs_lagrangian(
+    utilities: Sequence[float], ttft_s: Callable[[int], float], delta: float
+) -> int:
+    """`pick_sfs_lagrangian`'s index, asking `ttft_s(j)` (once each) in order of utility.
+
+    A TTFT is never negative, so U_j bounds U_j - delta * TTFT_j from above for
+    delta >= 0: once the next utility is below the best score found, no later
+    candidate can win (nor tie: ties go to the earliest candidate, kept by comparing
+    indices). TTFTs must be >= 0 or inf; delta < 0 asks every one.
+    """
+    if delta == 0:  # exactly latency-agnostic (and no 0 * inf)
+        return _first_max(utilities)
+    if not utilities:
+        raise ValueError("no candidates")
+    best, best_score = -1, -math.inf
+    for j in _by_utility(utilities):
+        if best >= 0 and delta > 0 and utilities[j] < best_score:
+            break
+        score = utilities[j] - delta * ttft_s(j)
+        if best < 0 or score > best_score or (score == best_score and j < best):
+            best, best_score = j, score
+    return best
 
 
 def on_time_utility(utilities: Sequence[float], met_target: Sequence[bool]) -> float:
