@@ -1,9 +1,10 @@
 """Redis client wrapper: versioned atomic snapshots, batch samples, worker registry.
 
 Snapshot invariant: one SET writes a single string value, a fixed 16-byte header
-(version, store wall time) followed by the payload, with its TTL, inside
-MULTI/EXEC with the sample append; a reader sees the old value or the new one,
-never a mix. There is one writer per instance (its worker), which keeps versions
+(version, store wall time) followed by the payload, with its TTL, in the same Lua
+script as the sample append (atomic, one command: a worker writes after every
+iteration, and MULTI/EXEC's pipeline cost it ~1.7x the client CPU); a reader sees
+the old value or the new one, never a mix. There is one writer per instance (its worker), which keeps versions
 monotonic; readers compare the wall time against a staleness bound. One string per
 snapshot lets a reader fetch every instance's in a single MGET (13 instances:
 ~120 us against ~320 us for 13 pipelined HGETALLs of the earlier hash layout).
@@ -25,6 +26,19 @@ from shared.messages.registry import WORKER_INFO_DECODER, WorkerInfo
 from shared.scheduling.snapshot import WorkloadSnapshot
 
 _HEADER = struct.Struct("<qd")  # version, wall time: the stored snapshot's first 16 bytes
+
+# KEYS: snapshot, samples; ARGV: value, ttl ms, max samples, samples... (RPUSH in
+# slices: Lua's unpack takes a few thousand values at most)
+_WRITE_SNAPSHOT_LUA = """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if #ARGV > 3 then
+  for i = 4, #ARGV, 1000 do
+    redis.call('RPUSH', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+  end
+  redis.call('LTRIM', KEYS[2], -tonumber(ARGV[3]), -1)
+end
+return 1
+"""
 
 
 class VersionedBlob(msgspec.Struct, frozen=True):
@@ -61,6 +75,7 @@ class Store:
         self.url = url
         self.namespace = namespace
         self._redis: redis.Redis | None = None
+        self._write_snapshot: Any = None  # the registered Lua script (EVALSHA)
 
     @property
     def redis(self) -> redis.Redis:
@@ -78,6 +93,7 @@ class Store:
             self.url, socket_connect_timeout=5.0, socket_timeout=5.0, health_check_interval=30
         )
         await self._redis.ping()
+        self._write_snapshot = self._redis.register_script(_WRITE_SNAPSHOT_LUA)
 
     async def close(self) -> None:
         r, self._redis = self._redis, None
@@ -96,15 +112,23 @@ class Store:
         samples: list[bytes] = (),  # type: ignore[assignment]
         max_samples: int = 10_000,
     ) -> None:
-        """Atomically replace the instance's snapshot and append its new batch samples."""
-        key = keys.snapshot(self.namespace, instance_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(key, VersionedBlob.pack(version, time.time(), data), px=int(ttl_s * 1000))
-            if samples:
-                skey = keys.batch_samples(self.namespace, instance_id)
-                pipe.rpush(skey, *samples)
-                pipe.ltrim(skey, -max_samples, -1)
-            await pipe.execute()
+        """Atomically replace the instance's snapshot and append its new batch samples
+        (keeping the newest `max_samples`)."""
+        if max_samples < 1:
+            raise ValueError("max_samples must be >= 1")
+        assert self._write_snapshot is not None, "Store.connect() not called"
+        await self._write_snapshot(
+            keys=[
+                keys.snapshot(self.namespace, instance_id),
+                keys.batch_samples(self.namespace, instance_id),
+            ],
+            args=[
+                VersionedBlob.pack(version, time.time(), data),
+                int(ttl_s * 1000),
+                max_samples,
+                *samples,
+            ],
+        )
 
     async def read_snapshots(self, instance_ids: list[str]) -> dict[str, VersionedBlob | None]:
         """Latest snapshot per instance (None if it has none), in one round trip."""

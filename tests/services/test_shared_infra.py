@@ -118,6 +118,33 @@ async def test_snapshot_write_is_atomic_and_staleness_is_visible(redis_url: str)
         await store.close()
 
 
+async def test_a_snapshot_write_appends_every_sample_in_order_and_survives_a_script_flush(
+    redis_url: str,
+) -> None:
+    store = Store(redis_url, "samples")
+    await store.connect()
+    try:
+        many = [str(i).encode() for i in range(2_500)]  # over the script's RPUSH slice
+        await store.write_snapshot("w", 1, b"a", ttl_s=5, samples=many, max_samples=10_000)
+        assert await store.redis.lrange(keys.batch_samples("samples", "w"), 0, -1) == many
+        # Redis lost its script cache (a restart): the next write loads it again
+        await store.redis.script_flush()
+        await store.write_snapshot("w", 2, b"b", ttl_s=5, samples=[b"x", b"y"], max_samples=3)
+        assert await store.redis.lrange(keys.batch_samples("samples", "w"), 0, -1) == [
+            b"2499",
+            b"x",
+            b"y",
+        ]
+        blob = (await store.read_snapshots(["w"]))["w"]
+        assert blob is not None and (blob.version, blob.data) == (2, b"b")
+        ttl_ms = await store.redis.pttl(keys.snapshot("samples", "w"))
+        assert 0 < ttl_ms <= 5_000
+        with pytest.raises(ValueError, match="max_samples"):
+            await store.write_snapshot("w", 3, b"c", ttl_s=5, max_samples=0)
+    finally:
+        await store.close()
+
+
 async def test_registry_expires_without_heartbeat(redis_url: str) -> None:
     store = Store(redis_url, "reg")
     await store.connect()
