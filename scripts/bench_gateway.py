@@ -14,12 +14,17 @@ round by round (throughput), so a change in background load hits both alike.
 Prints the added TTFT p50/p99 and the tokens/s ratio, and as anchors the bare
 NATS request/reply time between two processes, the HTTP floor (the same client
 against a server that answers at once: what HTTP alone adds, no gateway behind
-it) and the load average; JSON to --out:
+it; also for the other client) and the load average; JSON to --out:
 
   {"added_ttft_ms_p50": ..., "added_ttft_ms_p99": ..., "stream_tok_s_ratio": ..., ...}
 
 With --breakdown a passive NATS subscriber also splits the gateway TTFT at the
 two bus crossings (http->submit, worker, delta->sse; p50 of each).
+
+The client runs on the machine under test, so its CPU is taken from the
+services it measures: by default it is aiohttp on uvloop (what vLLM's and SGLang's
+serving benchmarks use), whose HTTP floor here is half httpx's (the openai SDK's
+client; --client httpx measures with it).
 
 Targets (issue 3): added TTFT p50 <= 2 ms; the gateway keeps >= 90% of the
 engine's token rate at 16 streams.
@@ -31,17 +36,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import aiohttp
 import httpx
+import uvloop
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -202,8 +212,62 @@ class PathObserver:
             await self._nc.close()  # type: ignore[attr-defined]
 
 
+CLIENTS = ("aiohttp", "httpx")
+CLIENT_ERRORS = (OSError, aiohttp.ClientError, httpx.HTTPError)
+
+
+class Client:
+    """The benchmark's HTTP client: one connection pool of `kind` (CLIENTS)."""
+
+    def __init__(self, kind: str, base_url: str, max_connections: int = 8) -> None:
+        if kind not in CLIENTS:
+            raise ValueError(f"client {kind!r}: use one of {', '.join(CLIENTS)}")
+        self.kind, self.base_url, self.max_connections = kind, base_url, max_connections
+        self._session: Any = None
+
+    async def __aenter__(self) -> Client:
+        if self.kind == "aiohttp":
+            self._session = aiohttp.ClientSession(
+                self.base_url,
+                connector=aiohttp.TCPConnector(limit=self.max_connections),
+                timeout=aiohttp.ClientTimeout(total=600),
+            )
+        else:
+            limits = httpx.Limits(
+                max_connections=self.max_connections,
+                max_keepalive_connections=self.max_connections,
+            )
+            self._session = httpx.AsyncClient(base_url=self.base_url, timeout=600, limits=limits)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.kind == "aiohttp":
+            await self._session.close()
+        else:
+            await self._session.aclose()
+
+    @contextlib.asynccontextmanager
+    async def post_stream(
+        self, path: str, body: dict[str, Any]
+    ) -> AsyncIterator[tuple[Mapping[str, str], AsyncIterator[bytes]]]:
+        """POST `body` as JSON; yields the response headers and its lines (bytes)."""
+        if self.kind == "aiohttp":
+            async with self._session.post(path, json=body) as resp:
+                resp.raise_for_status()
+                yield resp.headers, resp.content.__aiter__()
+        else:
+            async with self._session.stream("POST", path, json=body) as resp:
+                resp.raise_for_status()
+
+                async def lines() -> AsyncIterator[bytes]:
+                    async for line in resp.aiter_lines():
+                        yield line.encode()
+
+                yield resp.headers, lines()
+
+
 async def stream_one(
-    client: httpx.AsyncClient,
+    client: Client,
     i: int,
     max_tokens: int,
     observer: PathObserver | None = None,
@@ -219,10 +283,9 @@ async def stream_one(
     }
     t0 = time.perf_counter()
     ttft, num_tokens = 0.0, 0
-    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: {"):
+    async with client.post_stream("/v1/chat/completions", body) as (headers, lines):
+        async for line in lines:
+            if not line.startswith(b"data: {"):
                 continue
             chunk = json.loads(line[6:])
             # TTFT counts to the first chunk with content (not the empty role chunk)
@@ -231,13 +294,11 @@ async def stream_one(
             if chunk.get("usage"):
                 num_tokens = chunk["usage"]["completion_tokens"]
     if observer is not None and ttft:
-        observer.record(resp.headers["x-request-id"], t0, t0 + ttft)
+        observer.record(headers["x-request-id"], t0, t0 + ttft)
     return ttft or (time.perf_counter() - t0), num_tokens
 
 
-async def gateway_streams(
-    client: httpx.AsyncClient, num: int, max_tokens: int
-) -> tuple[int, float]:
+async def gateway_streams(client: Client, num: int, max_tokens: int) -> tuple[int, float]:
     t0 = time.perf_counter()
     results = await asyncio.gather(*(stream_one(client, i, max_tokens) for i in range(num)))
     return sum(n for _, n in results), time.perf_counter() - t0
@@ -247,13 +308,10 @@ async def measure(
     args: argparse.Namespace, engine: EngineSide, base_url: str, observer: PathObserver | None
 ) -> dict[str, dict[str, float]]:
     """Alternate the two paths round by round, so background load drifts hit both alike."""
-    limits = httpx.Limits(
-        max_connections=args.streams + 4, max_keepalive_connections=args.streams + 4
-    )
     ttft: dict[str, list[float]] = {"engine": [], "gateway": []}
     tokens = {"engine": 0, "gateway": 0}
     wall = {"engine": 0.0, "gateway": 0.0}
-    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+    async with Client(args.client, base_url, args.streams + 4) as client:
         for i in range(3):  # warm-up both
             engine.ttft_s(i, args.ttft_tokens)
             await stream_one(client, i, args.ttft_tokens)
@@ -337,23 +395,27 @@ uvloop.run(main())
 """
 
 
-async def http_floor_ms(args: argparse.Namespace, count: int = 100) -> list[float]:
-    """TTFT of the benchmark's own client against a server that answers at once (uvloop,
-    no framework, no work): the part of the added TTFT that HTTP alone costs here."""
+async def http_floor_ms(args: argparse.Namespace, count: int = 100) -> dict[str, list[float]]:
+    """TTFT of each client against a server that answers at once (uvloop, no framework,
+    no work): the part of the added TTFT that HTTP alone costs here. The clients
+    alternate request by request."""
     port = free_port()
     server = subprocess.Popen([sys.executable, "-c", HTTP_FLOOR, str(port)], start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+        async with Client("aiohttp", base) as a, Client("httpx", base) as h:
+            clients = {"aiohttp": a, "httpx": h}
             for _ in range(100):
                 try:
-                    await stream_one(client, 0, 1)
+                    await stream_one(a, 0, 1)
                     break
-                except httpx.HTTPError:
+                except CLIENT_ERRORS:
                     await asyncio.sleep(0.05)
-            ttfts = []
+            ttfts: dict[str, list[float]] = {kind: [] for kind in clients}
             for i in range(count):
-                await asyncio.sleep(args.idle_ms / 1e3)  # the same idle gap as the TTFT runs
-                ttfts.append(1e3 * (await stream_one(client, i, 1))[0])
+                for kind, client in clients.items():
+                    await asyncio.sleep(args.idle_ms / 1e3)  # the TTFT runs' idle gap
+                    ttfts[kind].append(1e3 * (await stream_one(client, i, 1))[0])
             return ttfts
     finally:
         stop_process_group(server, 5)
@@ -485,6 +547,12 @@ def main() -> int:
         action="store_true",
         help="also split the gateway TTFT at the two bus crossings (a passive NATS observer)",
     )
+    parser.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default="aiohttp",
+        help="the benchmark's HTTP client (default aiohttp; httpx: the openai SDK's)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write JSON here")
     parser.add_argument(
         "--worker",
@@ -500,16 +568,18 @@ def main() -> int:
         procs, base, nats_url = run_stack(args, Path(tmp))
         try:
             print(f"loading {args.model} ({args.dtype}) in process too ...", flush=True)
-            measured, breakdown = asyncio.run(run_measure(args, EngineSide(args), base, nats_url))
+            measured, breakdown = uvloop.run(run_measure(args, EngineSide(args), base, nats_url))
             engine, gateway = measured["engine"], measured["gateway"]
-            rtts = asyncio.run(nats_rtt_ms(nats_url))
-            floor = asyncio.run(http_floor_ms(args))
+            rtts = uvloop.run(nats_rtt_ms(nats_url))
+            floors = uvloop.run(http_floor_ms(args))
         finally:
             for p in reversed(procs):
                 stop_process_group(p, 15)
+    floor = floors[args.client]
     result = {
         "model": args.model,
         "dtype": args.dtype,
+        "client": args.client,
         "streams": args.streams,
         "worker_settings": args.worker,
         "new_tokens": args.new_tokens,
@@ -525,6 +595,7 @@ def main() -> int:
         # anchor: the same HTTP client against a server that answers at once
         "http_floor_ttft_ms_p50": percentile(floor, 0.5),
         "http_floor_ttft_ms_p99": percentile(floor, 0.99),
+        "http_floor_ttft_ms_p50_by_client": {k: percentile(v, 0.5) for k, v in floors.items()},
         "load_average_1m": os.getloadavg()[0],
     }
     if breakdown is not None:
@@ -549,8 +620,9 @@ def main() -> int:
     )
     print(
         f"{'HTTP floor TTFT (ms)':24}{'':12}{result['http_floor_ttft_ms_p50']:12.2f}"
-        f"   p99 {result['http_floor_ttft_ms_p99']:.2f}; the client against a server that "
-        "answers at once"
+        f"   p99 {result['http_floor_ttft_ms_p99']:.2f}; the client ({args.client}) against a "
+        "server that answers at once; p50 by client: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in result["http_floor_ttft_ms_p50_by_client"].items())
     )
     if breakdown is not None:
         print(
