@@ -27,7 +27,7 @@ by the writer with time.time()), so a sim worker on a virtual clock ages like an
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -214,22 +214,6 @@ class LatencyEstimator:
                     ttft_s *= self.correction.factor(state.instance_id)
                 return TtftEstimate(ttft_s, "sfs")
         return TtftEstimate(self._lps_ttft_s(state, probe, model, now_mono_s), "lps")
-
-    def ttft_thunk(
-        self,
-        state: InstanceState,
-        probe: Probe,
-        pending: list[LedgerEntry],
-        now_wall_s: float,
-        now_mono_s: float,
-    ) -> Callable[[], tuple[float, str]]:
-        """`ttft` deferred: what `Scores(estimate=...)` calls if a policy reads it."""
-
-        def estimate() -> tuple[float, str]:
-            e = self.ttft(state, probe, pending, now_wall_s, now_mono_s)
-            return e.ttft_s, e.source
-
-        return estimate
 
     def _sfs_ttft_s(
         self,

@@ -29,7 +29,17 @@ from shared.messages.estimator import RouteRequest
 from shared.messages.registry import WorkerInfo
 from shared.scheduling.snapshot import WorkloadSnapshot
 
-TtftThunk = Callable[[], tuple[float, str]]  # () -> (predicted TTFT s, its source)
+
+class TtftLike(Protocol):
+    """A predicted TTFT (`instances.TtftEstimate`)."""
+
+    @property
+    def ttft_s(self) -> float: ...
+    @property
+    def source(self) -> str: ...
+
+
+TtftThunk = Callable[[], TtftLike]  # computes the prediction when first needed
 
 
 class Scores:
@@ -49,7 +59,7 @@ class Scores:
         ttft_s: float = math.nan,  # predicted TTFT, s (nan: not computed; inf: cannot serve)
         ttft_source: str = "",  # "sfs" (replay on a fresh snapshot) | "lps" (queue model)
         *,
-        estimate: TtftThunk | None = None,  # computes (ttft_s, ttft_source) when first read
+        estimate: TtftThunk | None = None,  # computes ttft_s and ttft_source when first read
     ) -> None:
         self.accuracy = accuracy
         self.cost = cost
@@ -59,7 +69,8 @@ class Scores:
 
     def _resolve(self) -> None:
         if self._estimate is not None:
-            self._ttft_s, self._ttft_source = self._estimate()
+            e = self._estimate()
+            self._ttft_s, self._ttft_source = e.ttft_s, e.source
             self._estimate = None
 
     @property

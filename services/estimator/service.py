@@ -31,6 +31,7 @@ import contextlib
 import math
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import msgspec
 
@@ -430,7 +431,7 @@ class EstimatorService:
                 estimate = None
                 if policy.needs_ttft:  # computed only if the policy reads it
                     probe = Probe(request.num_prompt_tokens, num_output, request.max_tokens)
-                    estimate = self.latency.ttft_thunk(state, probe, pending, now_wall, now_mono)
+                    estimate = partial(self.latency.ttft, state, probe, pending, now_wall, now_mono)
                 accuracy = (
                     predictions[name].quality if use_quality else model.accuracy(request.task)
                 )

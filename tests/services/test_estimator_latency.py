@@ -7,7 +7,7 @@ import math
 import msgspec
 import pytest
 
-from services.estimator.instances import LatencyEstimator, create_instance_state
+from services.estimator.instances import LatencyEstimator, TtftEstimate, create_instance_state
 from services.estimator.ledger import Ledger, LedgerEntry
 from services.estimator.policies import InstanceView, Scores, UtilityPolicy, create_policy
 from services.estimator.sfs.batch_time import SIX_TERM, BatchTimeModel
@@ -126,9 +126,9 @@ def test_a_policy_computes_only_the_ttfts_it_needs_and_each_once() -> None:
     calls: list[str] = []
 
     def lazy(iid: str, acc: float, ttft_s: float) -> InstanceView:
-        def estimate() -> tuple[float, str]:
+        def estimate() -> TtftEstimate:
             calls.append(iid)
-            return ttft_s, "sfs"
+            return TtftEstimate(ttft_s, "sfs")
 
         return InstanceView(info(iid), None, [], Scores(acc, 0.0, estimate=estimate))
 

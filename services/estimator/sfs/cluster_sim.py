@@ -34,6 +34,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from services.estimator.instances import InstanceState, LatencyEstimator, create_instance_state
 from services.estimator.ledger import Ledger, LedgerEntry
@@ -229,7 +230,7 @@ def build_views(
             mc = cluster.models[state.info.model]
             estimate = None
             if policy.needs_ttft:  # computed only if the policy reads it
-                estimate = latency.ttft_thunk(state, probe, pending, now_wall_s, now_mono_s)
+                estimate = partial(latency.ttft, state, probe, pending, now_wall_s, now_mono_s)
             scores = Scores(
                 mc.accuracy(request.task),
                 mc.cost(request.num_prompt_tokens, probe.predicted_output_tokens),
