@@ -1472,37 +1472,44 @@ def main() -> None:
     if 4 in parts:
         res4 = part_decision(args)
         result["decision"] = res4
+
+        def per_count(fmt: Callable[[str], str]) -> str:
+            """One entry per instance count, e.g. '3 inst ..., 13 inst ...'."""
+            return ", ".join(f"{n} inst {fmt(n)}" for n in res4["decision_us_p50"])
+
         summary.append(
             "4. decision cost incl. Redis snapshot reads (p50/p99 us): "
-            + ", ".join(
-                f"{n} inst {res4['decision_us_p50'][n]:.0f}/{res4['decision_us_p99'][n]:.0f}"
-                for n in res4["decision_us_p50"]
+            + per_count(
+                lambda n: f"{res4['decision_us_p50'][n]:.0f}/{res4['decision_us_p99'][n]:.0f}"
             )
             + "; estimator path (replay+choose): "
-            + ", ".join(
-                f"{n} inst {res4['service_path_us_p50'][n]:.0f}/{res4['service_path_us_p99'][n]:.0f}"
-                f" (cpu p50 {res4['service_path_cpu_us_p50'][n]:.0f})"
-                for n in res4["service_path_us_p50"]
+            + per_count(
+                lambda n: (
+                    f"{res4['service_path_us_p50'][n]:.0f}/{res4['service_path_us_p99'][n]:.0f}"
+                    f" (cpu p50 {res4['service_path_cpu_us_p50'][n]:.0f})"
+                )
             )
             + f"; target p50 <= {TARGET_DECISION_P50_US_13:.0f} us at 13; paper C++ ~{PAPER_DECISION_US:.0f} us"
             + "\n   TTFTs computed per decision (mean; share needing all): "
-            + ", ".join(
-                f"{n} inst {res4['ttfts_per_decision_mean'][n]:.1f} "
-                f"({res4['all_ttfts_share'][n]:.0%})"
-                for n in res4["ttfts_per_decision_mean"]
+            + per_count(
+                lambda n: (
+                    f"{res4['ttfts_per_decision_mean'][n]:.1f} ({res4['all_ttfts_share'][n]:.0%})"
+                )
             )
             + "; computing every TTFT instead (p50/p99 us): "
-            + ", ".join(
-                f"{n} inst {res4['every_ttft_decision_us_p50'][n]:.0f}/"
-                f"{res4['every_ttft_decision_us_p99'][n]:.0f}"
-                for n in res4["every_ttft_decision_us_p50"]
+            + per_count(
+                lambda n: (
+                    f"{res4['every_ttft_decision_us_p50'][n]:.0f}/"
+                    f"{res4['every_ttft_decision_us_p99'][n]:.0f}"
+                )
             )
             + f"\n   kernel: {res4['sfs_kernel']}; the plain-Python kernel side by side: "
-            + ", ".join(
-                f"{n} inst {res4['plain_kernel_decision_us_p50'][n]:.0f} with reads, "
-                f"{res4['plain_kernel_service_path_us_p50'][n]:.0f} path "
-                f"({res4['plain_kernel_service_path_us_p50'][n] / res4['service_path_us_p50'][n]:.2f}x)"
-                for n in res4["service_path_us_p50"]
+            + per_count(
+                lambda n: (
+                    f"{res4['plain_kernel_decision_us_p50'][n]:.0f} with reads, "
+                    f"{res4['plain_kernel_service_path_us_p50'][n]:.0f} path "
+                    f"({res4['plain_kernel_service_path_us_p50'][n] / res4['service_path_us_p50'][n]:.2f}x)"
+                )
             )
         )
 
