@@ -16,8 +16,10 @@ wake-ups (and, for a step that is mostly Python, a GIL handed to and fro), ms on
 a loaded machine; a step runs inline on the loop instead when it admits at most
 `max_inline_step_tokens` prompt tokens and either is the first after an idle
 wait (a quiet worker's new request: the TTFT case) or follows a step that took
-at most `max_inline_step_ms` (a fast model's decode batch: the hand-off would
-cost more than overlapping the loop's I/O with the step saves). Any other step
+at most `max_inline_step_ms` of compute, timed without the hand-off (a fast
+model's decode batch: the hand-off would cost more than overlapping the loop's
+I/O with the step saves; timed with it, a thread step's hand-off alone could
+keep a fast model in the thread). Any other step
 runs in the thread, so a busy loop keeps taking the inbox and publishing while
 it computes.
 
@@ -66,6 +68,13 @@ RELAY_QUERY_TIMEOUT_S = 1.0  # a relay that does not answer within this is taken
 EngineFactory = Callable[[WorkerServiceConfig], Any]
 
 
+def _timed(step: Callable[[], list[Any]]) -> tuple[list[Any], float]:
+    """step() and the seconds it took, timed in the thread that runs it."""
+    t0 = time.perf_counter()
+    outputs = step()
+    return outputs, time.perf_counter() - t0
+
+
 class WorkerService:
     """One model instance on the bus. `run()` until `request_stop()`; nothing happens in __init__."""
 
@@ -86,7 +95,9 @@ class WorkerService:
         self.num_inline_steps = 0  # of them, run on the event loop (short steps)
         # Prompt tokens admitted since the last step: the size of an inline step's prefill.
         self._num_new_prompt_tokens = 0
-        self._last_step_s = float("inf")  # wall time of the last step
+        # compute time of the last step (engine.step alone: in the thread, without the
+        # hand-off, so that the inline rule sees the same figure in either mode)
+        self._last_step_s = float("inf")
         self._dtype: str | None = None  # set when the engine loads
         self._weight_dtype: str | None = None  # (the sim engine has neither)
         self._next_expiry_s = 0.0  # monotonic time of the next relay-silence check
@@ -263,10 +274,10 @@ class WorkerService:
             t_step = time.perf_counter()
             if not has_peer_work and self._steps_inline(is_after_idle):
                 outputs = engine.step()  # blocks the loop for a short while
+                self._last_step_s = time.perf_counter() - t_step
                 self.num_inline_steps += 1
             else:
-                outputs = await asyncio.to_thread(engine.step)
-            self._last_step_s = time.perf_counter() - t_step
+                outputs, self._last_step_s = await asyncio.to_thread(_timed, engine.step)
             is_after_idle = has_peer_work = False
             self._num_new_prompt_tokens = 0
             self._num_steps += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -54,6 +55,30 @@ class StepThreads:
         return taken
 
 
+class SlowHandBack(StepThreads):
+    """Also holds the event loop for `block_s` whenever a step in the thread ends, as a
+    slow hand-off back would: the loop sees the step take that much longer."""
+
+    def __init__(self, block_s: float) -> None:
+        super().__init__()
+        self.block_s = block_s
+        self.loop = asyncio.get_running_loop()
+
+    def __call__(self, cfg: WorkerServiceConfig) -> Any:
+        engine = super().__call__(cfg)
+        step = engine.step
+
+        def step_then_block_the_loop() -> Any:
+            out = step()
+            if threading.get_ident() != self.loop_thread:
+                # queued ahead of the thread's result: the loop runs it first
+                self.loop.call_soon_threadsafe(time.sleep, self.block_s)
+            return out
+
+        engine.step = step_then_block_the_loop
+        return engine
+
+
 class Client:
     """Plays the gateway: submits over the bus and collects each request's deltas."""
 
@@ -88,7 +113,11 @@ class Client:
 
 @asynccontextmanager
 async def running_worker(
-    nats_url: str, redis_url: str, max_inline_step_tokens: int, max_inline_step_ms: float = 0.0
+    nats_url: str,
+    redis_url: str,
+    max_inline_step_tokens: int,
+    max_inline_step_ms: float = 0.0,
+    threads: StepThreads | None = None,
 ) -> AsyncIterator[tuple[WorkerService, StepThreads, Client]]:
     """A real worker (random-tiny) with the given caps, and a client on the bus.
     max_inline_step_ms 0 (the default here): only first steps after an idle wait."""
@@ -98,7 +127,7 @@ async def running_worker(
         max_inline_step_tokens=max_inline_step_tokens,
         max_inline_step_ms=max_inline_step_ms,
     )
-    threads = StepThreads()
+    threads = StepThreads() if threads is None else threads
     worker = WorkerService(cfg, engine_factory=threads)
     task = asyncio.create_task(worker.run())
     await asyncio.wait_for(worker.ready.wait(), 120)
@@ -141,6 +170,18 @@ async def test_steps_after_a_short_step_run_inline(nats_url: str, redis_url: str
         await client.generate(worker, 32)
         assert threads.take() == [False] + [True] * (MAX_TOKENS - 1)
         assert worker.num_inline_steps == 2 * MAX_TOKENS - 1
+
+
+async def test_a_slow_hand_back_does_not_count_as_the_steps_time(
+    nats_url: str, redis_url: str
+) -> None:
+    # Each thread step's hand-back holds the loop 300 ms; random-tiny computes a step
+    # in a few ms, under the 150 ms cap: after the thread prefill, the decodes run
+    # inline (timed with the hand-back, every step would stay in the thread).
+    slow = SlowHandBack(0.3)
+    async with running_worker(nats_url, redis_url, 16, 150.0, slow) as (worker, threads, client):
+        await client.generate(worker, 32)  # prompt over max_inline_step_tokens: a thread
+        assert threads.take() == [False] + [True] * (MAX_TOKENS - 1)
 
 
 async def test_zero_max_inline_step_tokens_runs_every_step_in_a_thread(
