@@ -11,7 +11,8 @@ from the ASGI messages directly and hands everything else (models, health, metri
 any other path) to FastAPI unchanged.
 
 What FastAPI did for these routes and is done here instead: reading the body (with
-Starlette's `Request`, which FastAPI builds too), the optional API-key check,
+Starlette's `Request`, which FastAPI builds too; past `max_request_bytes` a 413 before
+the rest is read), the optional API-key check,
 OpenAI-format errors (GatewayError -> JSON with its status; an unexpected exception
 -> a logged 500 in the same format), 405 for other methods, and streaming. A streaming client's disconnect is noticed by the handler's
 `watch_disconnect` task (it reads `receive` until http.disconnect and wakes the
@@ -74,6 +75,22 @@ def error_response(service: GatewayService, exc: GatewayError, path: str) -> JSO
     )
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with a 413 before more than `limit` bytes are held:
+    at once when its Content-Length says so, else as soon as the chunks pass it."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise completions.body_too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise completions.body_too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class CompletionRoutes:
     """ASGI middleware: the completion routes served directly, the rest passed to `app`."""
 
@@ -98,7 +115,7 @@ class CompletionRoutes:
             request = Request(scope, receive)
             authorize(request.headers, self.api_keys)
             try:
-                raw = await request.body()
+                raw = await read_body(request, self.service.settings.max_request_bytes)
             except ClientDisconnect:  # gone before the body was complete: nobody to answer
                 return
             response = await completions.handle(
