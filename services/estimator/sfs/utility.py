@@ -15,7 +15,8 @@ clipped to [150, 1120] ms.
 
 A TTFT is a replay (tens of us per instance), so `choose_sfs_constraint` and
 `choose_sfs_lagrangian` ask for each candidate's only when it can still change the
-answer, and answer what the formulas above answer on every candidate's TTFT.
+answer, and answer what the formulas above answer on every candidate's TTFT
+(tests/estimator_sfs/test_utility.py holds the formulas computed on all of them).
 """
 
 from __future__ import annotations
@@ -75,48 +76,23 @@ def _first_max(score: Sequence[float]) -> int:
     return best
 
 
-def _argmax(cands: Sequence[Candidate], score: list[float]) -> Candidate:
-    if len(cands) != len(score):
-        raise ValueError("one score per candidate")
-    return cands[_first_max(score)]
-
-
-def pick_latency_agnostic(cands: Sequence[Candidate], lam: float) -> Candidate:
-    """argmax_j acc - lambda * cost (ignores load)."""
-    return _argmax(cands, [utility(c, lam) for c in cands])
-
-
-def pick_sfs_constraint(cands: Sequence[Candidate], lam: float, ttft_target_s: float) -> Candidate:
-    """Best utility among candidates predicted to meet the target; else the fastest."""
-    feasible = [c for c in cands if c.ttft_s <= ttft_target_s]
-    if feasible:
-        return pick_latency_agnostic(feasible, lam)
-    return _argmax(cands, [-c.ttft_s for c in cands])
-
-
-def pick_sfs_lagrangian(cands: Sequence[Candidate], lam: float, delta: float) -> Candidate:
-    """argmax_j acc - lambda * cost - delta * TTFT (delta: utility per second)."""
-    if delta == 0:  # exactly latency-agnostic (and no 0 * inf)
-        return pick_latency_agnostic(cands, lam)
-    return _argmax(cands, [utility(c, lam) - delta * c.ttft_s for c in cands])
-
-
 def _by_utility(utilities: Sequence[float]) -> list[int]:
     """Candidate indices, best utility first; equal utilities in candidate order."""
     return sorted(range(len(utilities)), key=lambda j: (-utilities[j], j))
 
 
 def choose_latency_agnostic(utilities: Sequence[float]) -> int:
-    """`pick_latency_agnostic`'s index (no TTFT needed)."""
+    """argmax_j U_j (ignores load)."""
     return _first_max(utilities)
 
 
 def choose_sfs_constraint(
     utilities: Sequence[float], ttft_s: Callable[[int], float], ttft_target_s: float
 ) -> int:
-    """`pick_sfs_constraint`'s index, asking `ttft_s(j)` (once each) in order of
-    utility until one meets the target (no later candidate has a better utility);
-    every TTFT only when none does (the fastest then wins)."""
+    """The best utility among candidates predicted to meet the target, else the fastest.
+
+    Asks `ttft_s(j)` (once each) in order of utility until one meets the target (no
+    later candidate has a better utility); every TTFT only when none does."""
     if not utilities:
         raise ValueError("no candidates")
     known: dict[int, float] = {}
@@ -130,7 +106,7 @@ def choose_sfs_constraint(
 def choose_sfs_lagrangian(
     utilities: Sequence[float], ttft_s: Callable[[int], float], delta: float
 ) -> int:
-    """`pick_sfs_lagrangian`'s index, asking `ttft_s(j)` (once each) in order of utility.
+    """argmax_j U_j - delta * TTFT_j, asking `ttft_s(j)` (once each) in order of utility.
 
     A TTFT is never negative, so U_j bounds U_j - delta * TTFT_j from above for
     delta >= 0: once the next utility is below the best score found, no later
@@ -141,14 +117,32 @@ def choose_sfs_lagrangian(
         return _first_max(utilities)
     if not utilities:
         raise ValueError("no candidates")
+    can_stop = delta > 0
     best, best_score = -1, -math.inf
     for j in _by_utility(utilities):
-        if best >= 0 and delta > 0 and utilities[j] < best_score:
+        if can_stop and best >= 0 and utilities[j] < best_score:
             break
         score = utilities[j] - delta * ttft_s(j)
         if best < 0 or score > best_score or (score == best_score and j < best):
             best, best_score = j, score
     return best
+
+
+# The same choices over Candidate records (tests, tools).
+
+
+def pick_latency_agnostic(cands: Sequence[Candidate], lam: float) -> Candidate:
+    return cands[choose_latency_agnostic([utility(c, lam) for c in cands])]
+
+
+def pick_sfs_constraint(cands: Sequence[Candidate], lam: float, ttft_target_s: float) -> Candidate:
+    utilities = [utility(c, lam) for c in cands]
+    return cands[choose_sfs_constraint(utilities, lambda j: cands[j].ttft_s, ttft_target_s)]
+
+
+def pick_sfs_lagrangian(cands: Sequence[Candidate], lam: float, delta: float) -> Candidate:
+    utilities = [utility(c, lam) for c in cands]
+    return cands[choose_sfs_lagrangian(utilities, lambda j: cands[j].ttft_s, delta)]
 
 
 def on_time_utility(utilities: Sequence[float], met_target: Sequence[bool]) -> float:
