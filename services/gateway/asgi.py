@@ -12,10 +12,10 @@ any other path) to FastAPI unchanged.
 
 What FastAPI did for these routes and is done here instead: reading the body (with
 Starlette's `Request`, which FastAPI builds too; past `max_request_bytes` a 413 before
-the rest is read), the optional API-key check,
-OpenAI-format errors (GatewayError -> JSON with its status; an unexpected exception
--> a logged 500 in the same format), 405 for other methods, and streaming. A streaming client's disconnect is noticed by the handler's
-`watch_disconnect` task (it reads `receive` until http.disconnect and wakes the
+the rest is read, the one size check), the optional API-key check, OpenAI-format
+errors (GatewayError -> JSON with its status; an unexpected exception -> a logged 500
+in the same format), 405 for other methods, and streaming. A streaming client's
+disconnect is noticed by the handler's `watch_disconnect` task (it reads `receive` until http.disconnect and wakes the
 generation, which aborts the request on the worker), which lives as long as the stream.
 """
 
@@ -75,18 +75,26 @@ def error_response(service: GatewayService, exc: GatewayError, path: str) -> JSO
     )
 
 
+def body_too_large(limit: int) -> GatewayError:
+    return GatewayError(
+        413,
+        f"request body over {limit} bytes ([gateway] max_request_bytes)",
+        "invalid_request_error",
+    )
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with a 413 before more than `limit` bytes are held:
     at once when its Content-Length says so, else as soon as the chunks pass it."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise completions.body_too_large(limit)
+        raise body_too_large(limit)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise completions.body_too_large(limit)
+            raise body_too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
 

@@ -90,21 +90,11 @@ def routing_headers(headers: Mapping[str, str]) -> tuple[float | None, str | Non
     return ttft, task, policy
 
 
-def body_too_large(limit: int) -> GatewayError:
-    return GatewayError(
-        413,
-        f"request body over {limit} bytes ([gateway] max_request_bytes)",
-        "invalid_request_error",
-    )
-
-
 def prepare(
     service: GatewayService, raw: bytes, is_chat: bool, headers: Mapping[str, str] | None = None
 ) -> Prepared:
     """Parse and validate; raises GatewayError (4xx/503) with a user-facing message."""
     ttft_target_ms, task, policy = routing_headers(headers or {})
-    if len(raw) > service.settings.max_request_bytes:
-        raise body_too_large(service.settings.max_request_bytes)
     try:
         body: ChatCompletionRequest | CompletionRequest = (
             CHAT_DECODER if is_chat else COMPLETION_DECODER

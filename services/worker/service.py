@@ -69,7 +69,7 @@ EngineFactory = Callable[[WorkerServiceConfig], Any]
 
 
 def _timed(step: Callable[[], list[Any]]) -> tuple[list[Any], float]:
-    """step() and the seconds it took, timed in the thread that runs it."""
+    """step() and the seconds it took, timed where it runs (the loop or the thread)."""
     t0 = time.perf_counter()
     outputs = step()
     return outputs, time.perf_counter() - t0
@@ -273,8 +273,7 @@ class WorkerService:
             # 2. step (off the event loop, unless it is short: see the module docstring)
             t_step = time.perf_counter()
             if not has_peer_work and self._steps_inline(is_after_idle):
-                outputs = engine.step()  # blocks the loop for a short while
-                self._last_step_s = time.perf_counter() - t_step
+                outputs, self._last_step_s = _timed(engine.step)  # blocks the loop briefly
                 self.num_inline_steps += 1
             else:
                 outputs, self._last_step_s = await asyncio.to_thread(_timed, engine.step)
