@@ -76,35 +76,62 @@ class Generation:
         return event
 
     async def pieces(self, first: GatewayEvent) -> AsyncIterator[Piece]:
-        """(new text, new token ids, their logprobs, their top logprobs) per delta, until the
-        request finishes."""
-        event: GatewayEvent | None = first
+        """(new text, new token ids, their logprobs, their top logprobs) per piece, until
+        the request finishes.
+
+        A piece is one delta, or several: deltas already queued behind the one just
+        taken are merged into it (the handler fell behind the worker: one SSE chunk, one
+        client wake-up for all of them, as vLLM's output collector merges outputs its
+        consumer has not taken yet). Nothing waits for more; the first token goes out
+        the moment it arrives.
+        """
+        held: GatewayEvent | ClientGone | None = first  # taken from the queue, not yet handled
         while True:
-            if event is None:
-                event = await self.next_event()
+            event = held if held is not None else await self.next_event()
+            held = None
+            if isinstance(event, ClientGone):
+                raise ClientDisconnected
             if isinstance(event, RequestFailed):
                 self.is_engine_done = True
                 raise failure(event)
             assert isinstance(event, TokenDelta)
-            self.num_prompt_tokens = event.num_prompt_tokens
-            if event.tokens_by_model is not None:
-                self.tokens_by_model = event.tokens_by_model
-            text, ids, lps, tops = self.text.add(
-                event.position, event.token_ids, event.logprobs, event.top_logprobs
-            )
+            text, ids, lps, tops = self._take(event)
+            # Merge what is already queued, up to the end of the answer or a non-delta
+            # (a failure or the client's disconnect), which the next round handles.
+            queue = self.stream.events
+            while self.finish_reason is None and not queue.empty():
+                nxt = queue.get_nowait()
+                if not isinstance(nxt, TokenDelta):
+                    held = nxt
+                    break
+                more_text, more_ids, more_lps, more_tops = self._take(nxt)
+                text += more_text
+                ids += more_ids
+                lps += more_lps
+                tops += more_tops
             self._observe(len(ids))
-            if event.finish_reason is not None and not self.text.assembler.has_gap:
-                self.finish_reason = event.finish_reason
-            elif self.text.is_stopped:
-                self.finish_reason = "stop"  # the gateway saw the stop string first: cut here
             if self.finish_reason is not None:
                 self.is_finished = True
-                self.is_engine_done = event.finish_reason is not None
                 text += self.text.finish()
                 yield text, ids, lps, tops
                 return
             yield text, ids, lps, tops
-            event = None
+
+    def _take(self, event: TokenDelta) -> Piece:
+        """One delta into the text stream; sets the finish reason when it ends the answer."""
+        self.num_prompt_tokens = event.num_prompt_tokens
+        if event.tokens_by_model is not None:
+            self.tokens_by_model = event.tokens_by_model
+        text, ids, lps, tops = self.text.add(
+            event.position, event.token_ids, event.logprobs, event.top_logprobs
+        )
+        if event.finish_reason is not None and not self.text.assembler.has_gap:
+            self.finish_reason = event.finish_reason
+        elif self.text.is_stopped:
+            self.finish_reason = "stop"  # the gateway saw the stop string first: cut here
+        if self.finish_reason is not None:
+            self.is_engine_done = event.finish_reason is not None
+        return text, ids, lps, tops
 
     def _observe(self, num_new: int) -> None:
         if num_new == 0:
