@@ -149,6 +149,11 @@ class Measured:
     pred_sfs_flat_s: float  # as pred_sfs_s, the snapshot's batch_time_speed left at 1
     first_token_s: float = math.nan  # seconds from the origin
     ttft_s: float = math.nan  # first token - add_request
+    # diagnostics: the snapshot's age at the decision, the bare replay's iterations to
+    # the first token (in flight included), the time from the decision to add_request
+    snapshot_age_s: float = math.nan
+    pred_steps: int = 0
+    decide_to_add_s: float = math.nan
 
 
 def _engine_process_main(
@@ -508,9 +513,19 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         snap_clock = now - age  # the snapshot's time on our clock
         joined = [e for t_add, e in unseen if t_add < snap_clock]
         after = [e for t_add, e in unseen if t_add >= snap_clock]
-        sfs_eval = estimate_from_now(snap, model, probe, after, age, joined=joined, policy=policy)
+        offsets = [t_add - snap_clock for t_add, _ in unseen if t_add >= snap_clock]
+        sfs_eval = estimate_from_now(
+            snap, model, probe, after, age, joined=joined, pending_offsets_s=offsets, policy=policy
+        )
         sfs_point = estimate_from_now(
-            snap, model, probe, after, age, joined=joined, policy=point_policy
+            snap,
+            model,
+            probe,
+            after,
+            age,
+            joined=joined,
+            pending_offsets_s=offsets,
+            policy=point_policy,
         )
         calibrated = msgspec.structs.replace(
             snap,
@@ -568,6 +583,9 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
                 tp,
                 sfs_point.ttft_s,
                 sfs_flat.ttft_s,
+                snapshot_age_s=age,
+                pred_steps=sfs_eval.num_steps,
+                decide_to_add_s=t_add - now,
             )
         )
         unfed[rid] = rows[-1]

@@ -58,6 +58,14 @@ def main() -> None:
         help="cap each request at its true length, as part 1 on the real engine must (the "
         "cap then tells the replay the length wherever a prediction overshoots it)",
     )
+    ap.add_argument(
+        "--snapshot-period-ms",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="estimate from the snapshot of the first iteration this long after the last "
+        "(0: every iteration; the estimator service reads snapshots every 20 ms)",
+    )
     args = ap.parse_args()
 
     coefs, source = FALLBACK_COEFS, "built-in fit (2026-11-30)"
@@ -93,25 +101,35 @@ def main() -> None:
     cap = None if args.cap_at_truth else (args.max_tokens or 2 * part1.max_output)
     print(f"max_tokens: {'each true length' if cap is None else cap}")
     print(
-        f"{'length prediction':<26} {'running requests end at':<34} {'MAPE':>7} {'mean signed':>12}"
+        f"{'snapshot':<9} {'length prediction':<26} {'running requests end at':<34} "
+        f"{'MAPE':>7} {'mean signed':>12}"
     )
-    for err in args.length_errors:
-        rng = random.Random(args.seed)
-        predicted = {
-            a.request_id: max(1, round(a.num_output_tokens * (1 + rng.uniform(-err, err))))
-            for a in arrivals
-        }
-        for measured in (False, True):
-            policy = OutputPolicy(part1.max_output, use_measured_ratios=measured)
-            pred, actual = sfs_errors_on_sim(
-                cfg, model, arrivals, predicted, policy, max_tokens=cap
-            )
-            rel = signed_relative_errors(pred, actual)
-            how = "an end drawn from measured ratios" if measured else "the bare prediction"
-            label = "exact" if err == 0 else f"true x U({1 - err:.1f}, {1 + err:.1f})"
-            print(
-                f"{label:<26} {how:<34} {mape(pred, actual):>7.1%} {statistics.fmean(rel):>+12.1%}"
-            )
+    for period_ms in args.snapshot_period_ms:
+        every = "every it." if period_ms == 0 else f"{period_ms:g} ms"
+        for err in args.length_errors:
+            rng = random.Random(args.seed)
+            predicted = {
+                a.request_id: max(1, round(a.num_output_tokens * (1 + rng.uniform(-err, err))))
+                for a in arrivals
+            }
+            for measured in (False, True):
+                policy = OutputPolicy(part1.max_output, use_measured_ratios=measured)
+                pred, actual = sfs_errors_on_sim(
+                    cfg,
+                    model,
+                    arrivals,
+                    predicted,
+                    policy,
+                    max_tokens=cap,
+                    snapshot_period_s=period_ms / 1e3,
+                )
+                rel = signed_relative_errors(pred, actual)
+                how = "an end drawn from measured ratios" if measured else "the bare prediction"
+                label = "exact" if err == 0 else f"true x U({1 - err:.1f}, {1 + err:.1f})"
+                print(
+                    f"{every:<9} {label:<26} {how:<34} {mape(pred, actual):>7.1%} "
+                    f"{statistics.fmean(rel):>+12.1%}"
+                )
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from services.estimator.sfs.replay import (
     Probe,
     admissible_pending,
     kernel_state,
+    run_in_flight,
     run_on_state,
     snapshot_ids,
 )
@@ -234,18 +235,15 @@ class LatencyEstimator:
         st = base.copy()
         snap_t = state.snapshot_wall_time_s
         age_s = max(0.0, now_wall_s - snap_t)
-        # 1. Unseen dispatches from before the snapshot join the queue ahead of the
-        #    iteration in flight; the rest (and the probe) wait behind it.
+        # 1. The iterations run since the snapshot, to the one in flight now (none:
+        #    idle); unseen dispatches join the first that starts after them, the rest
+        #    (and the probe) wait behind the one in flight.
         entries, _ = admissible_pending(pending, snap, visible)
-        early_ids = {e.request_id for e in pending if e.dispatched_at_s < snap_t}
-        for rid, prompt, max_tokens, predicted in entries:
-            if rid in early_ids:
-                target = policy.target(predicted, max_tokens, 0, rid)
-                st.waiting.append(st.add(rid, prompt, 0, 0, 0, target))
-        # 2. The iteration in flight since the snapshot (none: the engine is idle).
-        in_flight_s = max(0.0, st.step(model.raw, None))
-        # 3. The replay from its end to the probe's first token.
-        later = [e for e in entries if e[0] not in early_ids]
+        offset = {e.request_id: e.dispatched_at_s - snap_t for e in pending}
+        unseen = [(offset[e[0]], e) for e in entries]
+        unseen.sort(key=lambda u: u[0])  # stable: dispatch order
+        in_flight_s, later = run_in_flight(st, model.raw, age_s, self.max_steps, policy, unseen)
+        # 2. The replay from its end to the probe's first token.
         r = run_on_state(
             st,
             later,

@@ -29,9 +29,9 @@ from services.estimator.sfs.evaluation import (
     signed_relative_errors,
     trapezoid_area,
 )
-from services.estimator.sfs.replay import OutputPolicy, PendingRequest, Probe
+from services.estimator.sfs.replay import MAX_CATCH_UP_STEPS, OutputPolicy, PendingRequest, Probe
 from services.estimator.sfs.utility import default_ttft_target_s
-from services.worker.engine.sim import SimEngineConfig
+from services.worker.engine.sim import SimEngine, SimEngineConfig
 from shared.config import parse_cluster
 from shared.sampling import SamplingParams
 from shared.scheduling.snapshot import restore_scheduler, take_snapshot
@@ -85,13 +85,20 @@ def test_trapezoid_and_auc_ratio() -> None:
 
 
 def _reference_from_now(live, model, probe, joined, pending, age):  # type: ignore[no-untyped-def]
-    """The same thing on the engine's own Scheduler: one step as the snapshot left it
-    (with `joined`), then the ledger and the probe queued, stepped to the first token."""
+    """The same thing on the engine's own Scheduler: steps as the snapshot left it (with
+    `joined`) until the one running at `age` (at most MAX_CATCH_UP_STEPS), then the
+    ledger and the probe queued, stepped to the first token."""
     sched = restore_scheduler(take_snapshot(live, 1, 0.0))
     for e in joined:
         sched.add(e.request_id, e.num_prompt_tokens, e.max_tokens, e.predicted_output_tokens)
-    first = step(sched)
-    in_flight = model.predict(first) if len(first) else 0.0
+    in_flight = 0.0
+    for _ in range(MAX_CATCH_UP_STEPS):
+        batch = step(sched)
+        if not len(batch):
+            break
+        in_flight += model.predict(batch)
+        if in_flight >= age:
+            break
     for e in pending:
         sched.add(e.request_id, e.num_prompt_tokens, e.max_tokens, e.predicted_output_tokens)
     req = sched.add(
@@ -145,8 +152,60 @@ def test_from_now_counts_only_what_is_left_of_the_step_in_flight() -> None:
     later = estimate_from_now(snap, MODEL, Probe(5, 5, 20), [], 0.005)
     assert fresh.in_flight_s > 0.005
     assert later.ttft_s == pytest.approx(fresh.ttft_s - 0.005)
+    # long after the snapshot "a" has finished: the probe runs alone on an idle engine
     gone = estimate_from_now(snap, MODEL, Probe(5, 5, 20), [], 10.0)
-    assert gone.ttft_s == pytest.approx(fresh.ttft_s - fresh.in_flight_s)
+    idle = estimate_from_now(
+        take_snapshot(make_scheduler(), 1, 0.0), MODEL, Probe(5, 5, 20), [], 0.0
+    )
+    assert gone.in_flight_s < 10.0
+    assert gone.ttft_s == pytest.approx(idle.ttft_s)
+
+
+@pytest.mark.parametrize("unseen_at", [None, 0.5, 1.2])
+@pytest.mark.parametrize("steps_since", [0.3, 1.5, 2.5, 4.2])
+def test_from_now_with_a_snapshot_older_than_one_iteration(
+    steps_since: float, unseen_at: float | None
+) -> None:
+    """A SimEngine on a virtual clock runs on after its snapshot; a query arrives
+    `steps_since` decode iterations later and joins the next one to start, and another
+    request the snapshot does not show arrives `unseen_at` iterations after it (when
+    that is before the query). The estimate from the old snapshot equals the TTFT the
+    engine gives the query (the batch time is the model's, so nothing but the replay's
+    schedule can differ)."""
+    engine = SimEngine(SIM_CFG, SIM_MODEL)
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, [1] * 20, SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()  # the three prefills
+    engine.step()
+    snap, t_snap = engine.snapshot(), engine.now()
+    decode_s = SIM_MODEL.predict_raw([1, 0, 0, 3, 0, 0, 0, 0, 9])  # three decodes
+    arrival = t_snap + steps_since * decode_s
+    unseen: list[PendingRequest] = []
+    offsets: list[float] = []
+    if unseen_at is not None and unseen_at < steps_since:
+        joins = t_snap + unseen_at * decode_s
+        while engine.now() < joins:
+            engine.step()
+        engine.add_request("u", [1] * 30, SamplingParams(max_tokens=40, ignore_eos=True))
+        unseen.append(PendingRequest("u", 30, 40))
+        offsets.append(joins - t_snap)
+    while engine.now() < arrival:  # iterations that start before the query
+        engine.step()
+    engine.add_request("q", [1] * 12, SamplingParams(max_tokens=5, ignore_eos=True))
+    while not any(o.request_id == "q" and o.new_token_ids for o in engine.step()):
+        pass
+    measured = engine.now() - arrival
+    policy = OutputPolicy(default_output_tokens=10**6)
+    got = estimate_from_now(
+        snap,
+        SIM_MODEL,
+        Probe(12, 5, 5),
+        unseen,
+        arrival - t_snap,
+        pending_offsets_s=offsets,
+        policy=policy,
+    )
+    assert got.ttft_s == pytest.approx(measured, rel=1e-9)
 
 
 # ---- single-instance simulation -------------------------------------------------------

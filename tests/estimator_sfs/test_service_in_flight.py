@@ -76,11 +76,10 @@ def test_random_cases_equal_the_in_flight_aware_estimate(seed: int) -> None:
     rng = random.Random(seed)
     live = random_live(rng, predicted=rng.random() < 0.5, peer=rng.random() < 0.3)
     snap = take_snapshot(live, 1, 50.0)
-    ledger = [
-        LedgerEntry(
-            f"n{i}", "a", rng.randint(1, 40), rng.randint(1, 40), 50.0 + rng.uniform(-0.02, 0.02)
-        )
-        for i in range(rng.randint(0, 4))
+    times = sorted(50.0 + rng.uniform(-0.02, 0.02) for _ in range(rng.randint(0, 4)))
+    ledger = [  # in dispatch order, as the ledger keeps it
+        LedgerEntry(f"n{i}", "a", rng.randint(1, 40), rng.randint(1, 40), t)
+        for i, t in enumerate(times)
     ]
     probe = Probe(rng.randint(1, 40), rng.randint(1, 20), 40)
     age = rng.choice([0.0, 0.003, 1.0])
@@ -88,7 +87,14 @@ def test_random_cases_equal_the_in_flight_aware_estimate(seed: int) -> None:
     after = [e for e in ledger if e.dispatched_at_s >= 50.0]
     try:
         want = estimate_from_now(
-            snap, MODEL, probe, after, age, joined=joined, policy=OutputPolicy(32)
+            snap,
+            MODEL,
+            probe,
+            after,
+            age,
+            joined=joined,
+            pending_offsets_s=[e.dispatched_at_s - 50.0 for e in after],
+            policy=OutputPolicy(32),
         )
     except ValueError:
         pytest.skip("snapshot not replayable")

@@ -538,6 +538,7 @@ def sfs_errors_on_sim(
     policy: OutputPolicy,
     *,
     max_tokens: int | None = None,
+    snapshot_period_s: float = 0.0,
 ) -> tuple[list[float], list[float]]:
     """(predicted, actual) TTFT of every request when each is estimated at its arrival
     from the instance's latest snapshot, as the estimator service does
@@ -545,9 +546,11 @@ def sfs_errors_on_sim(
 
     Batch times are exactly `model`, so every error is the replay's own: output lengths
     it has to predict, and requests that arrive after the probe (it cannot know them).
-    Arrivals during an iteration are estimated from the snapshot taken when it began
-    and join the next iteration; the ones before them in that iteration are queued
-    ahead of the probe (`pending`), those from the iteration before are `joined`.
+    The estimate's snapshot is taken when an iteration begins, at the first one at least
+    `snapshot_period_s` after the last (0: every iteration; the estimator service reads
+    snapshots every `snapshot_refresh_s`). Requests added since are unseen: those in the
+    inbox when it was taken are `joined` (they join that iteration), the later ones
+    `pending`, at their arrival times (they join the first iteration after them).
 
     Each request generates `num_output_tokens` (the truth) under a cap of `max_tokens`
     (at most what the context leaves); None caps it at the truth, which tells the
@@ -566,27 +569,41 @@ def sfs_errors_on_sim(
     predicted: dict[str, float] = {}
     added: dict[str, float] = {}
     first: dict[str, float] = {}
-    joined: list[PendingRequest] = []
+    inbox: list[PendingRequest] = []  # added during the last iteration, not taken yet
+    joined: list[PendingRequest] = []  # in the inbox when `snap` was taken
+    since: list[tuple[float, PendingRequest]] = []  # (arrival, entry) added after `snap`
+    snap, snap_t = None, -math.inf
     i = 0
     while i < len(arrivals) or engine.has_unfinished():
-        # 1. An idle engine jumps to the next arrival.
+        # 1. An idle engine jumps to the next arrival; a snapshot is due or not.
         if i < len(arrivals) and not engine.has_unfinished():
             engine.advance_to(max(engine.now(), arrivals[i].arrival_s))
-        snap, snap_t = engine.snapshot(), engine.now()
+        if snap is None or engine.now() - snap_t >= snapshot_period_s:
+            snap, snap_t = engine.snapshot(), engine.now()
+            joined, since = inbox, []
         # 2. The iteration in flight; who arrives during it is estimated from `snap`.
         for out in engine.step() if engine.has_unfinished() else []:
             if out.new_token_ids:
                 first.setdefault(out.request_id, engine.now())
-        later: list[PendingRequest] = []
+        inbox = []
         while i < len(arrivals) and arrivals[i].arrival_s <= engine.now():
             a = arrivals[i]
             pred, cap = predicted_output_tokens[a.request_id], cap_of(a)
             probe = Probe(a.num_prompt_tokens, pred, cap)
             est = estimate_from_now(
-                snap, model, probe, later, a.arrival_s - snap_t, joined=joined, policy=policy
+                snap,
+                model,
+                probe,
+                [e for _, e in since],
+                a.arrival_s - snap_t,
+                joined=joined,
+                pending_offsets_s=[t - snap_t for t, _ in since],
+                policy=policy,
             )
             predicted[a.request_id], added[a.request_id] = est.ttft_s, a.arrival_s
-            later.append(PendingRequest(a.request_id, a.num_prompt_tokens, cap, pred))
+            entry = PendingRequest(a.request_id, a.num_prompt_tokens, cap, pred)
+            since.append((a.arrival_s, entry))
+            inbox.append(entry)
             engine.expect(a.request_id, a.num_output_tokens)
             engine.add_request(
                 a.request_id,
@@ -595,6 +612,5 @@ def sfs_errors_on_sim(
                 predicted_output_tokens=pred,
             )
             i += 1
-        joined = later  # in the inbox: they join the next iteration
     rids = [a.request_id for a in arrivals]
     return [predicted[r] for r in rids], [first.get(r, math.inf) - added[r] for r in rids]

@@ -6,11 +6,12 @@ Used by `scripts/bench_sfs.py` (SFS benchmark) and `scripts/sim_fidelity.py`; pu
 In-flight-aware SFS estimate (`estimate_from_now`): an engine publishes its snapshot
 at the end of an iteration and starts the next one at once, so a query that arrives
 `age` seconds after the snapshot finds that next iteration already running, and
-cannot join it. The replay therefore runs the snapshot's first iteration alone (the
-iteration in flight, which started at the snapshot's time), then queues the ledger's
+cannot join it. The replay therefore runs the snapshot's iterations alone (the first
+started at the snapshot's time; when the snapshot is older than one iteration, the
+ones after it too) up to the one in flight at `age`, then queues the ledger's
 entries and the probe, and continues:
 
-    TTFT_hat(now) = max(0, T_hat(batch in flight) - age) + TTFT_hat(rest)
+    TTFT_hat(now) = max(0, end_hat(iteration in flight) - age) + TTFT_hat(rest)
 
 (the SFS public code ships the in-flight batch in its snapshot, anchors.md 3.3). The
 estimator service's `SfsReplayer.estimate` counts from the snapshot instead and lets
@@ -32,6 +33,7 @@ from services.estimator.sfs.replay import (
     Probe,
     admissible_pending,
     kernel_state,
+    run_in_flight,
     run_on_state,
 )
 from shared.scheduling.snapshot import WorkloadSnapshot
@@ -121,8 +123,9 @@ class FromNowEstimate:
     """SFS TTFT of a probe, seconds from now (not from the snapshot)."""
 
     ttft_s: float  # inf: the probe never starts in the replay
-    in_flight_s: float  # modeled time of the iteration in flight (0 when the engine idles)
+    in_flight_s: float  # modeled end of the iteration in flight, from the snapshot (0: idle)
     age_s: float  # now - snapshot time, seconds
+    num_steps: int = 0  # iterations to the first token, the one in flight included
 
 
 def estimate_from_now(
@@ -133,34 +136,40 @@ def estimate_from_now(
     age_s: float,
     *,
     joined: Iterable[PendingLike] = (),
+    pending_offsets_s: Sequence[float] | None = None,
     policy: OutputPolicy | None = None,
     max_steps: int = 200_000,
 ) -> FromNowEstimate:
     """In-flight-aware SFS estimate (module docstring).
 
-    The first iteration the snapshot's state schedules is taken to be running since
-    the snapshot (the engine steps back to back while it has work); when the state
-    schedules nothing the engine is idle and the probe starts at the next iteration.
-    `joined`: dispatched requests the snapshot does not show that reached the engine
-    before its iteration in flight began (they queue ahead of it and may be in it);
-    `pending`: the ones that arrived since (they queue behind it, ahead of the probe).
+    The iterations the snapshot's state schedules are taken to run back to back since
+    the snapshot, up to the one in flight `age_s` after it (`replay.run_in_flight`);
+    when the state schedules nothing the engine is idle and the probe starts at the
+    next iteration. `joined`: dispatched requests the snapshot does not show that
+    reached the engine before its iteration in flight began (they queue ahead of it
+    and may be in it); `pending`: the ones that arrived since, dispatched
+    `pending_offsets_s` after the snapshot (one per entry; default: all during the
+    iteration in flight, so they queue behind it, ahead of the probe).
     """
     policy = (policy or OutputPolicy()).for_snapshot(snapshot)
     st = kernel_state(snapshot, policy)
     coefs = model.raw
     early, _ = admissible_pending(joined, snapshot)
-    for rid, prompt, max_tokens, predicted in early:
-        target = policy.target(predicted, max_tokens, 0, rid)
-        st.waiting.append(st.add(rid, prompt, 0, 0, 0, target))
-    in_flight = st.step(coefs, None)
-    if in_flight < 0:  # nothing schedulable: an idle engine
-        in_flight = 0.0
     early_ids = {e[0] for e in early}
+    pending = list(pending)
+    offsets = [age_s] * len(pending) if pending_offsets_s is None else list(pending_offsets_s)
+    if len(offsets) != len(pending):
+        raise ValueError("one offset per pending entry")
+    offset = {e.request_id: t for e, t in zip(pending, offsets, strict=True)}
     entries, _ = admissible_pending(pending, snapshot)
-    entries = [e for e in entries if e[0] not in early_ids]
+    unseen = [(-math.inf, e) for e in early]
+    unseen += sorted(
+        ((offset[e[0]], e) for e in entries if e[0] not in early_ids), key=lambda u: u[0]
+    )
+    in_flight, later = run_in_flight(st, coefs, age_s, max_steps, policy, unseen)
     r = run_on_state(
         st,
-        entries,
+        later,
         probe,
         coefs,
         policy,
@@ -168,4 +177,9 @@ def estimate_from_now(
         want_e2e=False,
         max_steps=max_steps,
     )
-    return FromNowEstimate(max(0.0, in_flight - age_s) + r.ttft_s, in_flight, age_s)
+    return FromNowEstimate(
+        max(0.0, in_flight - age_s) + r.ttft_s,
+        in_flight,
+        age_s,
+        int(in_flight > age_s) + r.num_steps_ttft,
+    )

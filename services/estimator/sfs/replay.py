@@ -42,6 +42,8 @@ from services.estimator.sfs.native import IMPL as kernel_impl  # this module or 
 from shared.scheduling.snapshot import WorkloadSnapshot, restore_scheduler
 
 PROBE_ID = "__sfs_probe__"
+# iterations a replay steps to catch up with a snapshot's age (`run_in_flight`)
+MAX_CATCH_UP_STEPS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,11 +194,14 @@ def kernel_state(
     return st
 
 
+Entry = tuple[str, int, int, int | None]  # (request id, prompt, max_tokens, predicted)
+
+
 def admissible_pending(
     pending: Iterable[PendingLike],
     snapshot: WorkloadSnapshot,
     visible: frozenset[str] | None = None,
-) -> tuple[list[tuple[str, int, int, int | None]], int]:
+) -> tuple[list[Entry], int]:
     """Ledger entries to simulate, in dispatch order, as (id, prompt, max_tokens, predicted).
 
     Skips ids the snapshot already shows (never counted twice), repeated ids, and
@@ -206,7 +211,7 @@ def admissible_pending(
     """
     max_model_len = snapshot.max_model_len
     seen: set[str] = set()
-    entries: list[tuple[str, int, int, int | None]] = []
+    entries: list[Entry] = []
     num_visible = 0
     for e in pending:
         if visible is None:  # built only when there is a ledger entry
@@ -231,9 +236,68 @@ def probe_max_tokens(probe: Probe, max_model_len: int) -> int:
     return min(probe.max_tokens, max_model_len - probe.num_prompt_tokens)
 
 
+def queue_entry(st: KernelState, entry: Entry, policy: OutputPolicy) -> None:
+    """A dispatched request joins the end of the waiting queue of `st`."""
+    rid, prompt, max_tokens, predicted = entry
+    target = policy.target(predicted, max_tokens, 0, rid)
+    st.waiting.append(st.add(rid, prompt, 0, 0, 0, target))
+
+
+def run_in_flight(
+    st: KernelState,
+    coefs: tuple[float, ...],
+    age_s: float,
+    max_steps: int,
+    policy: OutputPolicy,
+    unseen: Sequence[tuple[float, Entry]] = (),
+) -> tuple[float, list[Entry]]:
+    """Step `st` (mutated) through the iterations the engine has run since its
+    snapshot, up to the one in flight `age_s` after it. Returns when that one ends,
+    seconds from the snapshot (0: idle at the snapshot; <= age_s: idle by now, so a
+    query arriving now starts at once), and the entries of `unseen` that have not
+    joined an iteration yet (dispatched while the one in flight ran: they queue
+    ahead of the query).
+
+    An engine steps back to back while it has work and takes new requests only
+    between iterations, so a query that arrives `age_s` after the snapshot joins the
+    first iteration that starts at or after it (the first, which began at the
+    snapshot's time, is in flight whatever the age). A snapshot can be older than one
+    iteration (the estimator reads them every `snapshot_refresh_s`; a short step
+    takes less): then the engine has finished some, and the query waits for what is
+    left of the one running now, not of the first.
+
+    `unseen`: (dispatch time - snapshot time, entry) of the requests the snapshot does
+    not show, in dispatch order; each joins the first iteration that starts at or
+    after its dispatch (a negative time: the first), and an idle engine starts at the
+    next dispatch. At most `MAX_CATCH_UP_STEPS` are stepped: a snapshot that much
+    older than its iterations says little about now, and the decision must stay cheap
+    (past the cap the replay goes on from there as if it were now).
+    """
+    elapsed = 0.0
+    i, n = 0, len(unseen)
+    for _ in range(min(max_steps, MAX_CATCH_UP_STEPS)):
+        # 1. Requests dispatched by the time this iteration starts are in its queue.
+        while i < n and unseen[i][0] <= elapsed:
+            queue_entry(st, unseen[i][1], policy)
+            i += 1
+        t = st.step(coefs, None)
+        if t < 0.0:
+            # 2. Nothing to run: idle until the next dispatch before now, if any.
+            if i < n and unseen[i][0] < age_s:
+                elapsed = max(elapsed, unseen[i][0])
+                queue_entry(st, unseen[i][1], policy)
+                i += 1
+                continue
+            break
+        elapsed += t
+        if elapsed >= age_s:  # 3. the iteration in flight now (a query at its end joins the next)
+            break
+    return elapsed, [e for _, e in unseen[i:]]
+
+
 def run_on_state(
     st: KernelState,
-    entries: Sequence[tuple[str, int, int, int | None]],
+    entries: Sequence[Entry],
     probe: Probe,
     coefs: tuple[float, ...],
     policy: OutputPolicy,
@@ -245,9 +309,8 @@ def run_on_state(
     trace: list[list[tuple[str, int]]] | None = None,
 ) -> RunResult:
     """Append ledger entries and the probe to `st` (mutated) and replay."""
-    for rid, prompt, max_tokens, predicted in entries:
-        target = policy.target(predicted, max_tokens, 0, rid)
-        st.waiting.append(st.add(rid, prompt, 0, 0, 0, target))
+    for entry in entries:
+        queue_entry(st, entry, policy)
     cap = probe_max_tokens(probe, max_model_len)
     if probe.num_prompt_tokens < 1 or cap < 1:
         return RunResult(math.inf, math.inf if want_e2e else math.nan, 0, 0)
