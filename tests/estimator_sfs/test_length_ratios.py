@@ -86,20 +86,23 @@ def test_policy_takes_the_snapshots_ratios_unless_told_otherwise() -> None:
     assert kernel_state(snap, given).target == [45]
 
 
+# bench_sfs part 1's engine limits and a seven-term fit of smollm2-small, on a virtual clock
+PART1_MODEL = BatchTimeModel(SEVEN_TERM, (0.0187, 2.9e-4, 7.8e-8, 4.6e-4, 0.0, 1.5e-8, 3.5e-5))
+PART1_CFG = SimEngineConfig(
+    max_num_seqs=32,
+    max_num_batched_tokens=256,
+    block_size=64,
+    num_kv_blocks=512,
+    max_model_len=1024,
+    clock="virtual",
+)
+
+
 def _signed_errors(*, measured: bool, seed: int) -> list[float]:
     """SFS TTFT estimates on a SimEngine (virtual clock: batch times are exactly the
     model) with +-40% output length predictions; signed relative errors. Requests
     queue as in bench_sfs part 1 (a full batch is 32); max_tokens 512 lies above every
     true length (<= 256), so the cap tells the replay nothing."""
-    model = BatchTimeModel(SEVEN_TERM, (0.0187, 2.9e-4, 7.8e-8, 4.6e-4, 0.0, 1.5e-8, 3.5e-5))
-    cfg = SimEngineConfig(
-        max_num_seqs=32,
-        max_num_batched_tokens=256,
-        block_size=64,
-        num_kv_blocks=512,
-        max_model_len=1024,
-        clock="virtual",
-    )
     rng = random.Random(seed)
     t, arrivals, predicted = 0.0, [], {}
     for i in range(300):
@@ -108,7 +111,9 @@ def _signed_errors(*, measured: bool, seed: int) -> list[float]:
         arrivals.append(Arrival(f"q{i}", t, rng.randint(16, 300), out))
         predicted[f"q{i}"] = max(1, round(out * (1 + rng.uniform(-0.4, 0.4))))
     policy = OutputPolicy(256, use_measured_ratios=measured)
-    pred, actual = sfs_errors_on_sim(cfg, model, arrivals, predicted, policy, max_tokens=512)
+    pred, actual = sfs_errors_on_sim(
+        PART1_CFG, PART1_MODEL, arrivals, predicted, policy, max_tokens=512
+    )
     return signed_relative_errors(pred, actual)
 
 
@@ -198,15 +203,6 @@ def test_estimates_from_old_snapshots_are_exact_on_the_sim(period_s: float) -> N
     step here takes ~25 ms, a prefill up to ~0.1 s), exact lengths, arrivals never two
     in one iteration: the replay from the latest snapshot, with the iterations run since
     and the requests it does not show, gives every request its TTFT exactly."""
-    model = BatchTimeModel(SEVEN_TERM, (0.0187, 2.9e-4, 7.8e-8, 4.6e-4, 0.0, 1.5e-8, 3.5e-5))
-    cfg = SimEngineConfig(
-        max_num_seqs=32,
-        max_num_batched_tokens=256,
-        block_size=64,
-        num_kv_blocks=512,
-        max_model_len=1024,
-        clock="virtual",
-    )
     rng = random.Random(3)
     t, arrivals = 0.0, []
     for i in range(120):
@@ -215,6 +211,6 @@ def test_estimates_from_old_snapshots_are_exact_on_the_sim(period_s: float) -> N
     exact = {a.request_id: a.num_output_tokens for a in arrivals}
     policy = OutputPolicy(256, use_measured_ratios=False)
     pred, actual = sfs_errors_on_sim(
-        cfg, model, arrivals, exact, policy, max_tokens=512, snapshot_period_s=period_s
+        PART1_CFG, PART1_MODEL, arrivals, exact, policy, max_tokens=512, snapshot_period_s=period_s
     )
     assert pred == pytest.approx(actual, rel=1e-9)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -27,7 +28,9 @@ from services.gateway.service import GatewayService
 from services.launcher.servers import free_port, start_nats, start_redis
 from services.worker.config import WorkerServiceConfig
 from services.worker.service import WorkerService
+from shared import subjects
 from shared.config import ClusterConfig, parse_cluster
+from shared.messages.registry import WorkerInfo
 
 TINY_CLUSTER = """
 namespace = "{namespace}"
@@ -162,6 +165,22 @@ async def start_worker(
             task.result()
         raise TimeoutError("worker did not become ready")
     return worker, task
+
+
+def hand_worker_info(namespace: str, instance_id: str) -> WorkerInfo:
+    """The registration of a random-tiny worker that a test plays by hand (its inbox is
+    the real subject; nothing reads it unless the test does)."""
+    now = time.time()
+    return WorkerInfo(
+        instance_id=instance_id,
+        model="random-tiny",
+        inbox=subjects.worker_inbox(namespace, instance_id),
+        max_model_len=256,
+        max_num_seqs=8,
+        started_at_s=now,
+        heartbeat_at_s=now,
+        is_draining=False,
+    )
 
 
 async def start_stack(

@@ -9,20 +9,17 @@ chunk, the finish and the usage right, and a failure queued behind text still re
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 
 import httpx
 import msgspec
 
-from shared import subjects
 from shared.bus import Bus
 from shared.config import parse_cluster
 from shared.messages.gateway import DeltaBatch, GatewayEvent, RequestFailed, TokenDelta
-from shared.messages.registry import WorkerInfo
 from shared.messages.worker import WORKER_INBOUND_DECODER, SubmitRequest
 from shared.store import Store
-from tests.services.conftest import start_stack, tiny_cluster_text
+from tests.services.conftest import hand_worker_info, start_stack, tiny_cluster_text
 from tests.services.test_worker_lifecycle import wait_for
 
 Answer = Callable[[SubmitRequest], list[GatewayEvent]]
@@ -57,24 +54,14 @@ async def with_hand_worker(nats_url: str, redis_url: str, answer: Answer, body: 
     await store.connect()
     bus = Bus(nats_url, "hand-worker")
     await bus.connect()
-    inbox = subjects.worker_inbox(cluster.namespace, "hand")
 
     async def on_submit(msg: object) -> None:
         if isinstance(msg, SubmitRequest):
             batch = DeltaBatch(instance_id="hand", step=1, events=answer(msg))
             await bus.nc.publish(msg.reply_to, msgspec.msgpack.encode(batch))
 
-    await bus.subscribe(inbox, WORKER_INBOUND_DECODER, on_submit)
-    info = WorkerInfo(
-        instance_id="hand",
-        model="random-tiny",
-        inbox=inbox,
-        max_model_len=256,
-        max_num_seqs=8,
-        started_at_s=time.time(),
-        heartbeat_at_s=time.time(),
-        is_draining=False,
-    )
+    info = hand_worker_info(cluster.namespace, "hand")
+    await bus.subscribe(info.inbox, WORKER_INBOUND_DECODER, on_submit)
     stack = await start_stack(cluster, num_workers=0)
     await store.register(info, ttl_s=30.0)
     try:

@@ -7,11 +7,9 @@ import time
 
 import httpx
 
-from shared import subjects
 from shared.config import parse_cluster
-from shared.messages.registry import WorkerInfo
 from shared.store import Store
-from tests.services.conftest import start_stack, tiny_cluster_text
+from tests.services.conftest import hand_worker_info, start_stack, tiny_cluster_text
 from tests.services.test_worker_lifecycle import wait_for
 
 
@@ -22,16 +20,7 @@ async def test_silent_worker_times_out_with_504(nats_url: str, redis_url: str) -
     cluster = parse_cluster(text)
     store = Store(redis_url, cluster.namespace)
     await store.connect()
-    silent = WorkerInfo(
-        instance_id="silent",
-        model="random-tiny",
-        inbox=subjects.worker_inbox(cluster.namespace, "silent"),
-        max_model_len=256,
-        max_num_seqs=8,
-        started_at_s=time.time(),
-        heartbeat_at_s=time.time(),
-        is_draining=False,
-    )
+    silent = hand_worker_info(cluster.namespace, "silent")
     stack = await start_stack(cluster, num_workers=0)
     await store.register(silent, ttl_s=30.0)
     try:
