@@ -68,7 +68,7 @@ predictors *args:
 bench-sfs *args:
     ./baton python scripts/bench_sfs.py "$@"
 
-# SFS's own TTFT error on a simulated engine (no machine noise): bare vs measured length ratios
+# SFS's own TTFT error on a simulated engine (no machine noise): length ratios, snapshot ages
 sfs-bias *args:
     ./baton python scripts/sfs_bias.py "$@"
 

@@ -4,7 +4,9 @@ every error left is the replay's own (output lengths it predicts, requests that 
 after the probe). Prints MAPE and mean signed error per length-prediction error, with
 running requests ending at their bare predictions and at an end drawn from the
 snapshot's measured length ratios (the estimator's default; docs/sfs.md, "Bias from
-length predictions"). Deterministic; about a minute.
+length predictions"), and per snapshot period (--snapshot-period-ms: estimates from a
+snapshot as old as the estimator's refresh makes it; docs/sfs.md, "Snapshots older
+than one iteration"). Deterministic; about a minute per period.
 """
 
 from __future__ import annotations
