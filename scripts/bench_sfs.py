@@ -468,6 +468,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
     refits = 0
     replay_samples: list[BatchSample] = []
     recent: deque[BatchSample] = deque(warm_samples, maxlen=args.fit_window)
+    held: tuple[WorkloadSnapshot, set[str], float] | None = None  # (snapshot, done, read at)
     for i, r in enumerate(plan):
         due = t_replay + r.offset_s * scale
         delay = due - clock()
@@ -500,7 +501,11 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
             round(r.num_output_tokens * (1 + lrng.uniform(-args.length_error, args.length_error))),
         )
         probe = Probe(r.num_prompt_tokens, pred_out, r.num_output_tokens)
-        snap, done = runner.read()
+        # the newest snapshot, or with --snapshot-period-ms the one held since the last
+        # refresh (as the estimator's refresh loop reads them; `done` as of that read)
+        if held is None or clock() - held[2] >= args.snapshot_period_ms / 1e3:
+            held = (*runner.read(), clock())
+        snap, done = held[0], held[1]
         now = clock()
         now_wall = time.time()
         age = now_wall - snap.wall_time_s
@@ -698,6 +703,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
             "max_input": args.max_input,
             "max_output": args.max_output,
             "length_error": args.length_error,
+            "snapshot_period_ms": args.snapshot_period_ms,
             "ttft_inflation": args.ttft_inflation,
             "idle_mean_ttft_s": idle_ttft,
             "fit": args.fit,
@@ -1359,6 +1365,13 @@ def build_parser() -> argparse.ArgumentParser:
     g1.add_argument(
         "--length-error", type=float, default=0.3, help="predicted output = true x (1 + U(-e, e))"
     )
+    g1.add_argument(
+        "--snapshot-period-ms",
+        type=float,
+        default=0.0,
+        help="estimate from a snapshot re-read only this often (0: the newest, sent after "
+        "every step; the estimator service reads them every 20 ms)",
+    )
     g2 = ap.add_argument_group("parts 2 and 3 (simulated SFS testbed)")
     g2.add_argument("--cluster", type=Path, default=REPO / "configs" / "sim-sfs.toml")
     g2.add_argument("--rates", type=float, nargs="+", default=[2, 4, 8, 12, 16, 24, 32, 40])
@@ -1399,6 +1412,8 @@ def main() -> None:
         ap.error("--ttft-inflation must be > 1")
     if not 0 <= args.length_error < 1:
         ap.error("--length-error must be in [0, 1)")
+    if not 0 <= args.snapshot_period_ms < math.inf:
+        ap.error("--snapshot-period-ms must be a finite number >= 0")
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     img_dir = args.out.parent
