@@ -491,9 +491,9 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
             if first is not None:
                 measured = first - t_replay - m.add_s
                 if latency.correction is not None:
-                    latency.correction.observe("real", m.pred_sfs_s, measured)
+                    latency.correction.observe("real", m.pred_sfs_s, measured, rid2)
                 if latency_flat.correction is not None:
-                    latency_flat.correction.observe("real", m.pred_sfs_flat_s, measured)
+                    latency_flat.correction.observe("real", m.pred_sfs_flat_s, measured, rid2)
                 del unfed[rid2]
         rid = f"m{i}"
         pred_out = max(
@@ -556,6 +556,9 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         ]
         sfs = latency.ttft(state, probe, ledger, now_wall, now)
         sfs_flat = latency_flat.ttft(state_flat, probe, ledger, now_wall, now)
+        for lat in (latency, latency_flat):  # as the service notes its decision's factor
+            if lat.correction is not None:
+                lat.correction.note(rid, "real")
         old = replayer.estimate("real", snap, probe, ledger, model=model)
         num_lps += sfs.source != "sfs"  # not replayable: the service's queue model
         tp = throughput_ttft_s(

@@ -315,7 +315,9 @@ class EstimatorService:
             self.latency.correction,
         )
         if predicted is not None and measured is not None and correction is not None:
-            correction.observe(event.instance_id, predicted / 1e3, measured / 1e3)
+            correction.observe(
+                event.instance_id, predicted / 1e3, measured / 1e3, request_id=event.request_id
+            )
         if self.settings.shared_ledger:
             self.shared_ledger.done(event.request_id, event.instance_id, time.time())
             self._ledger_dirty.set()
@@ -376,6 +378,9 @@ class EstimatorService:
         else:
             self.ledger.add(entry)
         self.instances[chosen.instance_id].arrivals.observe(time.monotonic())
+        if source == "sfs" and self.latency.correction is not None:
+            # the factor the estimate carried, for its feedback (correction.py)
+            self.latency.correction.note(request.request_id, chosen.instance_id)
         self.num_decisions += 1
         return RouteReply(
             request_id=request.request_id,
