@@ -468,7 +468,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
     refits = 0
     replay_samples: list[BatchSample] = []
     recent: deque[BatchSample] = deque(warm_samples, maxlen=args.fit_window)
-    held: tuple[WorkloadSnapshot, set[str], float] | None = None  # (snapshot, done, read at)
+    held_at: float | None = None  # when the snapshot in use (and `done`) was read
     for i, r in enumerate(plan):
         due = t_replay + r.offset_s * scale
         delay = due - clock()
@@ -503,9 +503,8 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         probe = Probe(r.num_prompt_tokens, pred_out, r.num_output_tokens)
         # the newest snapshot, or with --snapshot-period-ms the one held since the last
         # refresh (as the estimator's refresh loop reads them; `done` as of that read)
-        if held is None or clock() - held[2] >= args.snapshot_period_ms / 1e3:
-            held = (*runner.read(), clock())
-        snap, done = held[0], held[1]
+        if held_at is None or clock() - held_at >= args.snapshot_period_ms / 1e3:
+            (snap, done), held_at = runner.read(), clock()
         now = clock()
         now_wall = time.time()
         age = now_wall - snap.wall_time_s
@@ -515,22 +514,14 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
             for rid2, (t_add, e) in submitted.items()
             if rid2 not in visible and rid2 not in done
         ]
+        # unseen requests at their submit times from the snapshot's (before it, < 0:
+        # they are in its first iteration)
         snap_clock = now - age  # the snapshot's time on our clock
-        joined = [e for t_add, e in unseen if t_add < snap_clock]
-        after = [e for t_add, e in unseen if t_add >= snap_clock]
-        offsets = [t_add - snap_clock for t_add, _ in unseen if t_add >= snap_clock]
-        sfs_eval = estimate_from_now(
-            snap, model, probe, after, age, joined=joined, pending_offsets_s=offsets, policy=policy
-        )
-        sfs_point = estimate_from_now(
-            snap,
-            model,
-            probe,
-            after,
-            age,
-            joined=joined,
-            pending_offsets_s=offsets,
-            policy=point_policy,
+        pending = [e for _, e in unseen]
+        offsets = [t_add - snap_clock for t_add, _ in unseen]
+        sfs_eval, sfs_point = (
+            estimate_from_now(snap, model, probe, pending, age, pending_offsets_s=offsets, policy=p)
+            for p in (policy, point_policy)
         )
         calibrated = msgspec.structs.replace(
             snap,

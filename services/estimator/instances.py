@@ -41,6 +41,7 @@ from services.estimator.sfs.replay import (
     OutputPolicy,
     Probe,
     admissible_pending,
+    in_dispatch_order,
     kernel_state,
     run_in_flight,
     run_on_state,
@@ -239,9 +240,9 @@ class LatencyEstimator:
         #    idle); unseen dispatches join the first that starts after them, the rest
         #    (and the probe) wait behind the one in flight.
         entries, _ = admissible_pending(pending, snap, visible)
-        offset = {e.request_id: e.dispatched_at_s - snap_t for e in pending}
-        unseen = [(offset[e[0]], e) for e in entries]
-        unseen.sort(key=lambda u: u[0])  # stable: dispatch order
+        unseen = in_dispatch_order(
+            entries, {e.request_id: e.dispatched_at_s - snap_t for e in pending}
+        )
         in_flight_s, later = run_in_flight(st, model.raw, age_s, self.max_steps, policy, unseen)
         # 2. The replay from its end to the probe's first token.
         r = run_on_state(

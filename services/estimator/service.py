@@ -314,9 +314,12 @@ class EstimatorService:
             event.ttft_ms,
             self.latency.correction,
         )
-        if predicted is not None and measured is not None and correction is not None:
+        if correction is not None:  # also without a TTFT: it drops the decision's note
             correction.observe(
-                event.instance_id, predicted / 1e3, measured / 1e3, request_id=event.request_id
+                event.instance_id,
+                math.nan if predicted is None else predicted / 1e3,
+                math.nan if measured is None else measured / 1e3,
+                request_id=event.request_id,
             )
         if self.settings.shared_ledger:
             self.shared_ledger.done(event.request_id, event.instance_id, time.time())

@@ -85,22 +85,22 @@ class Generation:
         consumer has not taken yet). Nothing waits for more; the first token goes out
         the moment it arrives.
         """
-        held: GatewayEvent | ClientGone | None = first  # taken from the queue, not yet handled
+        held: GatewayEvent | None = first  # taken from the queue, not yet handled
         while True:
             event = held if held is not None else await self.next_event()
             held = None
-            if isinstance(event, ClientGone):
-                raise ClientDisconnected
             if isinstance(event, RequestFailed):
                 self.is_engine_done = True
                 raise failure(event)
             assert isinstance(event, TokenDelta)
             text, ids, lps, tops = self._take(event)
-            # Merge what is already queued, up to the end of the answer or a non-delta
-            # (a failure or the client's disconnect), which the next round handles.
+            # Merge what is already queued, up to the end of the answer or a failure
+            # (the next round reports it, after this text); a gone client ends it here.
             queue = self.stream.events
             while self.finish_reason is None and not queue.empty():
                 nxt = queue.get_nowait()
+                if isinstance(nxt, ClientGone):
+                    raise ClientDisconnected
                 if not isinstance(nxt, TokenDelta):
                     held = nxt
                     break

@@ -102,5 +102,8 @@ def test_notes_are_bounded_and_used_once() -> None:
     assert "y" not in corr._noted and "x" not in corr._noted
     corr.observe("a", 2.0, 2.0, request_id="x")  # not noted (dropped): the factor in force
     assert corr.factor("a") == pytest.approx(2.0)
+    corr.note("w", "a")
+    corr.observe("a", math.nan, math.nan, request_id="w")  # no TTFT (failed): note dropped
+    assert "w" not in corr._noted and corr.factor("a") == pytest.approx(2.0)
     with pytest.raises(ValueError):
         TtftCorrection(max_noted=-1)

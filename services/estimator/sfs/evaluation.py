@@ -32,6 +32,7 @@ from services.estimator.sfs.replay import (
     PendingLike,
     Probe,
     admissible_pending,
+    in_dispatch_order,
     kernel_state,
     run_in_flight,
     run_on_state,
@@ -154,18 +155,14 @@ def estimate_from_now(
     policy = (policy or OutputPolicy()).for_snapshot(snapshot)
     st = kernel_state(snapshot, policy)
     coefs = model.raw
-    early, _ = admissible_pending(joined, snapshot)
-    early_ids = {e[0] for e in early}
-    pending = list(pending)
+    joined, pending = list(joined), list(pending)
     offsets = [age_s] * len(pending) if pending_offsets_s is None else list(pending_offsets_s)
     if len(offsets) != len(pending):
         raise ValueError("one offset per pending entry")
     offset = {e.request_id: t for e, t in zip(pending, offsets, strict=True)}
-    entries, _ = admissible_pending(pending, snapshot)
-    unseen = [(-math.inf, e) for e in early]
-    unseen += sorted(
-        ((offset[e[0]], e) for e in entries if e[0] not in early_ids), key=lambda u: u[0]
-    )
+    offset.update((e.request_id, -math.inf) for e in joined)  # in the first iteration
+    entries, _ = admissible_pending([*joined, *pending], snapshot)
+    unseen = in_dispatch_order(entries, offset)
     in_flight, later = run_in_flight(st, coefs, age_s, max_steps, policy, unseen)
     r = run_on_state(
         st,

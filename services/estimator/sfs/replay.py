@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -243,6 +243,14 @@ def queue_entry(st: KernelState, entry: Entry, policy: OutputPolicy) -> None:
     st.waiting.append(st.add(rid, prompt, 0, 0, 0, target))
 
 
+def in_dispatch_order(
+    entries: Sequence[Entry], offset_s: Mapping[str, float]
+) -> list[tuple[float, Entry]]:
+    """`run_in_flight`'s `unseen`: (dispatch time - snapshot time, entry) per entry,
+    earliest first (equal times keep their order)."""
+    return sorted(((offset_s[e[0]], e) for e in entries), key=lambda u: u[0])
+
+
 def run_in_flight(
     st: KernelState,
     coefs: tuple[float, ...],
@@ -285,8 +293,6 @@ def run_in_flight(
             # 2. Nothing to run: idle until the next dispatch before now, if any.
             if i < n and unseen[i][0] < age_s:
                 elapsed = max(elapsed, unseen[i][0])
-                queue_entry(st, unseen[i][1], policy)
-                i += 1
                 continue
             break
         elapsed += t
