@@ -79,7 +79,7 @@ from services.estimator.ledger import Ledger, LedgerEntry  # noqa: E402
 from services.estimator.policies import create_policy  # noqa: E402
 from services.estimator.sfs import kernel, native, replay  # noqa: E402
 from services.estimator.sfs.baselines import profile_throughput, throughput_ttft_s  # noqa: E402
-from services.estimator.sfs.batch_time import SFS_H100_QWEN3, BatchTimeModel  # noqa: E402
+from services.estimator.sfs.batch_time import FEATURE_SETS, SFS_H100_QWEN3, BatchTimeModel  # noqa: E402
 from services.estimator.sfs.cluster_sim import (  # noqa: E402
     Arrival,
     ClusterRun,
@@ -147,6 +147,7 @@ class Measured:
     pred_throughput_s: float
     pred_sfs_point_s: float  # as pred_sfs_eval_s, running requests end at bare predictions
     pred_sfs_flat_s: float  # as pred_sfs_s, the snapshot's batch_time_speed left at 1
+    pred_sfs_alt_s: float  # as pred_sfs_s, priced by --compare-feature-set's own fit (nan: none)
     first_token_s: float = math.nan  # seconds from the origin
     ttft_s: float = math.nan  # first token - add_request
     # diagnostics: the snapshot's age at the decision, the bare replay's iterations to
@@ -411,6 +412,21 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
     )
     fitter.add(warm_samples)
     warm_fit = fitter.refit()
+    # --compare-feature-set: a second fit of the same iterations, its own estimator
+    alt_fitter = (
+        None
+        if args.compare_feature_set is None
+        else OnlineBatchTimeFitter(
+            args.compare_feature_set,
+            refit_every=args.refit_every,
+            window=args.fit_window,
+            min_samples=32,
+        )
+    )
+    alt_model: BatchTimeModel | None = None
+    if alt_fitter is not None:
+        alt_fitter.add(warm_samples)
+        alt_model = alt_fitter.refit().model
     model = warm_fit.model
     profile = warm_profile = profile_throughput(warm_samples)
     print(
@@ -442,7 +458,8 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
     est_cfg = EstimatorConfig(default_output_tokens=args.max_output, snapshot_max_age_s=math.inf)
     latency = LatencyEstimator(est_cfg)
     latency_flat = LatencyEstimator(est_cfg)
-    speed = RecentSpeed()
+    latency_alt = LatencyEstimator(est_cfg)
+    speed, alt_speed = RecentSpeed(), RecentSpeed()
     info = WorkerInfo(
         instance_id="real",
         model=args.model,
@@ -454,6 +471,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
     )
     state = create_instance_state(info, None, est_cfg)
     state_flat = create_instance_state(info, None, est_cfg)
+    state_alt = create_instance_state(info, None, est_cfg)
     replayer = SfsReplayer(OutputPolicy(args.max_output))
     policy = OutputPolicy(args.max_output)  # measured length ratios from the snapshots
     point_policy = OutputPolicy(args.max_output, use_measured_ratios=False)
@@ -485,6 +503,10 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
                 profile = profile_throughput(list(recent))
             refits += 1
         speed.observe(model, new)  # the worker's side: its iterations against its calibration
+        if alt_fitter is not None and alt_model is not None:
+            if new and alt_fitter.add(new) is not None and args.fit == "online":
+                alt_model = alt_fitter.model or alt_model
+            alt_speed.observe(alt_model, new)
         # measured TTFTs so far go back to the estimator, as RequestDoneEvent does
         for rid2, m in list(unfed.items()):
             first = runner.first.get(rid2)
@@ -494,6 +516,8 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
                     latency.correction.observe("real", m.pred_sfs_s, measured, rid2)
                 if latency_flat.correction is not None:
                     latency_flat.correction.observe("real", m.pred_sfs_flat_s, measured, rid2)
+                if alt_model is not None and latency_alt.correction is not None:
+                    latency_alt.correction.observe("real", m.pred_sfs_alt_s, measured, rid2)
                 del unfed[rid2]
         rid = f"m{i}"
         pred_out = max(
@@ -534,6 +558,15 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         for st_ in (state, state_flat):
             st_.config_model = model
             st_.snapshot_wall_time_s = snap.wall_time_s
+        if alt_model is not None:
+            state_alt.snapshot = msgspec.structs.replace(
+                snap,
+                batch_time_features=alt_model.feature_set,
+                batch_time_coefs=list(alt_model.coefs),
+                batch_time_speed=alt_speed.factor(snap.wall_time_s),
+            )
+            state_alt.config_model = alt_model
+            state_alt.snapshot_wall_time_s = snap.wall_time_s
         ledger = [  # dispatch times on the wall clock, as the service's ledger has them
             LedgerEntry(
                 e.request_id,
@@ -547,7 +580,12 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         ]
         sfs = latency.ttft(state, probe, ledger, now_wall, now)
         sfs_flat = latency_flat.ttft(state_flat, probe, ledger, now_wall, now)
-        for lat in (latency, latency_flat):  # as the service notes its decision's factor
+        sfs_alt_s = (
+            math.nan
+            if alt_model is None
+            else latency_alt.ttft(state_alt, probe, ledger, now_wall, now).ttft_s
+        )
+        for lat in (latency, latency_flat, latency_alt):  # as the service notes its factor
             if lat.correction is not None:
                 lat.correction.note(rid, "real")
         old = replayer.estimate("real", snap, probe, ledger, model=model)
@@ -582,6 +620,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
                 tp,
                 sfs_point.ttft_s,
                 sfs_flat.ttft_s,
+                sfs_alt_s,
                 snapshot_age_s=age,
                 pred_steps=sfs_eval.num_steps,
                 decide_to_add_s=t_add - now,
@@ -622,6 +661,8 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         "sfs_from_snapshot": err([m.pred_sfs_snapshot_s for m in done_rows]),
         "throughput": err([m.pred_throughput_s for m in done_rows]),
     }
+    if args.compare_feature_set is not None:
+        errors["sfs_compared"] = err([m.pred_sfs_alt_s for m in done_rows])
     queued = [m for m in done_rows if m.queue_at_arrival > 0]
     oos = _model_mape(warm_fit.model, measure_samples)
     result: dict[str, Any] = {
@@ -631,6 +672,8 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         "mape_sfs_from_snapshot": errors["sfs_from_snapshot"]["mape"],
         "mape_sfs_point_lengths": errors["sfs_point_lengths"]["mape"],
         "mape_sfs_without_speed": errors["sfs_without_speed"]["mape"],
+        "mape_sfs_compared": errors.get("sfs_compared", {}).get("mape"),
+        "compared_feature_set": args.compare_feature_set,
         "num_sfs_fell_back_to_lps": num_lps,
         "max_abs_diff_sfs_vs_evaluation_s": max(
             (abs(m.pred_sfs_s - m.pred_sfs_eval_s) for m in done_rows), default=math.nan
@@ -1347,8 +1390,11 @@ def build_parser() -> argparse.ArgumentParser:
     g1.add_argument("--max-num-seqs", type=int, default=32)
     g1.add_argument("--max-num-batched-tokens", type=int, default=256)
     g1.add_argument("--num-kv-blocks", type=int, default=512, help="KV blocks of 64 tokens")
+    g1.add_argument("--feature-set", default="seven-term", choices=list(FEATURE_SETS))
     g1.add_argument(
-        "--feature-set", default="seven-term", choices=["seven-term", "six-term", "four-term"]
+        "--compare-feature-set",
+        choices=list(FEATURE_SETS),
+        help="also estimate with this feature set's own fit, side by side (mape_sfs_compared)",
     )
     g1.add_argument(
         "--fit",
@@ -1445,6 +1491,14 @@ def main() -> None:
                 f"throughput {real['mape_throughput']:.1%} -> {real['mape_throughput'] / real['mape_sfs']:.1f}x better; "
                 f"target SFS <= {TARGET_MAPE:.0%} ({'met' if real['mape_sfs'] <= TARGET_MAPE else 'NOT met'}); "
                 f"paper: {PAPER_MAPE_SFS:.0%} vs {PAPER_MAPE_THROUGHPUT:.0%}",
+                *(
+                    [
+                        f"   side by side, the same estimator on a {real['compared_feature_set']} "
+                        f"fit: MAPE SFS {real['mape_sfs_compared']:.1%}"
+                    ]
+                    if real["compared_feature_set"]
+                    else []
+                ),
                 f"   batch-time model ({bt['feature_set']}): warm-up fit MAPE {bt['warmup_mape_inliers']:.1%} "
                 f"(all {bt['warmup_mape_all']:.1%}), on the replay's batches {bt['warmup_model_mape_on_replay']:.1%}, "
                 f"final fit {bt['final_mape_inliers']:.1%}; paper ~4%; predicted / measured "

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_sfs  # noqa: E402  (the same trace mapping and load calibration)
 
-from services.estimator.sfs.batch_time import SEVEN_TERM, BatchTimeModel  # noqa: E402
+from services.estimator.sfs.batch_time import FEATURE_SETS, SEVEN_TERM, BatchTimeModel  # noqa: E402
 from services.estimator.sfs.cluster_sim import Arrival, sfs_errors_on_sim  # noqa: E402
 from services.estimator.sfs.evaluation import mape, signed_relative_errors  # noqa: E402
 from services.estimator.sfs.replay import OutputPolicy  # noqa: E402
@@ -42,7 +42,7 @@ def main() -> None:
         "--batch-time-json",
         type=Path,
         default=REPO / "results" / "bench_sfs.json",
-        help="bench_sfs output whose final seven-term fit prices the batches",
+        help="bench_sfs output whose final fit (any feature set) prices the batches",
     )
     ap.add_argument("--length-errors", type=float, nargs="+", default=[0.0, 0.3, 0.6])
     ap.add_argument("--ttft-inflation", type=float, default=None, help="default: bench_sfs's")
@@ -70,13 +70,13 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    coefs, source = FALLBACK_COEFS, "built-in fit (2026-11-30)"
+    model, source = BatchTimeModel(SEVEN_TERM, FALLBACK_COEFS), "built-in fit (2026-11-30)"
     if args.batch_time_json.is_file():
         fit = json.loads(args.batch_time_json.read_text()).get("ttft_prediction", {})
         fit = fit.get("batch_time_fit", {})
-        if fit.get("feature_set") == SEVEN_TERM:
-            coefs, source = tuple(fit["final_coefs"]), str(args.batch_time_json)
-    model = BatchTimeModel(SEVEN_TERM, coefs)
+        if fit.get("feature_set") in FEATURE_SETS and fit.get("final_coefs"):
+            model = BatchTimeModel(fit["feature_set"], tuple(fit["final_coefs"]))
+            source = str(args.batch_time_json)
     # part 1's trace mapping and engine limits, from bench_sfs's own defaults
     part1 = bench_sfs.build_parser().parse_args([])
     engine = EngineConfig(  # as bench_sfs part 1 configures its real engine

@@ -33,7 +33,7 @@ from typing import Literal
 
 from services.estimator.ledger import LedgerEntry
 from services.estimator.sfs.baselines import ArrivalRateEstimator, lps_ttft_s
-from services.estimator.sfs.batch_time import SEVEN_TERM, BatchTimeModel, raw_from_chunks
+from services.estimator.sfs.batch_time import EIGHT_TERM, BatchTimeModel, raw_from_chunks
 from services.estimator.sfs.correction import TtftCorrection
 from services.estimator.sfs.fit import FitResult, OnlineBatchTimeFitter
 from services.estimator.sfs.kernel import KernelState
@@ -134,8 +134,8 @@ def create_instance_state(
     if model is not None and model.batch_time_features and model.batch_time_coefs:
         config_model = BatchTimeModel(model.batch_time_features, tuple(model.batch_time_coefs))
     # A configured model (a sim engine's) keeps its feature set; real engines get the
-    # CPU default (batch_time.py says why seven terms).
-    feature_set = config_model.feature_set if config_model is not None else SEVEN_TERM
+    # CPU default (batch_time.py says why eight terms).
+    feature_set = config_model.feature_set if config_model is not None else EIGHT_TERM
     fitter = OnlineBatchTimeFitter(
         feature_set, refit_every=settings.fit_refit_every, min_samples=settings.fit_min_samples
     )

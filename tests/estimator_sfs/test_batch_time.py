@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from services.estimator.sfs.batch_time import (
+    EIGHT_TERM,
     FOUR_TERM,
+    SEVEN_TERM,
     SFS_H100_QWEN3,
     SIX_TERM,
     BatchTimeModel,
@@ -20,7 +22,7 @@ from shared.scheduling.snapshot import BatchSample, describe_batch
 from tests.estimator_sfs.builders import make_scheduler, step
 
 
-@pytest.mark.parametrize("feature_set", [SIX_TERM, FOUR_TERM])
+@pytest.mark.parametrize("feature_set", [SIX_TERM, FOUR_TERM, SEVEN_TERM, EIGHT_TERM])
 def test_sample_and_batch_give_the_same_features(feature_set: str) -> None:
     s = make_scheduler(max_num_batched_tokens=16)
     s.add("a", 5, 20)
@@ -44,6 +46,14 @@ def test_six_term_features_by_hand() -> None:
     assert features(SIX_TERM, batch) == [1, 15, 225, 1, 21, 36 + 225]
     # four-term: P + D, decode context before (5), prefill 15 * 0 + 15 * 16 / 2
     assert features(FOUR_TERM, batch) == [1, 16, 5, 120]
+    # eight-term: six-term, D^2, and HP = 1 (the batch prefills)
+    assert features(EIGHT_TERM, batch) == [1, 15, 225, 1, 21, 36 + 225, 1, 1]
+    s.commit(batch)
+    s.commit(s.schedule())  # c's two more prefill chunks (15, 10)
+    s.commit(s.schedule())
+    decode_only = s.schedule()
+    assert not decode_only.num_prefill_tokens
+    assert features(EIGHT_TERM, decode_only)[-1] == 0
 
 
 def synthetic_samples(
@@ -114,6 +124,25 @@ def test_four_term_fit_recovers_coefficients() -> None:
     fit = fit_batch_time(samples, FOUR_TERM)
     for got, exp in zip(fit.model.coefs, true.coefs, strict=True):
         assert got == pytest.approx(exp, rel=0.05)
+
+
+def test_eight_term_fit_prices_a_fixed_prefill_cost() -> None:
+    """Iterations that prefill pay a fixed cost: the eight-term fit recovers it and prices
+    prefill iterations right in sum; the seven-term fit, which cannot express it, fits
+    worse (on a CPU engine it priced them 3.4% short: batch_time.py)."""
+    b0, bp, bpp, bd, bs, bs2, bd2 = 0.016, 1.4e-4, 3e-8, 3e-4, 4e-6, 8e-10, 2e-6
+    true = BatchTimeModel(EIGHT_TERM, (b0, bp, bpp, bd, bs, bs2, bd2, 0.007))
+    samples, _ = synthetic_samples(true, 3000, 0.0, seed=7, noise=0.005)
+    eight = fit_batch_time(samples, EIGHT_TERM)
+    seven = fit_batch_time(samples, SEVEN_TERM)
+    assert eight.model.coefs[-1] == pytest.approx(0.007, rel=0.1)
+    prefill = [x for x in samples if x.num_prefill_tokens]
+
+    def sum_ratio(model: BatchTimeModel) -> float:
+        return sum(model.predict(x) for x in prefill) / sum(x.duration_s for x in prefill)
+
+    assert sum_ratio(eight.model) == pytest.approx(1.0, abs=0.01)
+    assert eight.mape_inliers < seven.mape_inliers
 
 
 def test_huber_resists_outliers() -> None:

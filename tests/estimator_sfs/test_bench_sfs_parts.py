@@ -141,7 +141,7 @@ def test_from_now_on_an_idle_engine_is_the_probe_alone() -> None:
     got = estimate_from_now(snap, MODEL, Probe(10, 5, 20), [], 0.5)
     assert got.in_flight_s == 0.0
     # one batch: the probe's 10-token prefill, context 10 after the step
-    assert got.ttft_s == pytest.approx(MODEL.predict_raw([1, 10, 100, 0, 10, 100, 0, 55, 0]))
+    assert got.ttft_s == pytest.approx(MODEL.predict_raw([1, 10, 100, 0, 10, 100, 0, 55, 0, 1]))
 
 
 def test_from_now_counts_only_what_is_left_of_the_step_in_flight() -> None:
@@ -178,7 +178,7 @@ def test_from_now_with_a_snapshot_older_than_one_iteration(
     engine.step()  # the three prefills
     engine.step()
     snap, t_snap = engine.snapshot(), engine.now()
-    decode_s = SIM_MODEL.predict_raw([1, 0, 0, 3, 0, 0, 0, 0, 9])  # three decodes
+    decode_s = SIM_MODEL.predict_raw([1, 0, 0, 3, 0, 0, 0, 0, 9, 0])  # three decodes
     arrival = t_snap + steps_since * decode_s
     unseen: list[PendingRequest] = []
     offsets: list[float] = []

@@ -8,7 +8,13 @@ import random
 
 import pytest
 
-from services.estimator.sfs.batch_time import FOUR_TERM, SEVEN_TERM, SIX_TERM, BatchTimeModel
+from services.estimator.sfs.batch_time import (
+    EIGHT_TERM,
+    FOUR_TERM,
+    SEVEN_TERM,
+    SIX_TERM,
+    BatchTimeModel,
+)
 from services.estimator.sfs.replay import (
     PROBE_ID,
     OutputPolicy,
@@ -76,10 +82,12 @@ MODEL_PER_SET = {
     FOUR_TERM: BatchTimeModel(FOUR_TERM, (1e-2, 3e-4, 2e-6, 1e-6)),
     # The decode group's closed form must price D^2 over its bulk-skipped steps too.
     SEVEN_TERM: BatchTimeModel(SEVEN_TERM, (*MODEL.coefs, 4e-5)),
+    # ... and HP only on the steps that prefill (none of the bulk-skipped ones).
+    EIGHT_TERM: BatchTimeModel(EIGHT_TERM, (*MODEL.coefs, 4e-5, 3e-3)),
 }
 
 
-@pytest.mark.parametrize("feature_set", [SIX_TERM, FOUR_TERM, SEVEN_TERM])
+@pytest.mark.parametrize("feature_set", [SIX_TERM, FOUR_TERM, SEVEN_TERM, EIGHT_TERM])
 def test_fast_kernel_equals_scheduler_on_random_workloads(
     feature_set: str, kernel_impl: str
 ) -> None:

@@ -3,6 +3,7 @@ their robust fit, the scheduler replay that predicts TTFT/E2E from a snapshot, t
 throughput and LPS-queue baselines, and the routing utilities. Pure: no I/O."""
 
 from services.estimator.sfs.batch_time import (
+    EIGHT_TERM,
     FOUR_TERM,
     SEVEN_TERM,
     SIX_TERM,
@@ -21,6 +22,7 @@ from services.estimator.sfs.replay import (
 )
 
 __all__ = [
+    "EIGHT_TERM",
     "FOUR_TERM",
     "SEVEN_TERM",
     "SIX_TERM",

@@ -11,6 +11,7 @@ so the replay kernel accumulates those sums once and any feature set prices them
     DC  = sum over decode chunks of the context *before* the step (tokens)
     PC  = sum over prefill chunks of (chunk * context_before + chunk * (chunk + 1) / 2)
     DD  = D squared
+    HP  = 1 when the batch holds a prefill chunk, else 0
 
 Feature sets (coefficients in seconds per feature unit):
 
@@ -23,6 +24,14 @@ Feature sets (coefficients in seconds per feature unit):
   cost is convex in its size; measured on smollm2-small (10,875 iterations, batches
   of 1-32) the six-term fit priced batches of 25-32 requests 21% short (-20% TTFT
   in deep queues), the D^2 term cut that to 9% and the overall error 5.1% -> 4.2%.
+* ``"eight-term"`` (Baton's CPU default since the thirteenth session): seven-term +
+  b_hp*HP, a fixed cost of every iteration that prefills. The engine's prefill path
+  (its own attention call, the chunk's metadata, the prompt's first tokens in the
+  sampler) costs the same whatever the chunk's size, and without the term the fit
+  spread it over P and b0: on bench_sfs part 1's 6,064 replay iterations
+  (smollm2-small, an Intel Xeon) the online seven-term fit priced prefill iterations
+  3.4% short in sum and decode-only ones 1.6% long; with HP 1.1% short and 1.1% long,
+  prefill MAPE 7.3% -> 6.5%. A queued request waits through prefill iterations.
 
 Context "after the step" is what `BatchSample.context_lens` records (chunk end).
 """
@@ -38,15 +47,17 @@ from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot
 SIX_TERM = "six-term"
 FOUR_TERM = "four-term"
 SEVEN_TERM = "seven-term"
+EIGHT_TERM = "eight-term"
 
 # Raw sums, in this order, are what the replay kernel accumulates per step.
-RAW_SUMS = ("one", "P", "PP", "D", "S", "S2", "DC", "PC", "DD")
+RAW_SUMS = ("one", "P", "PP", "D", "S", "S2", "DC", "PC", "DD", "HP")
 NUM_RAW = len(RAW_SUMS)
 
 FEATURE_SETS: dict[str, tuple[str, ...]] = {
     SIX_TERM: ("b0", "b_p", "b_p2", "b_d", "b_s", "b_s2"),
     FOUR_TERM: ("b0", "b1", "b2", "b3"),
     SEVEN_TERM: ("b0", "b_p", "b_p2", "b_d", "b_s", "b_s2", "b_d2"),
+    EIGHT_TERM: ("b0", "b_p", "b_p2", "b_d", "b_s", "b_s2", "b_d2", "b_hp"),
 }
 
 
@@ -60,11 +71,13 @@ def num_features(feature_set: str) -> int:
 
 def features_from_raw(feature_set: str, raw: Sequence[float]) -> list[float]:
     """Feature vector of one batch from its raw sums (order of RAW_SUMS)."""
-    one, p, pp, d, s, s2, dc, pc, dd = raw
+    one, p, pp, d, s, s2, dc, pc, dd, hp = raw
     if feature_set == SIX_TERM:
         return [one, p, pp, d, s, s2]
     if feature_set == SEVEN_TERM:
         return [one, p, pp, d, s, s2, dd]
+    if feature_set == EIGHT_TERM:
+        return [one, p, pp, d, s, s2, dd, hp]
     if feature_set == FOUR_TERM:
         return [one, p + d, dc, pc]
     raise ValueError(f"unknown batch-time feature set {feature_set!r}")
@@ -76,12 +89,15 @@ def raw_coefs(feature_set: str, coefs: Sequence[float]) -> tuple[float, ...]:
         raise ValueError(f"{feature_set} takes {num_features(feature_set)} coefficients")
     if feature_set == SIX_TERM:
         b0, bp, bpp, bd, bs, bs2 = coefs
-        return (b0, bp, bpp, bd, bs, bs2, 0.0, 0.0, 0.0)
+        return (b0, bp, bpp, bd, bs, bs2, 0.0, 0.0, 0.0, 0.0)
     if feature_set == SEVEN_TERM:
         b0, bp, bpp, bd, bs, bs2, bd2 = coefs
-        return (b0, bp, bpp, bd, bs, bs2, 0.0, 0.0, bd2)
+        return (b0, bp, bpp, bd, bs, bs2, 0.0, 0.0, bd2, 0.0)
+    if feature_set == EIGHT_TERM:
+        b0, bp, bpp, bd, bs, bs2, bd2, bhp = coefs
+        return (b0, bp, bpp, bd, bs, bs2, 0.0, 0.0, bd2, bhp)
     b0, b1, b2, b3 = coefs
-    return (b0, b1, 0.0, b1, 0.0, 0.0, b2, b3, 0.0)
+    return (b0, b1, 0.0, b1, 0.0, 0.0, b2, b3, 0.0, 0.0)
 
 
 def raw_from_chunks(chunks: Sequence[tuple[int, int, bool]]) -> list[float]:
@@ -98,7 +114,7 @@ def raw_from_chunks(chunks: Sequence[tuple[int, int, bool]]) -> list[float]:
             p += n
             pp += n * n
             pc += n * start + n * (n + 1) // 2
-    return [1.0, p, pp, d, s, s2, dc, pc, d * d]
+    return [1.0, p, pp, d, s, s2, dc, pc, d * d, float(p > 0)]
 
 
 def raw_from_batch(batch: ScheduledBatch) -> list[float]:
@@ -128,7 +144,8 @@ def raw_from_sample(sample: BatchSample) -> list[float]:
         pc += n * (end - n) + n * (n + 1) // 2
     pp = sum(n * n for n in sample.chunk_sizes)
     d = sample.num_decode_tokens
-    return [1.0, sample.num_prefill_tokens, pp, d, s, s2, dc, pc, d * d]
+    hp = float(bool(sample.chunk_sizes))
+    return [1.0, sample.num_prefill_tokens, pp, d, s, s2, dc, pc, d * d, hp]
 
 
 def features(feature_set: str, batch: BatchSample | ScheduledBatch) -> list[float]:

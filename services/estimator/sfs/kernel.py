@@ -318,12 +318,12 @@ class KernelState:
     def _group_time(self, k: int, m: int, coefs: tuple[float, ...]) -> float:
         """Modeled seconds of the group alone over steps k+1 .. k+m (closed form).
 
-        Step t: D = g, S = C + g t, S2 = Q + 2 C t + g t^2, DC = S - g, DD = g^2.
+        Step t: D = g, S = C + g t, S2 = Q + 2 C t + g t^2, DC = S - g, DD = g^2, HP = 0.
         """
         g, c_sum, q_sum = self.g, self.g_c, self.g_q
         t1 = (k + m) * (k + m + 1) // 2 - k * (k + 1) // 2
         t2 = (k + m) * (k + m + 1) * (2 * (k + m) + 1) // 6 - k * (k + 1) * (2 * k + 1) // 6
-        c0, _, _, cd, cs, cs2, cdc, _, cdd = coefs
+        c0, _, _, cd, cs, cs2, cdc, _, cdd, _ = coefs
         s_tot = m * c_sum + g * t1
         return (
             m * (c0 + cd * g + cdd * g * g)
@@ -484,10 +484,9 @@ class KernelState:
             held[i] = 0
         if g:
             self._finish_members(k)
-        c0, cp, cpp, cd, cs, cs2, cdc, cpc, cdd = coefs
-        return (
-            c0 + cp * p + cpp * pp + cd * d + cs * s + cs2 * s2 + cdc * dc + cpc * pc + cdd * d * d
-        )
+        c0, cp, cpp, cd, cs, cs2, cdc, cpc, cdd, chp = coefs
+        t = c0 + cp * p + cpp * pp + cd * d + cs * s + cs2 * s2 + cdc * dc + cpc * pc + cdd * d * d
+        return t + chp if p else t
 
     # ---- the replay ----------------------------------------------------------------------
 
