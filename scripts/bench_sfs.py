@@ -155,6 +155,9 @@ class Measured:
     snapshot_age_s: float = math.nan
     pred_steps: int = 0
     decide_to_add_s: float = math.nan
+    # the bare replay's end of the iteration in flight, seconds from the snapshot (0: idle)
+    pred_in_flight_s: float = math.nan
+    decide_wall_s: float = math.nan  # time.time() at the decision (batch samples' clock)
 
 
 def _engine_process_main(
@@ -624,6 +627,8 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
                 snapshot_age_s=age,
                 pred_steps=sfs_eval.num_steps,
                 decide_to_add_s=t_add - now,
+                pred_in_flight_s=sfs_eval.in_flight_s,
+                decide_wall_s=now_wall,
             )
         )
         unfed[rid] = rows[-1]
@@ -1390,7 +1395,7 @@ def build_parser() -> argparse.ArgumentParser:
     g1.add_argument("--max-num-seqs", type=int, default=32)
     g1.add_argument("--max-num-batched-tokens", type=int, default=256)
     g1.add_argument("--num-kv-blocks", type=int, default=512, help="KV blocks of 64 tokens")
-    g1.add_argument("--feature-set", default="seven-term", choices=list(FEATURE_SETS))
+    g1.add_argument("--feature-set", default="eight-term", choices=list(FEATURE_SETS))
     g1.add_argument(
         "--compare-feature-set",
         choices=list(FEATURE_SETS),

@@ -17,42 +17,73 @@ from collections import deque
 from collections.abc import Iterator
 
 
+class _Window:
+    """A sliding window of ratios and its midpoint quantiles, cached until a record."""
+
+    def __init__(self, window: int, min_samples: int, num_quantiles: int) -> None:
+        self.min_samples = min_samples
+        self.num_quantiles = num_quantiles
+        self.ratios: deque[float] = deque(maxlen=window)
+        self._quantiles: list[float] | None = []  # None: stale, recompute on read
+
+    def add(self, ratio: float) -> None:
+        self.ratios.append(ratio)
+        self._quantiles = None
+
+    def quantiles(self) -> list[float]:
+        if self._quantiles is None:
+            if len(self.ratios) < self.min_samples:
+                self._quantiles = []
+            else:
+                s = sorted(self.ratios)
+                n, q = len(s), self.num_quantiles
+                self._quantiles = [
+                    round(s[min(n - 1, int((k + 0.5) * n / q))], 4) for k in range(q)
+                ]
+        return list(self._quantiles)  # a copy: every snapshot gets its own list
+
+
 class LengthRatios:
-    """A sliding window of actual / predicted output lengths and its quantiles."""
+    """Sliding windows of actual / predicted output lengths and their quantiles, one for
+    requests predicted to end below their max_tokens and one for those predicted at or
+    past it (`capped`).
+
+    Why two: a request predicted past its cap ends at the cap unless it stops first,
+    so its ratio (against the prediction clamped to the cap) is at most 1 and often
+    exactly 1; one predicted below its cap can run long. In one window the two mix,
+    and the replay drew the capped ones' "1" for requests predicted short too: on a
+    max_tokens-bound sim (lengths predicted +-30%, every request cut at its true
+    length) queued estimates came out 10% low in deep queues. The replay picks each
+    request's window by the same test (`OutputPolicy.target`).
+    """
 
     def __init__(self, window: int = 512, min_samples: int = 32, num_quantiles: int = 16) -> None:
         if window < 1 or min_samples < 1 or num_quantiles < 1:
             raise ValueError("window, min_samples and num_quantiles must be >= 1")
-        self.min_samples = min_samples
-        self.num_quantiles = num_quantiles
-        self._ratios: deque[float] = deque(maxlen=window)
-        self._quantiles: list[float] | None = []  # None: stale, recompute on read
+        self._below = _Window(window, min_samples, num_quantiles)
+        self._capped = _Window(window, min_samples, num_quantiles)
 
     def __len__(self) -> int:
-        return len(self._ratios)
+        return len(self._below.ratios) + len(self._capped.ratios)
 
     def __iter__(self) -> Iterator[float]:
-        """The window's ratios, oldest first."""
-        return iter(self._ratios)
+        """Every ratio held: the below-cap window's, then the capped one's, oldest first."""
+        yield from self._below.ratios
+        yield from self._capped.ratios
 
     def record(self, predicted: int | None, actual: int, max_tokens: int) -> None:
         """One finished request. The prediction is clamped to max_tokens first (the
         replay clamps it too), so a request cut at max_tokens reads as ratio >= 1."""
         if predicted is None or predicted < 1 or actual < 1:
             return
-        self._ratios.append(actual / min(predicted, max_tokens))
-        self._quantiles = None
+        window = self._capped if predicted >= max_tokens else self._below
+        window.add(actual / min(predicted, max_tokens))
 
     def quantiles(self) -> list[float]:
-        """Midpoint quantiles (k + 1/2) / n of the window, ascending, rounded to 4
-        digits; [] until min_samples requests were recorded."""
-        if self._quantiles is None:
-            if len(self._ratios) < self.min_samples:
-                self._quantiles = []
-            else:
-                s = sorted(self._ratios)
-                n, q = len(s), self.num_quantiles
-                self._quantiles = [
-                    round(s[min(n - 1, int((k + 0.5) * n / q))], 4) for k in range(q)
-                ]
-        return list(self._quantiles)  # a copy: every snapshot gets its own list
+        """Midpoint quantiles (k + 1/2) / n of the below-cap window, ascending, rounded
+        to 4 digits; [] until min_samples such requests were recorded."""
+        return self._below.quantiles()
+
+    def capped_quantiles(self) -> list[float]:
+        """The same for requests predicted at or past their max_tokens."""
+        return self._capped.quantiles()

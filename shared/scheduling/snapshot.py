@@ -93,8 +93,12 @@ class WorkloadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     # this ** exp(-T / speed_horizon_s)
     batch_time_speed: float = 1.0
     # quantiles of actual / predicted output length of requests finished here lately
-    # (shared.scheduling.lengths); [] until enough of them had a prediction
+    # (shared.scheduling.lengths), of those predicted below their max_tokens; [] until
+    # enough of them had a prediction
     output_length_ratios: list[float] = []
+    # the same for requests predicted at or past their max_tokens (the prediction
+    # clamped to it)
+    output_length_ratios_capped: list[float] = []
 
     @property
     def carries_calibration(self) -> bool:
@@ -258,6 +262,7 @@ def take_snapshot(scheduler: Scheduler, version: int, wall_time_s: float) -> Wor
         **_request_columns(reqs),
         num_blocks=[len(r.block_ids) for r in reqs],
         output_length_ratios=scheduler.length_ratios.quantiles(),
+        output_length_ratios_capped=scheduler.length_ratios.capped_quantiles(),
     )
 
 

@@ -20,18 +20,25 @@ from shared.scheduling.snapshot import RequestCounters, WorkloadSnapshot, take_s
 from tests.estimator_sfs.builders import make_scheduler
 
 
-def test_ratios_wait_for_enough_samples_and_clamp_to_max_tokens() -> None:
+def test_ratios_wait_for_enough_samples_and_keep_capped_predictions_apart() -> None:
     lr = LengthRatios(window=8, min_samples=3, num_quantiles=2)
     lr.record(None, 50, 100)  # no prediction: nothing to compare
     lr.record(100, 50, 1000)
     lr.record(100, 150, 1000)
     assert lr.quantiles() == []  # 2 < min_samples
-    lr.record(400, 100, 100)  # cut at max_tokens: the prediction counts as 100
+    lr.record(400, 100, 100)  # predicted past its cap: the other window, against 100
     assert len(lr) == 3
+    assert lr.quantiles() == [] and lr.capped_quantiles() == []
+    lr.record(100, 100, 1000)
     assert lr.quantiles() == [0.5, 1.5]  # sorted [0.5, 1.0, 1.5], midpoints 1/4 and 3/4
+    lr.record(300, 80, 100)  # cut short of its cap: 80 / 100
+    lr.record(100, 80, 100)  # a prediction at the cap counts as capped
+    assert lr.capped_quantiles() == [0.8, 1.0]  # sorted [0.8, 0.8, 1.0]
+    assert lr.quantiles() == [0.5, 1.5]  # untouched by capped ones
     for _ in range(8):  # the window forgets the oldest
         lr.record(10, 20, 100)
     assert lr.quantiles() == [2.0, 2.0]
+    assert lr.capped_quantiles() == [0.8, 1.0]
 
 
 def test_only_completed_requests_are_recorded_and_the_snapshot_carries_them() -> None:
@@ -62,6 +69,12 @@ def test_target_is_one_of_the_ends_still_ahead_fixed_by_the_request_id() -> None
     assert {p.target(100, 120, 0, rid) for rid in ids} == {50, 100, 120}  # capped
     assert p.target(None, 1000, 0, "x") == 128  # no prediction: the default, unscaled
     assert OutputPolicy().target(100, 1000, 120, "x") == 121  # bare: ends at once
+    # predicted at or past the cap: the capped ratios (none here: the cap itself)
+    assert {p.target(130, 120, 0, rid) for rid in ids} == {120}
+    both = OutputPolicy(length_ratios=(1.5,), capped_length_ratios=(0.5, 1.0))
+    assert {both.target(130, 120, 0, rid) for rid in ids} == {60, 120}
+    assert {both.target(100, 120, 0, rid) for rid in ids} == {120}  # 150, capped
+    assert {both.target(100, 200, 0, rid) for rid in ids} == {150}
 
 
 def test_policy_takes_the_snapshots_ratios_unless_told_otherwise() -> None:
@@ -84,6 +97,26 @@ def test_policy_takes_the_snapshots_ratios_unless_told_otherwise() -> None:
     given = OutputPolicy(length_ratios=(1.5,))
     assert given.for_snapshot(snap) is given
     assert kernel_state(snap, given).target == [45]
+
+
+def test_a_request_predicted_past_its_cap_draws_from_capped_requests_ratios() -> None:
+    """A request predicted at or past its max_tokens ends where such requests ended
+    (here: at their cap), not where requests predicted short of theirs ran on to."""
+    s = make_scheduler(max_num_batched_tokens=64)
+    s.length_ratios = LengthRatios(min_samples=1, num_quantiles=1)
+    for rid, pred, cap, actual in (("short", 10, 100, 20), ("capped", 50, 40, 40)):
+        s.add(rid, 4, cap, predicted_output_tokens=pred)
+        s.commit(s.schedule())
+        s.requests[rid].num_output_tokens = actual
+        s.finish(s.requests[rid], completed=True)
+    s.add("run-short", 4, 100, predicted_output_tokens=30)
+    s.add("run-capped", 4, 25, predicted_output_tokens=30)
+    s.commit(s.schedule())
+    snap = take_snapshot(s, 1, 0.0)
+    assert snap.output_length_ratios == [2.0] and snap.output_length_ratios_capped == [1.0]
+    policy = OutputPolicy().for_snapshot(snap)
+    assert policy.capped_length_ratios == (1.0,)
+    assert kernel_state(snap, OutputPolicy()).target == [60, 25]  # 30 x 2.0; the cap
 
 
 # bench_sfs part 1's engine limits and a seven-term fit of smollm2-small, on a virtual clock
@@ -156,6 +189,7 @@ def test_parsed_targets_equal_the_scalar_rule(kernel_impl: str) -> None:
             default_output_tokens=rng.randint(1, 300),
             min_remaining_tokens=rng.randint(1, 4),
             length_ratios=tuple(rng.uniform(0.3, 2.5) for _ in range(rng.choice([0, 1, 8, 16]))),
+            capped_length_ratios=tuple(rng.uniform(0.2, 1.2) for _ in range(rng.choice([0, 1, 8]))),
         )
         n = rng.randint(1, 40)
         rows = [

@@ -83,6 +83,7 @@ def build_state(
     min_remaining: int,
     ratios: list[float],
     group: bool = True,
+    capped_ratios: list[float] | None = None,
 ) -> KernelState:
     """A snapshot's scheduler state from its columns, its decode group formed when
     `group` (compiled with the kernel: this runs once per new snapshot per instance).
@@ -91,7 +92,8 @@ def build_state(
     are running, then pending, then waiting requests (a snapshot's columns);
     `predicted` holds -1 for none, `blocks` the KV blocks each running or pending
     request holds. The lists are copied (the state mutates its own). Each request's end
-    is `replay.OutputPolicy.target` with `ratios`: the same integers.
+    is `replay.OutputPolicy.target` with `ratios` (`capped_ratios` for a request
+    predicted at or past its max_tokens): the same integers.
     """
     max_seqs, max_batched, bs, num_kv_blocks = limits
     n = len(ids)
@@ -106,7 +108,7 @@ def build_state(
     held += [0] * (n - num_held)
     if used > num_kv_blocks:
         raise ValueError(f"the snapshot holds {used} KV blocks, more than its {num_kv_blocks}")
-    num_ratios = len(ratios)
+    capped: list[float] = [] if capped_ratios is None else capped_ratios
     target = [0] * n
     for i in range(n):
         pred = predicted[i]
@@ -118,6 +120,8 @@ def build_state(
         if t > cap:
             t = cap
         end = o + min_remaining if t < o + min_remaining else t
+        rs = capped if pred >= cap else ratios
+        num_ratios = len(rs)
         if num_ratios and pred >= 0:
             # The ends clamp(round(t r), 1, cap) ascend with the ratios, so the ones
             # still ahead of the output are a suffix: bisect for its first index
@@ -126,7 +130,7 @@ def build_state(
             if o > 0:
                 while lo < hi:
                     mid = (lo + hi) >> 1
-                    e = _round_half_even(t * ratios[mid])
+                    e = _round_half_even(t * rs[mid])
                     e = 1 if e < 1 else e
                     if (cap if e > cap else e) > o:
                         hi = mid
@@ -134,7 +138,7 @@ def build_state(
                         lo = mid + 1
             alive = num_ratios - lo
             if alive:
-                e = _round_half_even(t * ratios[lo + zlib.crc32(ids[i].encode()) % alive])
+                e = _round_half_even(t * rs[lo + zlib.crc32(ids[i].encode()) % alive])
                 e = 1 if e < 1 else e
                 end = cap if e > cap else e
         target[i] = end

@@ -100,25 +100,34 @@ class OutputPolicy:
     waits for the *earliest* of the running requests to end, and the earliest of
     their expected ends is later than their expected earliest end. A fixed draw per
     request keeps the running set's spread of ends, so its earliest one, unbiased
-    (docs/sfs.md, "Bias from length predictions").
+    (docs/sfs.md, "Bias from length predictions"). A request predicted at or past its
+    max_tokens draws from `capped_length_ratios` instead, measured on such requests
+    (`shared.scheduling.lengths` says why the two are kept apart).
     """
 
     default_output_tokens: int = 128  # for requests without a prediction
     min_remaining_tokens: int = 1  # for requests past every ratio's end
     length_ratios: tuple[float, ...] = ()  # quantiles of actual / predicted; () = trust it
     use_measured_ratios: bool = True  # for_snapshot takes the snapshot's measured ratios
+    # the same for requests predicted at or past their max_tokens; () = trust it
+    capped_length_ratios: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:  # ascending, so a request's possible ends are too
         object.__setattr__(self, "length_ratios", tuple(sorted(self.length_ratios)))
+        object.__setattr__(self, "capped_length_ratios", tuple(sorted(self.capped_length_ratios)))
 
     def for_snapshot(self, snapshot: WorkloadSnapshot) -> OutputPolicy:
         """This policy with the ratios the instance measured (its snapshot's
         `output_length_ratios`), unless ratios were given or measuring is off."""
-        if self.length_ratios or not self.use_measured_ratios:
+        if self.length_ratios or self.capped_length_ratios or not self.use_measured_ratios:
             return self
-        if not snapshot.output_length_ratios:
+        if not (snapshot.output_length_ratios or snapshot.output_length_ratios_capped):
             return self
-        return dataclasses.replace(self, length_ratios=tuple(snapshot.output_length_ratios))
+        return dataclasses.replace(
+            self,
+            length_ratios=tuple(snapshot.output_length_ratios),
+            capped_length_ratios=tuple(snapshot.output_length_ratios_capped),
+        )
 
     def target(
         self, predicted: int | None, max_tokens: int, num_output: int, request_id: str = ""
@@ -127,15 +136,18 @@ class OutputPolicy:
         already has more), always > num_output."""
         t = self.default_output_tokens if predicted is None else predicted
         t = min(max(t, 1), max_tokens)
-        if self.length_ratios and predicted is not None:
+        ratios = (
+            ()
+            if predicted is None
+            else self.capped_length_ratios
+            if predicted >= max_tokens
+            else self.length_ratios
+        )
+        if ratios:
             if num_output <= 0:  # every end (>= 1) is ahead: the drawn one alone
-                r = self.length_ratios[ratio_draw(request_id) % len(self.length_ratios)]
+                r = ratios[ratio_draw(request_id) % len(ratios)]
                 return min(max(1, round(t * r)), max_tokens)
-            alive = [
-                e
-                for r in self.length_ratios
-                if (e := min(max(1, round(t * r)), max_tokens)) > num_output
-            ]
+            alive = [e for r in ratios if (e := min(max(1, round(t * r)), max_tokens)) > num_output]
             if alive:
                 return alive[ratio_draw(request_id) % len(alive)]
         return max(t, num_output + self.min_remaining_tokens)
@@ -190,6 +202,7 @@ def kernel_state(
         policy.min_remaining_tokens,
         list(policy.length_ratios),
         group,
+        list(policy.capped_length_ratios),
     )
     return st
 
