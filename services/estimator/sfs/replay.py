@@ -118,7 +118,8 @@ class OutputPolicy:
 
     def for_snapshot(self, snapshot: WorkloadSnapshot) -> OutputPolicy:
         """This policy with the ratios the instance measured (its snapshot's
-        `output_length_ratios`), unless ratios were given or measuring is off."""
+        `output_length_ratios` and `output_length_ratios_capped`), unless ratios were
+        given or measuring is off."""
         if self.length_ratios or self.capped_length_ratios or not self.use_measured_ratios:
             return self
         if not (snapshot.output_length_ratios or snapshot.output_length_ratios_capped):
