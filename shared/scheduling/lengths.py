@@ -1,13 +1,14 @@
 """How far finished requests' output lengths landed from their predictions.
 
 An engine records actual / predicted output length for every request that finished
-normally (not aborted) and had a prediction; its snapshots carry the ratio's
+normally (not aborted) and had a prediction, in one of two windows by whether the
+prediction reached the request's max_tokens; its snapshots carry each window's
 quantiles, so the estimator's replay can end each running request at one of the
 ends still ahead of it, drawn by its id (`OutputPolicy` in
 `services/estimator/sfs/replay.py`), instead of at the bare prediction, which biases
 every queued TTFT estimate low (docs/sfs.md, "Bias from length predictions").
 
-Pure and cheap: a bounded window of floats, quantiles recomputed only after new
+Pure and cheap: two bounded windows of floats, quantiles recomputed only after new
 records.
 """
 
@@ -54,7 +55,13 @@ class LengthRatios:
     and the replay drew the capped ones' "1" for requests predicted short too: on a
     max_tokens-bound sim (lengths predicted +-30%, every request cut at its true
     length) queued estimates came out 10% low in deep queues. The replay picks each
-    request's window by the same test (`OutputPolicy.target`).
+    request's window by the same test (`OutputPolicy.target`). Until a window holds
+    `min_samples` ratios it has no quantiles and its requests end at their bare
+    predictions (clamped to max_tokens): a request predicted past its cap at the cap,
+    as before any ratio was measured, rather than at ratios of the other kind.
+
+    `window`, `min_samples` and `num_quantiles` apply to each window alike (so
+    `len()` counts up to twice `window`).
     """
 
     def __init__(self, window: int = 512, min_samples: int = 32, num_quantiles: int = 16) -> None:
@@ -72,7 +79,8 @@ class LengthRatios:
         yield from self._capped.ratios
 
     def record(self, predicted: int | None, actual: int, max_tokens: int) -> None:
-        """One finished request. The prediction is clamped to max_tokens first (the
+        """One finished request, into the capped window when its prediction reached
+        max_tokens, else the other. The prediction is clamped to max_tokens first (the
         replay clamps it too), so a request cut at max_tokens reads as ratio >= 1."""
         if predicted is None or predicted < 1 or actual < 1:
             return

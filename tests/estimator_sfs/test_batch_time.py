@@ -145,6 +145,19 @@ def test_eight_term_fit_prices_a_fixed_prefill_cost() -> None:
     assert eight.mape_inliers < seven.mape_inliers
 
 
+def test_a_feature_constant_over_the_window_is_left_to_the_intercept() -> None:
+    """Every iteration prefilled (HP = 1 throughout, a sustained queue): the data cannot
+    tell b_hp from b0. NNLS, which takes columns in order, gives the whole of it to the
+    intercept, so a decode-only batch is priced with it rather than with an arbitrary
+    split (a least-squares solve would split it evenly)."""
+    true = BatchTimeModel(EIGHT_TERM, (0.016, 1.4e-4, 3e-8, 3e-4, 4e-6, 8e-10, 2e-6, 0.007))
+    samples, _ = synthetic_samples(true, 2000, 0.0, seed=8, noise=0.005)
+    prefilling = [x for x in samples if x.num_prefill_tokens]
+    fit = fit_batch_time(prefilling, EIGHT_TERM)
+    assert fit.model.coefs[-1] == 0.0
+    assert fit.model.coefs[0] == pytest.approx(0.016 + 0.007, rel=0.1)
+
+
 def test_huber_resists_outliers() -> None:
     rng = np.random.default_rng(0)
     x = np.column_stack([np.ones(200), rng.uniform(0, 10, 200)])

@@ -19,7 +19,7 @@ Feature sets (coefficients in seconds per feature unit):
   T = b0 + b_p*P + b_p2*PP + b_d*D + b_s*S + b_s2*S2
 * ``"four-term"`` (the SFS paper, eq. 11):
   T = b0 + b1*(P + D) + b2*DC + b3*PC
-* ``"seven-term"`` (Baton's CPU default): six-term + b_d2*DD. On a CPU the linears
+* ``"seven-term"`` (the CPU default before eight-term): six-term + b_d2*DD. On a CPU the linears
   are bandwidth-bound for a few rows and compute-bound from ~8, so a decode batch's
   cost is convex in its size; measured on smollm2-small (10,875 iterations, batches
   of 1-32) the six-term fit priced batches of 25-32 requests 21% short (-20% TTFT
