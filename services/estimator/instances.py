@@ -16,6 +16,10 @@ cannot join it:
 
     TTFT_hat(now) = max(0, T_hat(iteration in flight) - age) + TTFT_hat(rest)
 
+on the model's clock: with the snapshot's recent speed s (measured / modeled time),
+age is taken as age / s and the sum is scaled back by s, faded with the wait
+(`speed.horizon_factor`).
+
 Ledger entries dispatched before the snapshot's time that it does not show queue
 ahead of the iteration in flight (they may be in it); later ones queue behind it,
 ahead of the probe.
@@ -204,12 +208,14 @@ class LatencyEstimator:
             and model is not None
             and state.is_fresh(now_wall_s, self.settings.snapshot_max_age_s)
         ):
+            speed = state.batch_time_speed()
+            if not (math.isfinite(speed) and speed > 0.0):
+                speed = 1.0
             try:
-                ttft_s = self._sfs_ttft_s(state, snap, model, probe, pending, now_wall_s)
+                ttft_s = self._sfs_ttft_s(state, snap, model, probe, pending, now_wall_s, speed)
             except ValueError:  # e.g. more KV held than the capacity: not replayable
                 pass
             else:
-                speed = state.batch_time_speed()
                 if speed != 1.0:
                     ttft_s *= horizon_factor(speed, ttft_s, self.settings.speed_horizon_s)
                 if self.correction is not None:
@@ -225,23 +231,29 @@ class LatencyEstimator:
         probe: Probe,
         pending: list[LedgerEntry],
         now_wall_s: float,
+        speed: float = 1.0,
     ) -> float:
-        """The in-flight-aware replay (module docstring), seconds from now.
+        """The in-flight-aware replay (module docstring), in *modeled* seconds from now.
 
         Same arithmetic as `evaluation.estimate_from_now` on the cached parsed state;
         ages and dispatch times are wall times (the store's time of the snapshot,
-        `LedgerEntry.dispatched_at_s`).
+        `LedgerEntry.dispatched_at_s`), put on the model's clock by dividing by
+        `speed` (measured / modeled iteration time now): an engine running 1.2x the
+        model's time has done 1 / 1.2 of the modeled iterations since its snapshot,
+        and what is left of the one in flight is modeled end - age / speed. The caller
+        scales the result back by the speed (faded with the wait, `horizon_factor`);
+        left on the wall clock, the elapsed part was scaled with the rest.
         """
         base, visible, policy = self._parse(state.instance_id, snap)
         st = base.copy()
         snap_t = state.snapshot_wall_time_s
-        age_s = max(0.0, now_wall_s - snap_t)
+        age_s = max(0.0, now_wall_s - snap_t) / speed
         # 1. The iterations run since the snapshot, to the one in flight now (none:
         #    idle); unseen dispatches join the first that starts after them, the rest
         #    (and the probe) wait behind the one in flight.
         entries, _ = admissible_pending(pending, snap, visible)
         unseen = in_dispatch_order(
-            entries, {e.request_id: e.dispatched_at_s - snap_t for e in pending}
+            entries, {e.request_id: (e.dispatched_at_s - snap_t) / speed for e in pending}
         )
         in_flight_s, later = run_in_flight(st, model.raw, age_s, self.max_steps, policy, unseen)
         # 2. The replay from its end to the probe's first token.

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from services.estimator.instances import LatencyEstimator, create_instance_state
 from services.estimator.ledger import LedgerEntry
-from services.estimator.sfs.batch_time import SIX_TERM
+from services.estimator.sfs.batch_time import SIX_TERM, BatchTimeModel
 from services.estimator.sfs.evaluation import estimate_from_now
 from services.estimator.sfs.replay import OutputPolicy, Probe, estimate
+from services.worker.engine.sim import SimEngine, SimEngineConfig
 from shared.config import EstimatorConfig, ModelConfig
 from shared.messages.registry import WorkerInfo
+from shared.sampling import SamplingParams
 from shared.scheduling.snapshot import WorkloadSnapshot, take_snapshot
 from tests.estimator_sfs.builders import MODEL, make_scheduler, random_live
 
@@ -101,3 +104,56 @@ def test_random_cases_equal_the_in_flight_aware_estimate(seed: int) -> None:
     assert service_estimate(50.0, 50.0 + age, snap, probe, ledger) == pytest.approx(
         want.ttft_s, rel=1e-12
     )
+
+
+@pytest.mark.parametrize("steps_since", [0.3, 1.5, 2.6])
+@pytest.mark.parametrize("speed", [0.8, 1.25])
+def test_an_engine_off_its_model_by_its_recent_speed_is_predicted_exactly(
+    speed: float, steps_since: float
+) -> None:
+    """A SimEngine whose every iteration takes `speed` times the model's (the snapshot
+    carries the model and that speed) runs on after its snapshot; a query arrives
+    `steps_since` of its iterations later. With the speed's fade switched off (an
+    infinite horizon) the service's estimate equals the TTFT the engine gives: the
+    elapsed time is put on the model's clock before the in-flight remainder is taken,
+    not scaled with it."""
+    base = BatchTimeModel(SIX_TERM, (0.01, 1e-3, 0.0, 2e-3, 0.0, 0.0))
+    slow = BatchTimeModel(SIX_TERM, tuple(c * speed for c in base.coefs))
+    cfg = SimEngineConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        block_size=4,
+        num_kv_blocks=256,
+        max_model_len=256,
+        clock="virtual",
+    )
+    engine = SimEngine(cfg, slow)
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, [1] * 20, SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()
+    engine.step()
+    t_snap = engine.now()
+    snap = msgspec.structs.replace(
+        engine.snapshot(),
+        batch_time_features=SIX_TERM,
+        batch_time_coefs=list(base.coefs),
+        batch_time_speed=speed,
+    )
+    decode_s = slow.predict_raw([1, 0, 0, 3, 0, 0, 0, 0, 9, 0])  # three decodes
+    arrival = t_snap + steps_since * decode_s
+    while engine.now() < arrival:  # iterations that start before the query
+        engine.step()
+    engine.add_request("q", [1] * 12, SamplingParams(max_tokens=5, ignore_eos=True))
+    while not any(o.request_id == "q" and o.new_token_ids for o in engine.step()):
+        pass
+    measured = engine.now() - arrival
+    settings = EstimatorConfig(
+        snapshot_max_age_s=60.0, default_output_tokens=10**6, speed_horizon_s=1e12
+    )
+    latency = LatencyEstimator(settings)
+    state = create_instance_state(INFO, None, settings)
+    state.snapshot, state.snapshot_wall_time_s = snap, t_snap
+    latency.prepare(state)
+    est = latency.ttft(state, Probe(12, 5, 5), [], arrival, now_mono_s=0.0)
+    assert est.source == "sfs"
+    assert est.ttft_s == pytest.approx(measured, rel=1e-6)
