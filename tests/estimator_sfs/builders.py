@@ -6,11 +6,52 @@ import random
 from functools import partial
 
 from services.estimator.sfs.batch_time import SIX_TERM, BatchTimeModel
+from services.worker.engine.sim import SimEngine, SimEngineConfig
+from shared.sampling import SamplingParams
 from shared.scheduling.scheduler import ScheduledBatch, Scheduler
+from shared.scheduling.snapshot import WorkloadSnapshot
 from tests.scheduling import builders as scheduling_builders
 
 # Coefficients large enough that every term moves the sum (seconds per unit).
 MODEL = BatchTimeModel(SIX_TERM, (1e-2, 2e-4, 3e-6, 5e-4, 2e-5, 1e-7))
+
+# A small SimEngine on a virtual clock and its batch-time model (tests that run an
+# engine on after its snapshot and compare the estimate with the TTFT it gives).
+SIM_MODEL = BatchTimeModel(SIX_TERM, (0.01, 1e-3, 0.0, 2e-3, 0.0, 0.0))
+SIM_CFG = SimEngineConfig(
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    block_size=4,
+    num_kv_blocks=256,
+    max_model_len=256,
+    clock="virtual",
+)
+LONG = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+def three_decoding(engine: SimEngine) -> tuple[WorkloadSnapshot, float]:
+    """Three 20-token requests admitted and decoding: the engine's snapshot and time."""
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, [1] * 20, LONG)
+    engine.step()  # the three prefills
+    engine.step()
+    return engine.snapshot(), engine.now()
+
+
+def run_until(engine: SimEngine, t: float) -> None:
+    """Step through every iteration that starts before `t`."""
+    while engine.now() < t:
+        engine.step()
+
+
+def query_ttft(engine: SimEngine, arrival: float) -> float:
+    """A 12-token query added at `arrival` (after the iterations that start before it):
+    seconds to its first token."""
+    run_until(engine, arrival)
+    engine.add_request("q", [1] * 12, SamplingParams(max_tokens=5, ignore_eos=True))
+    while not any(o.request_id == "q" and o.new_token_ids for o in engine.step()):
+        pass
+    return engine.now() - arrival
 
 
 # The scheduling tests' builder with a smaller default budget (callers may override).

@@ -10,7 +10,6 @@ import random
 import pytest
 
 from services.estimator.policies import create_policy
-from services.estimator.sfs.batch_time import SIX_TERM, BatchTimeModel
 from services.estimator.sfs.cluster_sim import (
     Arrival,
     ClusterSimSettings,
@@ -35,7 +34,18 @@ from services.worker.engine.sim import SimEngine, SimEngineConfig
 from shared.config import parse_cluster
 from shared.sampling import SamplingParams
 from shared.scheduling.snapshot import restore_scheduler, take_snapshot
-from tests.estimator_sfs.builders import MODEL, make_scheduler, random_live, step
+from tests.estimator_sfs.builders import (
+    LONG,
+    MODEL,
+    SIM_CFG,
+    SIM_MODEL,
+    make_scheduler,
+    query_ttft,
+    random_live,
+    run_until,
+    step,
+    three_decoding,
+)
 
 # ---- metrics --------------------------------------------------------------------------
 
@@ -173,28 +183,18 @@ def test_from_now_with_a_snapshot_older_than_one_iteration(
     engine gives the query (the batch time is the model's, so nothing but the replay's
     schedule can differ)."""
     engine = SimEngine(SIM_CFG, SIM_MODEL)
-    for rid in ("a", "b", "c"):
-        engine.add_request(rid, [1] * 20, SamplingParams(max_tokens=40, ignore_eos=True))
-    engine.step()  # the three prefills
-    engine.step()
-    snap, t_snap = engine.snapshot(), engine.now()
+    snap, t_snap = three_decoding(engine)
     decode_s = SIM_MODEL.predict_raw([1, 0, 0, 3, 0, 0, 0, 0, 9, 0])  # three decodes
     arrival = t_snap + steps_since * decode_s
     unseen: list[PendingRequest] = []
     offsets: list[float] = []
     if unseen_at is not None and unseen_at < steps_since:
         joins = t_snap + unseen_at * decode_s
-        while engine.now() < joins:
-            engine.step()
-        engine.add_request("u", [1] * 30, SamplingParams(max_tokens=40, ignore_eos=True))
+        run_until(engine, joins)
+        engine.add_request("u", [1] * 30, LONG)
         unseen.append(PendingRequest("u", 30, 40))
         offsets.append(joins - t_snap)
-    while engine.now() < arrival:  # iterations that start before the query
-        engine.step()
-    engine.add_request("q", [1] * 12, SamplingParams(max_tokens=5, ignore_eos=True))
-    while not any(o.request_id == "q" and o.new_token_ids for o in engine.step()):
-        pass
-    measured = engine.now() - arrival
+    measured = query_ttft(engine, arrival)
     policy = OutputPolicy(default_output_tokens=10**6)
     got = estimate_from_now(
         snap,
@@ -209,16 +209,6 @@ def test_from_now_with_a_snapshot_older_than_one_iteration(
 
 
 # ---- single-instance simulation -------------------------------------------------------
-
-SIM_MODEL = BatchTimeModel(SIX_TERM, (0.01, 1e-3, 0.0, 2e-3, 0.0, 0.0))
-SIM_CFG = SimEngineConfig(
-    max_num_seqs=4,
-    max_num_batched_tokens=64,
-    block_size=4,
-    num_kv_blocks=256,
-    max_model_len=256,
-    clock="virtual",
-)
 
 
 def test_simulate_single_one_request() -> None:

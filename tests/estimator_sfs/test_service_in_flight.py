@@ -12,12 +12,19 @@ from services.estimator.ledger import LedgerEntry
 from services.estimator.sfs.batch_time import SIX_TERM, BatchTimeModel
 from services.estimator.sfs.evaluation import estimate_from_now
 from services.estimator.sfs.replay import OutputPolicy, Probe, estimate
-from services.worker.engine.sim import SimEngine, SimEngineConfig
+from services.worker.engine.sim import SimEngine
 from shared.config import EstimatorConfig, ModelConfig
 from shared.messages.registry import WorkerInfo
-from shared.sampling import SamplingParams
 from shared.scheduling.snapshot import WorkloadSnapshot, take_snapshot
-from tests.estimator_sfs.builders import MODEL, make_scheduler, random_live
+from tests.estimator_sfs.builders import (
+    MODEL,
+    SIM_CFG,
+    SIM_MODEL,
+    make_scheduler,
+    query_ttft,
+    random_live,
+    three_decoding,
+)
 
 SETTINGS = EstimatorConfig(snapshot_max_age_s=5.0, default_output_tokens=32)
 INFO = WorkerInfo(
@@ -117,36 +124,19 @@ def test_an_engine_off_its_model_by_its_recent_speed_is_predicted_exactly(
     infinite horizon) the service's estimate equals the TTFT the engine gives: the
     elapsed time is put on the model's clock before the in-flight remainder is taken,
     not scaled with it."""
-    base = BatchTimeModel(SIX_TERM, (0.01, 1e-3, 0.0, 2e-3, 0.0, 0.0))
+    base = SIM_MODEL
     slow = BatchTimeModel(SIX_TERM, tuple(c * speed for c in base.coefs))
-    cfg = SimEngineConfig(
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        block_size=4,
-        num_kv_blocks=256,
-        max_model_len=256,
-        clock="virtual",
-    )
-    engine = SimEngine(cfg, slow)
-    for rid in ("a", "b", "c"):
-        engine.add_request(rid, [1] * 20, SamplingParams(max_tokens=40, ignore_eos=True))
-    engine.step()
-    engine.step()
-    t_snap = engine.now()
+    engine = SimEngine(SIM_CFG, slow)
+    live, t_snap = three_decoding(engine)
     snap = msgspec.structs.replace(
-        engine.snapshot(),
+        live,
         batch_time_features=SIX_TERM,
         batch_time_coefs=list(base.coefs),
         batch_time_speed=speed,
     )
     decode_s = slow.predict_raw([1, 0, 0, 3, 0, 0, 0, 0, 9, 0])  # three decodes
     arrival = t_snap + steps_since * decode_s
-    while engine.now() < arrival:  # iterations that start before the query
-        engine.step()
-    engine.add_request("q", [1] * 12, SamplingParams(max_tokens=5, ignore_eos=True))
-    while not any(o.request_id == "q" and o.new_token_ids for o in engine.step()):
-        pass
-    measured = engine.now() - arrival
+    measured = query_ttft(engine, arrival)
     settings = EstimatorConfig(
         snapshot_max_age_s=60.0, default_output_tokens=10**6, speed_horizon_s=1e12
     )
