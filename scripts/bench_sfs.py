@@ -199,6 +199,64 @@ def _engine_process_main(
         results.send((engine.snapshot(), firsts, done, engine.pop_batch_samples()))
 
 
+class ComparedFit:
+    """--compare-feature-set: a second online fit of the same iterations feeding its own
+    LatencyEstimator (its own recent speed and measured-TTFT correction), so two
+    feature sets are scored on the same decisions of one run."""
+
+    def __init__(
+        self,
+        feature_set: str,
+        args: argparse.Namespace,
+        warm: list[BatchSample],
+        est_cfg: EstimatorConfig,
+        info: WorkerInfo,
+    ) -> None:
+        self.fitter = OnlineBatchTimeFitter(
+            feature_set, refit_every=args.refit_every, window=args.fit_window, min_samples=32
+        )
+        self.fitter.add(warm)
+        self.model = self.fitter.refit().model
+        self.online = args.fit == "online"
+        self.speed = RecentSpeed()
+        self.latency = LatencyEstimator(est_cfg)
+        self.state = create_instance_state(info, None, est_cfg)
+
+    def add(self, new: list[BatchSample]) -> None:
+        """Iterations that ended: refit (as the primary fit does), track the speed."""
+        if new and self.fitter.add(new) is not None and self.online:
+            self.model = self.fitter.model or self.model
+        self.speed.observe(self.model, new)
+
+    def estimate(
+        self,
+        snap: WorkloadSnapshot,
+        probe: Probe,
+        ledger: list[LedgerEntry],
+        now_wall: float,
+        now: float,
+        request_id: str,
+    ) -> float:
+        """The service's TTFT for `probe` with this fit on the snapshot; the decision's
+        correction factor is noted for its feedback."""
+        self.state.snapshot = msgspec.structs.replace(
+            snap,
+            batch_time_features=self.model.feature_set,
+            batch_time_coefs=list(self.model.coefs),
+            batch_time_speed=self.speed.factor(snap.wall_time_s),
+        )
+        self.state.config_model = self.model
+        self.state.snapshot_wall_time_s = snap.wall_time_s
+        ttft_s = self.latency.ttft(self.state, probe, ledger, now_wall, now).ttft_s
+        if self.latency.correction is not None:
+            self.latency.correction.note(request_id, "real")
+        return ttft_s
+
+    def feedback(self, estimated_s: float, measured_s: float, request_id: str) -> None:
+        if self.latency.correction is not None:
+            self.latency.correction.observe("real", estimated_s, measured_s, request_id)
+
+
 class EngineProcess:
     """Steps a real engine in its own process, as a worker does, so that the
     benchmark's decisions and refits never take the GIL from the engine's steps (in
@@ -415,21 +473,6 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
     )
     fitter.add(warm_samples)
     warm_fit = fitter.refit()
-    # --compare-feature-set: a second fit of the same iterations, its own estimator
-    alt_fitter = (
-        None
-        if args.compare_feature_set is None
-        else OnlineBatchTimeFitter(
-            args.compare_feature_set,
-            refit_every=args.refit_every,
-            window=args.fit_window,
-            min_samples=32,
-        )
-    )
-    alt_model: BatchTimeModel | None = None
-    if alt_fitter is not None:
-        alt_fitter.add(warm_samples)
-        alt_model = alt_fitter.refit().model
     model = warm_fit.model
     profile = warm_profile = profile_throughput(warm_samples)
     print(
@@ -461,8 +504,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
     est_cfg = EstimatorConfig(default_output_tokens=args.max_output, snapshot_max_age_s=math.inf)
     latency = LatencyEstimator(est_cfg)
     latency_flat = LatencyEstimator(est_cfg)
-    latency_alt = LatencyEstimator(est_cfg)
-    speed, alt_speed = RecentSpeed(), RecentSpeed()
+    speed = RecentSpeed()
     info = WorkerInfo(
         instance_id="real",
         model=args.model,
@@ -474,7 +516,11 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
     )
     state = create_instance_state(info, None, est_cfg)
     state_flat = create_instance_state(info, None, est_cfg)
-    state_alt = create_instance_state(info, None, est_cfg)
+    compared = (
+        None
+        if args.compare_feature_set is None
+        else ComparedFit(args.compare_feature_set, args, warm_samples, est_cfg, info)
+    )
     replayer = SfsReplayer(OutputPolicy(args.max_output))
     policy = OutputPolicy(args.max_output)  # measured length ratios from the snapshots
     point_policy = OutputPolicy(args.max_output, use_measured_ratios=False)
@@ -506,10 +552,8 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
                 profile = profile_throughput(list(recent))
             refits += 1
         speed.observe(model, new)  # the worker's side: its iterations against its calibration
-        if alt_fitter is not None and alt_model is not None:
-            if new and alt_fitter.add(new) is not None and args.fit == "online":
-                alt_model = alt_fitter.model or alt_model
-            alt_speed.observe(alt_model, new)
+        if compared is not None:
+            compared.add(new)
         # measured TTFTs so far go back to the estimator, as RequestDoneEvent does
         for rid2, m in list(unfed.items()):
             first = runner.first.get(rid2)
@@ -519,8 +563,8 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
                     latency.correction.observe("real", m.pred_sfs_s, measured, rid2)
                 if latency_flat.correction is not None:
                     latency_flat.correction.observe("real", m.pred_sfs_flat_s, measured, rid2)
-                if alt_model is not None and latency_alt.correction is not None:
-                    latency_alt.correction.observe("real", m.pred_sfs_alt_s, measured, rid2)
+                if compared is not None:
+                    compared.feedback(m.pred_sfs_alt_s, measured, rid2)
                 del unfed[rid2]
         rid = f"m{i}"
         pred_out = max(
@@ -561,15 +605,6 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         for st_ in (state, state_flat):
             st_.config_model = model
             st_.snapshot_wall_time_s = snap.wall_time_s
-        if alt_model is not None:
-            state_alt.snapshot = msgspec.structs.replace(
-                snap,
-                batch_time_features=alt_model.feature_set,
-                batch_time_coefs=list(alt_model.coefs),
-                batch_time_speed=alt_speed.factor(snap.wall_time_s),
-            )
-            state_alt.config_model = alt_model
-            state_alt.snapshot_wall_time_s = snap.wall_time_s
         ledger = [  # dispatch times on the wall clock, as the service's ledger has them
             LedgerEntry(
                 e.request_id,
@@ -601,11 +636,11 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         runner.submit(rid, ids, params, predicted_output_tokens=pred_out)
         # --compare-feature-set's estimate after the submit: its inputs are fixed by now,
         # and the decision-to-submit gap stays what a plain run has
-        sfs_alt_s = math.nan
-        if alt_model is not None:
-            sfs_alt_s = latency_alt.ttft(state_alt, probe, ledger, now_wall, now).ttft_s
-            if latency_alt.correction is not None:
-                latency_alt.correction.note(rid, "real")
+        sfs_alt_s = (
+            math.nan
+            if compared is None
+            else compared.estimate(snap, probe, ledger, now_wall, now, rid)
+        )
         submitted[rid] = (
             t_add,
             PendingRequest(rid, r.num_prompt_tokens, r.num_output_tokens, pred_out),

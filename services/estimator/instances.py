@@ -111,9 +111,13 @@ class InstanceState:
     def batch_time_speed(self) -> float:
         """Measured / modeled time of the instance's latest iterations under the model
         batch_time_model() returns: the snapshot's factor when that model is the
-        snapshot's own calibration (sfs/speed.py), else 1."""
+        snapshot's own calibration (sfs/speed.py), else 1 (also for a factor that is
+        not a positive number: it divides the snapshot's age)."""
         snap = self.snapshot
-        return snap.batch_time_speed if snap is not None and snap.carries_calibration else 1.0
+        if snap is None or not snap.carries_calibration:
+            return 1.0
+        speed = snap.batch_time_speed
+        return speed if math.isfinite(speed) and speed > 0.0 else 1.0
 
     def add_samples(self, samples: Iterable[BatchSample]) -> FitResult | None:
         new = [s for s in samples if s.wall_time_s > self.last_sample_time_s]
@@ -209,8 +213,6 @@ class LatencyEstimator:
             and state.is_fresh(now_wall_s, self.settings.snapshot_max_age_s)
         ):
             speed = state.batch_time_speed()
-            if not (math.isfinite(speed) and speed > 0.0):
-                speed = 1.0
             try:
                 ttft_s = self._sfs_ttft_s(state, snap, model, probe, pending, now_wall_s, speed)
             except ValueError:  # e.g. more KV held than the capacity: not replayable
@@ -231,7 +233,7 @@ class LatencyEstimator:
         probe: Probe,
         pending: list[LedgerEntry],
         now_wall_s: float,
-        speed: float = 1.0,
+        speed: float,
     ) -> float:
         """The in-flight-aware replay (module docstring), in *modeled* seconds from now.
 

@@ -18,6 +18,13 @@ from collections import deque
 from collections.abc import Iterator
 
 
+def predicted_capped(predicted: int, max_tokens: int) -> bool:
+    """Whether a request's ratio belongs to the capped window: its prediction reached
+    its max_tokens. The recorder and the replay (`OutputPolicy.target`, and its
+    compiled mirror `kernel.build_state`) split requests by this one test."""
+    return predicted >= max_tokens
+
+
 class _Window:
     """A sliding window of ratios and its midpoint quantiles, cached until a record."""
 
@@ -84,7 +91,7 @@ class LengthRatios:
         replay clamps it too), so a request cut at max_tokens reads as ratio >= 1."""
         if predicted is None or predicted < 1 or actual < 1:
             return
-        window = self._capped if predicted >= max_tokens else self._below
+        window = self._capped if predicted_capped(predicted, max_tokens) else self._below
         window.add(actual / min(predicted, max_tokens))
 
     def quantiles(self) -> list[float]:

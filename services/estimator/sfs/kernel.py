@@ -82,8 +82,8 @@ def build_state(
     default_output: int,
     min_remaining: int,
     ratios: list[float],
+    capped_ratios: list[float],
     group: bool = True,
-    capped_ratios: list[float] | None = None,
 ) -> KernelState:
     """A snapshot's scheduler state from its columns, its decode group formed when
     `group` (compiled with the kernel: this runs once per new snapshot per instance).
@@ -108,7 +108,6 @@ def build_state(
     held += [0] * (n - num_held)
     if used > num_kv_blocks:
         raise ValueError(f"the snapshot holds {used} KV blocks, more than its {num_kv_blocks}")
-    capped: list[float] = [] if capped_ratios is None else capped_ratios
     target = [0] * n
     for i in range(n):
         pred = predicted[i]
@@ -120,7 +119,7 @@ def build_state(
         if t > cap:
             t = cap
         end = o + min_remaining if t < o + min_remaining else t
-        rs = capped if pred >= cap else ratios
+        rs = capped_ratios if pred >= cap else ratios  # lengths.predicted_capped
         num_ratios = len(rs)
         if num_ratios and pred >= 0:
             # The ends clamp(round(t r), 1, cap) ascend with the ratios, so the ones

@@ -39,6 +39,7 @@ from typing import Protocol
 from services.estimator.sfs.batch_time import BatchTimeModel
 from services.estimator.sfs.kernel import KernelState, RunResult
 from services.estimator.sfs.native import IMPL as kernel_impl  # this module or its build
+from shared.scheduling.lengths import predicted_capped
 from shared.scheduling.snapshot import WorkloadSnapshot, restore_scheduler
 
 PROBE_ID = "__sfs_probe__"
@@ -137,13 +138,10 @@ class OutputPolicy:
         already has more), always > num_output."""
         t = self.default_output_tokens if predicted is None else predicted
         t = min(max(t, 1), max_tokens)
-        ratios = (
-            ()
-            if predicted is None
-            else self.capped_length_ratios
-            if predicted >= max_tokens
-            else self.length_ratios
-        )
+        ratios: tuple[float, ...] = ()
+        if predicted is not None:
+            capped = predicted_capped(predicted, max_tokens)
+            ratios = self.capped_length_ratios if capped else self.length_ratios
         if ratios:
             if num_output <= 0:  # every end (>= 1) is ahead: the drawn one alone
                 r = ratios[ratio_draw(request_id) % len(ratios)]
@@ -202,8 +200,8 @@ def kernel_state(
         policy.default_output_tokens,
         policy.min_remaining_tokens,
         list(policy.length_ratios),
-        group,
         list(policy.capped_length_ratios),
+        group,
     )
     return st
 
