@@ -147,7 +147,7 @@ class Measured:
     pred_throughput_s: float
     pred_sfs_point_s: float  # as pred_sfs_eval_s, running requests end at bare predictions
     pred_sfs_flat_s: float  # as pred_sfs_s, the snapshot's batch_time_speed left at 1
-    pred_sfs_alt_s: float  # as pred_sfs_s, priced by --compare-feature-set's own fit (nan: none)
+    pred_sfs_alt_s: float  # as pred_sfs_s, the compared estimator's (--compare-*; nan: none)
     first_token_s: float = math.nan  # seconds from the origin
     ttft_s: float = math.nan  # first token - add_request
     # diagnostics: the snapshot's age at the decision, the bare replay's iterations to
@@ -200,9 +200,10 @@ def _engine_process_main(
 
 
 class ComparedFit:
-    """--compare-feature-set: a second online fit of the same iterations feeding its own
-    LatencyEstimator (its own recent speed and measured-TTFT correction), so two
-    feature sets are scored on the same decisions of one run."""
+    """--compare-feature-set / --compare-speed-horizon-s: a second online fit of the same
+    iterations feeding its own LatencyEstimator (its own recent speed and measured-TTFT
+    correction, its own estimator settings), so two feature sets or two speed horizons
+    are scored on the same decisions of one run."""
 
     def __init__(
         self,
@@ -516,11 +517,17 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
     )
     state = create_instance_state(info, None, est_cfg)
     state_flat = create_instance_state(info, None, est_cfg)
-    compared = (
-        None
-        if args.compare_feature_set is None
-        else ComparedFit(args.compare_feature_set, args, warm_samples, est_cfg, info)
-    )
+    compared = None
+    if args.compare_feature_set is not None or args.compare_speed_horizon_s is not None:
+        compared = ComparedFit(
+            args.compare_feature_set or args.feature_set,
+            args,
+            warm_samples,
+            est_cfg
+            if args.compare_speed_horizon_s is None
+            else msgspec.structs.replace(est_cfg, speed_horizon_s=args.compare_speed_horizon_s),
+            info,
+        )
     replayer = SfsReplayer(OutputPolicy(args.max_output))
     policy = OutputPolicy(args.max_output)  # measured length ratios from the snapshots
     point_policy = OutputPolicy(args.max_output, use_measured_ratios=False)
@@ -703,7 +710,7 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         "sfs_from_snapshot": err([m.pred_sfs_snapshot_s for m in done_rows]),
         "throughput": err([m.pred_throughput_s for m in done_rows]),
     }
-    if args.compare_feature_set is not None:
+    if compared is not None:
         errors["sfs_compared"] = err([m.pred_sfs_alt_s for m in done_rows])
     queued = [m for m in done_rows if m.queue_at_arrival > 0]
     oos = _model_mape(warm_fit.model, measure_samples)
@@ -715,7 +722,10 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         "mape_sfs_point_lengths": errors["sfs_point_lengths"]["mape"],
         "mape_sfs_without_speed": errors["sfs_without_speed"]["mape"],
         "mape_sfs_compared": errors.get("sfs_compared", {}).get("mape"),
-        "compared_feature_set": args.compare_feature_set,
+        "compared_feature_set": None if compared is None else compared.fitter.feature_set,
+        "compared_speed_horizon_s": None
+        if compared is None
+        else compared.latency.settings.speed_horizon_s,
         "num_sfs_fell_back_to_lps": num_lps,
         "max_abs_diff_sfs_vs_evaluation_s": max(
             (abs(m.pred_sfs_s - m.pred_sfs_eval_s) for m in done_rows), default=math.nan
@@ -788,6 +798,8 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
             "fit": args.fit,
             "refit_every": args.refit_every,
             "fit_window": args.fit_window,
+            "feature_set": args.feature_set,
+            "speed_horizon_s": est_cfg.speed_horizon_s,
         },
     }
     # Part 5 needs the same arrivals on a SimEngine.
@@ -1439,6 +1451,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also estimate with this feature set's own fit, side by side (mape_sfs_compared)",
     )
     g1.add_argument(
+        "--compare-speed-horizon-s",
+        type=float,
+        help="also estimate with the recent speed faded over this many seconds (the "
+        "estimator's speed_horizon_s), side by side (mape_sfs_compared)",
+    )
+    g1.add_argument(
         "--fit",
         default="online",
         choices=["online", "warmup"],
@@ -1536,7 +1554,10 @@ def main() -> None:
                 *(
                     [
                         f"   side by side, the same estimator on a {real['compared_feature_set']} "
-                        f"fit: MAPE SFS {real['mape_sfs_compared']:.1%}"
+                        f"fit with the speed faded over {real['compared_speed_horizon_s']} s "
+                        f"(served: {real['setup']['feature_set']}, "
+                        f"{real['setup']['speed_horizon_s']} s): "
+                        f"MAPE SFS {real['mape_sfs_compared']:.1%}"
                     ]
                     if real["compared_feature_set"]
                     else []
