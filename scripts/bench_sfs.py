@@ -199,6 +199,19 @@ def _engine_process_main(
         results.send((engine.snapshot(), firsts, done, engine.pop_batch_samples()))
 
 
+def calibrated(
+    snap: WorkloadSnapshot, model: BatchTimeModel, speed: RecentSpeed
+) -> WorkloadSnapshot:
+    """The snapshot as a worker calibrated with `model` publishes it: the model's
+    coefficients and the recent speed against it."""
+    return msgspec.structs.replace(
+        snap,
+        batch_time_features=model.feature_set,
+        batch_time_coefs=list(model.coefs),
+        batch_time_speed=speed.factor(snap.wall_time_s),
+    )
+
+
 class ComparedFit:
     """--compare-feature-set / --compare-speed-horizon-s: a second online fit of the same
     iterations feeding its own LatencyEstimator (its own recent speed and measured-TTFT
@@ -240,12 +253,7 @@ class ComparedFit:
     ) -> float:
         """The service's TTFT for `probe` with this fit on the snapshot; the decision's
         correction factor is noted for its feedback."""
-        self.state.snapshot = msgspec.structs.replace(
-            snap,
-            batch_time_features=self.model.feature_set,
-            batch_time_coefs=list(self.model.coefs),
-            batch_time_speed=self.speed.factor(snap.wall_time_s),
-        )
+        self.state.snapshot = calibrated(snap, self.model, self.speed)
         self.state.config_model = self.model
         self.state.snapshot_wall_time_s = snap.wall_time_s
         ttft_s = self.latency.ttft(self.state, probe, ledger, now_wall, now).ttft_s
@@ -601,14 +609,8 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
             estimate_from_now(snap, model, probe, pending, age, pending_offsets_s=offsets, policy=p)
             for p in (policy, point_policy)
         )
-        calibrated = msgspec.structs.replace(
-            snap,
-            batch_time_features=model.feature_set,
-            batch_time_coefs=list(model.coefs),
-            batch_time_speed=speed.factor(snap.wall_time_s),
-        )
-        state.snapshot = calibrated
-        state_flat.snapshot = msgspec.structs.replace(calibrated, batch_time_speed=1.0)
+        state.snapshot = calibrated(snap, model, speed)
+        state_flat.snapshot = msgspec.structs.replace(state.snapshot, batch_time_speed=1.0)
         for st_ in (state, state_flat):
             st_.config_model = model
             st_.snapshot_wall_time_s = snap.wall_time_s
@@ -641,8 +643,8 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         ids = prompt_ids(r.num_prompt_tokens)
         t_add = clock()
         runner.submit(rid, ids, params, predicted_output_tokens=pred_out)
-        # --compare-feature-set's estimate after the submit: its inputs are fixed by now,
-        # and the decision-to-submit gap stays what a plain run has
+        # the compared estimate (--compare-*) after the submit: its inputs are fixed by
+        # now, and the decision-to-submit gap stays what a plain run has
         sfs_alt_s = (
             math.nan
             if compared is None

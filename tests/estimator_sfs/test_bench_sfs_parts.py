@@ -44,6 +44,7 @@ from tests.estimator_sfs.builders import (
     random_live,
     run_until,
     step,
+    three_decodes_s,
     three_decoding,
 )
 
@@ -184,7 +185,7 @@ def test_from_now_with_a_snapshot_older_than_one_iteration(
     schedule can differ)."""
     engine = SimEngine(SIM_CFG, SIM_MODEL)
     snap, t_snap = three_decoding(engine)
-    decode_s = SIM_MODEL.predict_raw([1, 0, 0, 3, 0, 0, 0, 0, 9, 0])  # three decodes
+    decode_s = three_decodes_s(SIM_MODEL)
     arrival = t_snap + steps_since * decode_s
     unseen: list[PendingRequest] = []
     offsets: list[float] = []

@@ -23,6 +23,7 @@ from tests.estimator_sfs.builders import (
     make_scheduler,
     query_ttft,
     random_live,
+    three_decodes_s,
     three_decoding,
 )
 
@@ -134,7 +135,7 @@ def test_an_engine_off_its_model_by_its_recent_speed_is_predicted_exactly(
         batch_time_coefs=list(base.coefs),
         batch_time_speed=speed,
     )
-    decode_s = slow.predict_raw([1, 0, 0, 3, 0, 0, 0, 0, 9, 0])  # three decodes
+    decode_s = three_decodes_s(slow)
     arrival = t_snap + steps_since * decode_s
     measured = query_ttft(engine, arrival)
     settings = EstimatorConfig(
