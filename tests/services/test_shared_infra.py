@@ -118,6 +118,42 @@ async def test_snapshot_write_is_atomic_and_staleness_is_visible(redis_url: str)
         await store.close()
 
 
+async def test_snapshot_reads_survive_a_dropped_connection_and_a_cancelled_read(
+    redis_url: str,
+) -> None:
+    """The hot-read connection (store._HotReads): a connection the server dropped is
+    reopened for the same call; a read cancelled between its request and the reply
+    closes the connection, so the next read never takes the stale reply."""
+    store = Store(redis_url, "hot")
+    await store.connect()
+    try:
+        for iid, version in (("a", 1), ("b", 2)):
+            await store.write_snapshot(iid, version, iid.encode(), ttl_s=30)
+        blob = (await store.read_snapshots(["a"]))["a"]
+        assert blob is not None and blob.data == b"a"
+        # the server closes every other client connection (the hot one among them)
+        await store.redis.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+        blob = (await store.read_snapshots(["a"]))["a"]
+        assert blob is not None and (blob.version, blob.data) == (1, b"a")
+        # the server holds every command for 300 ms: the read of "a" is sent, then
+        # cancelled before its reply comes; the next call reads "b" and gets "b"
+        await store.redis.execute_command("CLIENT", "PAUSE", "300", "ALL")
+        task = asyncio.create_task(store.read_snapshots(["a"]))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        both = await store.read_snapshots(["b", "a"])
+        assert [(k, v.data if v else None) for k, v in both.items()] == [("b", b"b"), ("a", b"a")]
+        # the combined read: snapshots and ledger hashes (RESP2 pairs made a dict)
+        await store.redis.hset(keys.ledger("hot", "b"), mapping={"r1": b"x", "r2": b"y"})
+        snaps, ledgers = await store.read_snapshots_and_ledgers(["a", "b"])
+        assert snaps["b"] is not None and snaps["b"].data == b"b"
+        assert ledgers == {"a": {}, "b": {b"r1": b"x", b"r2": b"y"}}
+    finally:
+        await store.close()
+
+
 async def test_a_snapshot_write_appends_every_sample_in_order_and_survives_a_script_flush(
     redis_url: str,
 ) -> None:
