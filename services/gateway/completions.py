@@ -105,6 +105,7 @@ def prepare(
         raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from None
     if body.n != 1:
         raise bad_request("only n=1 is supported", "n")
+    refuse_unsupported(body)
     if not service.cluster.candidates(body.model):
         known = sorted([*service.cluster.models, *service.cluster.presets])
         raise GatewayError(
@@ -168,6 +169,36 @@ def prepare(
         task=task,
         policy=policy,
     )
+
+
+def refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """A 400 for a request field that asks for something Baton does not do (structured
+    output, function calling, logit bias, best_of, suffix): answering as if the field
+    were absent would hand the client an answer of another kind than it asked for.
+    Empty or neutral values (tools [] or tool_choice "none", response_format "text",
+    logit_bias {}, best_of 1) are served."""
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if isinstance(body, CompletionRequest):
+        if body.best_of is not None and body.best_of != 1:
+            raise bad_request("only best_of=1 is supported", "best_of")
+        if body.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        return
+    fmt = body.response_format
+    if fmt is not None and fmt.type != "text":
+        raise bad_request(
+            f"response_format {fmt.type!r} is not supported: Baton answers in plain text "
+            "(no structured output)",
+            "response_format",
+        )
+    if body.functions:
+        raise bad_request("function calling is not supported (functions)", "functions")
+    if body.tools and body.tool_choice != "none":
+        raise bad_request(
+            'function calling is not supported: send no tools, or tool_choice "none"',
+            "tools",
+        )
 
 
 def _tokenize(body: ChatCompletionRequest | CompletionRequest, tokenizer: Any) -> list[int]:

@@ -19,6 +19,10 @@ class ContentPart(msgspec.Struct, frozen=True):
     text: str | None = None
 
 
+class ResponseFormat(msgspec.Struct, frozen=True):
+    type: str  # only "text" is served (json_object / json_schema: refused, not ignored)
+
+
 class ChatMessage(msgspec.Struct, frozen=True):
     role: str  # system | user | assistant | developer | tool
     content: str | list[ContentPart] | None = None
@@ -57,6 +61,10 @@ class _CommonRequest(msgspec.Struct, frozen=True, kw_only=True):
     # client of ignore_eos can see where the answer proper ended
     skip_special_tokens: bool = True
     user: str | None = None
+    # Fields that would change what the answer is, which Baton does not implement: read
+    # so that a request using them is refused with a 400 (`completions.refuse_unsupported`)
+    # rather than answered as if they were absent.
+    logit_bias: dict[str, float] | None = None
 
     @property
     def stop_list(self) -> list[str]:
@@ -74,12 +82,18 @@ class ChatCompletionRequest(_CommonRequest, frozen=True, kw_only=True):
     max_completion_tokens: int | None = None  # newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[msgspec.Raw] | None = None  # function calling: served only as tool_choice "none"
+    tool_choice: str | dict[str, object] | None = None
+    functions: list[msgspec.Raw] | None = None  # the legacy form of tools
 
 
 class CompletionRequest(_CommonRequest, frozen=True, kw_only=True):
     prompt: str | list[str | int]  # a string, token ids, or a one-string list
     logprobs: int | None = None  # OpenAI legacy: an int enables logprobs
     echo: bool = False
+    best_of: int | None = None  # only 1 (as n)
+    suffix: str | None = None  # insertion after the completion: not served
 
 
 # Pre-built codecs: decoding happens once per HTTP request, encoding once per chunk.

@@ -310,6 +310,22 @@ async def test_completion_stream_top_logprobs(stack: Stack) -> None:
         assert top[token] == pytest.approx(value)
 
 
+async def test_neutral_values_of_unserved_fields_are_served(stack: Stack) -> None:
+    """What refuse_unsupported lets through: the values that ask for nothing extra."""
+    neutral = {
+        "response_format": {"type": "text"},
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": "none",
+        "logit_bias": {},
+    }
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        chat = await client.post("/v1/chat/completions", json={**CHAT, **neutral, "max_tokens": 2})
+        assert chat.status_code == 200, chat.text
+        plain = {"model": "random-tiny", "prompt": "hi", "max_tokens": 2, "best_of": 1}
+        completion = await client.post("/v1/completions", json={**plain, "suffix": ""})
+        assert completion.status_code == 200, completion.text
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "needle"),
     [
@@ -349,6 +365,37 @@ async def test_completion_stream_top_logprobs(stack: Stack) -> None:
         ("/v1/chat/completions", {**CHAT, "temperature": 7}, 400, "temperature must be in [0, 2]"),
         ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "only n=1"),
         ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages must not be empty"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "response_format": {"type": "json_object"}},
+            400,
+            "response_format 'json_object' is not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            400,
+            "function calling is not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "functions": [{"name": "f"}]},
+            400,
+            "function calling is not supported (functions)",
+        ),
+        ("/v1/chat/completions", {**CHAT, "logit_bias": {"50": 100}}, 400, "logit_bias"),
+        (
+            "/v1/completions",
+            {"model": "random-tiny", "prompt": "hi", "best_of": 3},
+            400,
+            "only best_of=1",
+        ),
+        (
+            "/v1/completions",
+            {"model": "random-tiny", "prompt": "hi", "suffix": "!"},
+            400,
+            "suffix is not supported",
+        ),
         (
             "/v1/completions",
             {"model": "random-tiny", "prompt": [10**7], "max_tokens": 2},
