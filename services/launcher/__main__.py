@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Start Redis and NATS (when none is reachable; a namespace with live workers "
         "is refused), then the estimator, the relay and batcher (when a preset routes per token), "
         "one worker per model instance and the gateway; serve the OpenAI API once every worker "
-        "is ready; stop everything on Ctrl-C.",
+        "is ready; restart a service that dies; stop everything on Ctrl-C.",
         epilog=f"environment variables:\n{env_help}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -34,18 +34,31 @@ def main(argv: list[str] | None = None) -> int:
         default=600.0,
         help="seconds to wait for every worker to load (default 600); then it serves what is ready",
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        help="restarts of one service within a minute before a further exit stops everything "
+        "(default 5; 0: the first exit of any service stops everything)",
+    )
     args = parser.parse_args(argv)
+    if args.max_restarts is not None and args.max_restarts < 0:
+        parser.error("--max-restarts must be >= 0")
     path = Path(args.cluster or Env.CLUSTER.get() or DEFAULT_CLUSTER_FILE)
     try:
         cluster = load_cluster(path)
     except ConfigError as exc:
         print(f"baton: {exc}", file=sys.stderr)
         return 2
-    from services.launcher.launcher import Launcher
+    from services.launcher.launcher import DEFAULT_MAX_RESTARTS, Launcher
 
     log_dir = Path(args.log_dir or Env.LOG_DIR.get() or "logs")
     return Launcher(
-        cluster, path.resolve(), log_dir.resolve(), ready_timeout_s=args.ready_timeout
+        cluster,
+        path.resolve(),
+        log_dir.resolve(),
+        ready_timeout_s=args.ready_timeout,
+        max_restarts=DEFAULT_MAX_RESTARTS if args.max_restarts is None else args.max_restarts,
     ).run()
 
 

@@ -10,7 +10,10 @@
 3. wait until the gateway's /health is ready and lists every worker started (so
    the printed curl example, or any model of the cluster, answers at once), print
    the URL and a curl example
-4. supervise: a child that exits stops the deployment (nothing fails silently)
+4. supervise: a child that dies is started again after a backoff (a worker that
+   exited cleanly, drained on request, is not) and each restart is printed with its
+   log; a child that dies `max_restarts` times within `RESTART_WINDOW_S` stops the
+   deployment (a crash loop: nothing fails silently). max_restarts 0: any exit stops it
 5. Ctrl-C / SIGTERM: stop gateway, workers (they drain), estimator/relay/batcher, then the
    servers started in step 1; every step bounded, stragglers SIGKILLed
 """
@@ -21,12 +24,14 @@ import asyncio
 import contextlib
 import ctypes
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +51,10 @@ from shared.store import Store
 
 _PR_SET_PDEATHSIG = 1
 
+DEFAULT_MAX_RESTARTS = 5  # per child within RESTART_WINDOW_S; one more death stops all
+RESTART_WINDOW_S = 60.0
+RESTART_BACKOFF_S = (0.5, 30.0)  # the first restart's delay, doubling up to the second
+
 
 def _child_setup() -> None:  # runs in the child between fork and exec
     os.setsid()  # own process group: killpg reaches its children too
@@ -59,10 +68,16 @@ class Child:
     cmd: list[str]
     log_path: Path
     process: subprocess.Popen[bytes] | None = None
+    deaths: deque[float] = field(default_factory=deque)  # monotonic times, RESTART_WINDOW_S
+    restart_at: float | None = None  # monotonic time of a scheduled restart
 
     @property
     def returncode(self) -> int | None:
         return None if self.process is None else self.process.returncode
+
+    @property
+    def is_worker(self) -> bool:
+        return self.name.startswith("worker ")
 
     def start(self, env: dict[str, str]) -> None:
         with open(self.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
@@ -77,6 +92,7 @@ class Launcher:
     cluster_path: Path
     log_dir: Path
     ready_timeout_s: float = 600.0
+    max_restarts: int = DEFAULT_MAX_RESTARTS
     servers: list[ServerProcess] = field(default_factory=list)
     children: list[Child] = field(default_factory=list)
     worker_ids: list[str] = field(default_factory=list)  # instance ids of the workers started
@@ -100,7 +116,7 @@ class Launcher:
             if not self._wait_ready():
                 return 1
             self._print_banner()
-            return self._supervise()
+            return self._supervise(self._child_env())
         except KeyboardInterrupt:
             self.say("stopping")
             return 0
@@ -186,14 +202,7 @@ class Launcher:
             raise ServerError(
                 f"port {gw.port} on {gw.host} is in use: set BATON_PORT or [gateway] port"
             )
-        env = dict(os.environ)
-        env.update(
-            BATON_CLUSTER=str(self.cluster_path),
-            BATON_NATS_URL=self.nats_url,
-            BATON_REDIS_URL=self.redis_url,
-            PYTHONUNBUFFERED="1",
-        )
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env = self._child_env()
         py = [sys.executable, "-m"]
         self.children.append(
             Child("estimator", [*py, "services.estimator"], self.log_dir / "estimator.log")
@@ -225,6 +234,17 @@ class Launcher:
         for child in self.children:
             child.start(env)
         self.say(f"started {len(self.children)} services; logs in {self.log_dir}/")
+
+    def _child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            BATON_CLUSTER=str(self.cluster_path),
+            BATON_NATS_URL=self.nats_url,
+            BATON_REDIS_URL=self.redis_url,
+            PYTHONUNBUFFERED="1",
+        )
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return env
 
     # 3. readiness -----------------------------------------------------------
 
@@ -287,19 +307,54 @@ class Launcher:
 
     def _dead_child(self) -> Child | None:
         for child in self.children:
-            if child.process is not None and child.process.poll() is not None:
+            if (
+                child.restart_at is None
+                and child.process is not None
+                and child.process.poll() is not None
+            ):
                 return child
         return None
 
-    def _supervise(self) -> int:
+    def _supervise(self, env: dict[str, str]) -> int:
+        """Restart what dies (module docstring, step 4); returns when a child crash-loops."""
         while True:
-            dead = self._dead_child()
-            if dead is not None:
+            now = time.monotonic()
+            # 1. a death: give up on a crash loop, else schedule the restart
+            while (dead := self._dead_child()) is not None:
+                code = dead.returncode
+                if dead.is_worker and code == 0:
+                    self.say(f"{dead.name} exited cleanly (drained): not restarted")
+                    dead.restart_at = math.inf
+                    continue
+                while dead.deaths and now - dead.deaths[0] > RESTART_WINDOW_S:
+                    dead.deaths.popleft()
+                dead.deaths.append(now)
+                if len(dead.deaths) > self.max_restarts:
+                    self.say(
+                        f"{dead.name} exited with {code}: see {dead.log_path}; "
+                        + (
+                            f"{len(dead.deaths)} exits within {RESTART_WINDOW_S:.0f} s, "
+                            if self.max_restarts
+                            else ""
+                        )
+                        + "stopping"
+                    )
+                    return 1
+                first, cap = RESTART_BACKOFF_S
+                delay = min(cap, first * 2 ** (len(dead.deaths) - 1))
+                dead.restart_at = now + delay
                 self.say(
-                    f"{dead.name} exited with {dead.returncode}: see {dead.log_path}; stopping"
+                    f"{dead.name} exited with {code}: see {dead.log_path}; restarting in "
+                    f"{delay:.1f} s ({len(dead.deaths)} of {self.max_restarts} restarts "
+                    f"within {RESTART_WINDOW_S:.0f} s)"
                 )
-                return 1
-            time.sleep(0.5)
+            # 2. restarts that are due
+            for child in self.children:
+                if child.restart_at is not None and child.restart_at <= now:
+                    child.restart_at = None
+                    child.start(env)
+                    self.say(f"restarted {child.name}")
+            time.sleep(0.2)
 
     # 5. shutdown ------------------------------------------------------------
 

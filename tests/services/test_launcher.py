@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -107,6 +109,124 @@ def test_launcher_serves_and_stops_cleanly(tmp_path: Path, repo_root: Path) -> N
             '"event": "worker_closed"'
             in (tmp_path / "logs" / "worker-random-tiny-0.log").read_text()
         )
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def service_pid(launcher_pid: int, *needles: str) -> int:
+    """The launcher's child whose command line holds every needle."""
+    for pid in children_of(launcher_pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if all(n in cmdline for n in needles) and is_alive(pid):
+            return pid
+    raise AssertionError(f"no live child with {needles}")
+
+
+class Lines:
+    """The launcher's output after "serving", read by a thread (a pipe read blocks)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.seen: list[str] = []
+        self._q: queue.Queue[str] = queue.Queue()
+        assert proc.stdout is not None
+        stdout = proc.stdout
+        threading.Thread(target=lambda: [self._q.put(x) for x in stdout], daemon=True).start()
+
+    def wait_for(self, needle: str, timeout_s: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = self._q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self.seen.append(line)
+            if needle in line:
+                return line
+        raise AssertionError(f"no line with {needle!r} in {''.join(self.seen)}")
+
+
+def wait_healthy_with(port: int, worker: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+            if health.status_code == 200 and worker in health.json()["workers"]:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"/health never listed {worker}")
+
+
+def test_launcher_restarts_a_service_that_dies(tmp_path: Path, repo_root: Path) -> None:
+    """A worker and then the gateway are SIGKILLed: each is started again, the deployment
+    keeps serving, and Ctrl-C still leaves no process behind."""
+    nats_url, redis_url = f"nats://127.0.0.1:{free_port()}", f"redis://127.0.0.1:{free_port()}/0"
+    port = free_port()
+    (tmp_path / "cluster.toml").write_text(tiny_cluster_text(nats_url, redis_url, port=port))
+    proc = start_launcher(tmp_path, repo_root)
+    try:
+        out = read_until_serving(proc)
+        assert "serving the OpenAI API" in out, out
+        lines = Lines(proc)
+        body = {"model": "random-tiny", "prompt": "Hi", "max_tokens": 3}
+        for needles, name in (
+            (("services.worker", "random-tiny-0"), "worker random-tiny-0"),
+            (("services.gateway",), "gateway"),
+        ):
+            os.kill(service_pid(proc.pid, *needles), signal.SIGKILL)
+            said = lines.wait_for(f"{name} exited with -9")
+            assert "restarting in" in said and "1 of 5 restarts" in said, said
+            lines.wait_for(f"restarted {name}")
+            wait_healthy_with(port, "random-tiny-0")
+            resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30)
+            assert resp.status_code == 200, resp.text
+        assert proc.poll() is None  # still serving
+        kids = children_of(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        deadline = time.monotonic() + 5
+        while any(is_alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [k for k in kids if is_alive(k)], "orphaned processes"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_launcher_with_no_restarts_stops_at_the_first_death(
+    tmp_path: Path, repo_root: Path
+) -> None:
+    nats_url, redis_url = f"nats://127.0.0.1:{free_port()}", f"redis://127.0.0.1:{free_port()}/0"
+    (tmp_path / "cluster.toml").write_text(tiny_cluster_text(nats_url, redis_url))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
+    proc = subprocess.Popen(
+        [*launcher_cmd(tmp_path), "--max-restarts", "0"],
+        cwd=repo_root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert "serving the OpenAI API" in read_until_serving(proc)
+        kids = children_of(proc.pid)
+        os.kill(service_pid(proc.pid, "services.worker", "random-tiny-1"), signal.SIGKILL)
+        assert proc.wait(60) == 1
+        assert proc.stdout is not None
+        rest = proc.stdout.read()
+        assert "worker random-tiny-1 exited with -9" in rest and "stopping" in rest, rest
+        assert "restarting" not in rest
+        deadline = time.monotonic() + 5
+        while any(is_alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [k for k in kids if is_alive(k)], "orphaned processes"
     finally:
         if proc.poll() is None:
             proc.kill()
