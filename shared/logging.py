@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+from typing import Any
 
 import structlog
 
@@ -43,3 +45,43 @@ def configure_logging(service: str, level: str | None = None) -> structlog.stdli
 
 def get_logger(**bound: object) -> structlog.stdlib.BoundLogger:
     return structlog.get_logger(**bound)
+
+
+class RetryLog:
+    """The warnings of one loop that retries a failing step every period (a Redis or
+    NATS outage): the first failure of a stretch is logged at once, then at most one
+    every `every_s` with the number left out since, and the first success after a
+    stretch logs the event with `_failed` replaced by `_recovered`, with the count and
+how long it lasted. A loop
+    that retries every 20 ms would otherwise write 50 lines a second while the store
+    is down, burying whatever else the log says."""
+
+    def __init__(self, logger: Any, event: str, every_s: float = 10.0) -> None:
+        self._log = logger
+        self.event = event
+        self.every_s = every_s
+        self.num_failed = 0  # failures in the current stretch
+        self._since_s = 0.0  # monotonic time the stretch began
+        self._last_logged_s = 0.0
+        self._num_quiet = 0  # failures not logged since the last line
+
+    def failed(self, **fields: Any) -> None:
+        now = time.monotonic()
+        if self.num_failed == 0:
+            self._since_s = now
+        self.num_failed += 1
+        if self.num_failed == 1 or now - self._last_logged_s >= self.every_s:
+            extra = {"left_out": self._num_quiet} if self.num_failed > 1 else {}
+            self._log.warning(self.event, failures=self.num_failed, **extra, **fields)
+            self._last_logged_s, self._num_quiet = now, 0
+        else:
+            self._num_quiet += 1
+
+    def ok(self) -> None:
+        if self.num_failed:
+            self._log.info(
+                self.event.removesuffix("_failed") + "_recovered",
+                failures=self.num_failed,
+                lasted_s=round(time.monotonic() - self._since_s, 3),
+            )
+            self.num_failed, self._num_quiet = 0, 0

@@ -44,7 +44,7 @@ from services.estimator.sfs.replay import Probe
 from shared import subjects
 from shared.bus import Bus
 from shared.config import ClusterConfig
-from shared.logging import get_logger
+from shared.logging import RetryLog, get_logger
 from shared.messages import encode
 from shared.messages.estimator import (
     REQUEST_DONE_DECODER,
@@ -145,6 +145,7 @@ class EstimatorService:
     async def run(self) -> None:
         """Serve until request_stop(); refresh the registry and expire the ledger meanwhile."""
         await self.start()
+        registry_failures = RetryLog(log, "registry_refresh_failed")
         try:
             while not self._stop.is_set():
                 with contextlib.suppress(TimeoutError):
@@ -152,7 +153,9 @@ class EstimatorService:
                 try:
                     await self._refresh_workers()
                 except Exception as exc:
-                    log.warning("registry_refresh_failed", error=str(exc))
+                    registry_failures.failed(error=str(exc))
+                else:
+                    registry_failures.ok()
                 if self.settings.shared_ledger:
                     self.shared_ledger.expire(time.time())
                     self._ledger_dirty.set()
@@ -180,6 +183,7 @@ class EstimatorService:
         Also ends on `_stop`: redis-py can swallow a cancellation that lands inside a
         command, and the loop would then run on after close().
         """
+        failures = RetryLog(log, "background_step_failed")
         while not self._stop.is_set():
             await asyncio.sleep(period_s)
             if self._stop.is_set():
@@ -187,7 +191,9 @@ class EstimatorService:
             try:
                 await step()
             except Exception as exc:
-                log.warning("background_step_failed", step=what, error=repr(exc))
+                failures.failed(step=what, error=repr(exc))
+            else:
+                failures.ok()
 
     async def _refresh_workers(self) -> None:
         live = {w.instance_id: w for w in await self.store.live_workers()}
@@ -248,6 +254,7 @@ class EstimatorService:
         failed write is logged and its entries are lost to the other replicas (they
         still count here until reconciled or expired).
         """
+        ledger_failures = RetryLog(log, "ledger_write_failed")
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._ledger_dirty.wait(), 1.0)
@@ -260,7 +267,9 @@ class EstimatorService:
                     encode_entries(adds), deletes, ttl_s=self.settings.ledger_ttl_s
                 )
             except Exception as exc:
-                log.warning("ledger_write_failed", error=repr(exc), entries=len(adds))
+                ledger_failures.failed(error=repr(exc), entries=len(adds))
+            else:
+                ledger_failures.ok()
 
     async def fit_batch_times(self) -> None:
         """Feed new batch samples to each instance's fitter; publish every refit."""

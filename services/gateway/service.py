@@ -16,7 +16,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.streams import RequestStream, StreamManager
 from shared import subjects
 from shared.bus import Bus, is_no_responders
-from shared.logging import get_logger
+from shared.logging import RetryLog, get_logger
 from shared.messages.estimator import (
     ROUTE_REPLY_DECODER,
     RequestDoneEvent,
@@ -129,12 +129,15 @@ class GatewayService:
         return self.bus.is_connected and any(not w.is_draining for w in self.workers.values())
 
     async def _refresh_loop(self) -> None:
+        failures = RetryLog(log, "registry_refresh_failed")
         while True:
             await asyncio.sleep(self.settings.registry_refresh_s)
             try:
                 await self._refresh_workers()
             except Exception as exc:
-                log.warning("registry_refresh_failed", error=str(exc))
+                failures.failed(error=str(exc))
+            else:
+                failures.ok()
 
     def _drop_request_gauges(self, instance_id: str) -> None:
         for state in ("running", "waiting"):

@@ -23,7 +23,7 @@ from services.relay.books import RelayBooks, Send
 from shared import subjects
 from shared.bus import Bus
 from shared.config import ClusterConfig
-from shared.logging import get_logger
+from shared.logging import RetryLog, get_logger
 from shared.messages.health import HEALTH_PROBE_DECODER, HealthProbe, HealthReply
 from shared.messages.peer import (
     PEER_MESSAGE_DECODER,
@@ -58,6 +58,7 @@ class RelayService:
         self.load: dict[str, int] = {}  # instance -> requests in its snapshot + sent since
         self._snapshots = SnapshotDecoder(log)
         self._last_retry_s = -math.inf  # monotonic time of the last re-read on a miss
+        self._refresh_failures = RetryLog(log, "registry_refresh_failed")
         self._stop = asyncio.Event()
 
     def request_stop(self) -> None:
@@ -123,7 +124,9 @@ class RelayService:
         try:
             await self._refresh()
         except Exception as exc:  # Redis hiccup: keep the last view
-            log.warning("registry_refresh_failed", error=repr(exc))
+            self._refresh_failures.failed(error=repr(exc))
+        else:
+            self._refresh_failures.ok()
 
     async def _send(self, sends: list[Send]) -> None:
         ns = self.cluster.namespace
@@ -168,7 +171,9 @@ class RelayService:
                     try:
                         await self._refresh()
                     except Exception as exc:  # Redis hiccup: keep the last view
-                        log.warning("registry_refresh_failed", error=repr(exc))
+                        self._refresh_failures.failed(error=repr(exc))
+                    else:
+                        self._refresh_failures.ok()
                 await self._send(self.books.check(now))
         finally:
             c = self.books.counters

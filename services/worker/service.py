@@ -45,7 +45,7 @@ from services.worker.routing.link import RoutingLink
 from services.worker.routing.runtime import Outbox, TokenRouting
 from shared import subjects
 from shared.bus import Bus, is_no_responders
-from shared.logging import get_logger
+from shared.logging import RetryLog, get_logger
 from shared.messages import encode
 from shared.messages.gateway import DeltaBatch, GatewayEvent, RequestFailed, TokenDelta
 from shared.messages.peer import PEER_QUERY_REPLY_DECODER, PeerQuery
@@ -93,6 +93,7 @@ class WorkerService:
         self._owners: dict[str, str] = {}  # request id -> owning gateway's inbox subject
         self._num_steps = 0
         self.num_inline_steps = 0  # of them, run on the event loop (short steps)
+        self._write_failures = RetryLog(log, "snapshot_write_failed")  # Redis outages
         # Prompt tokens admitted since the last step: the size of an inline step's prefill.
         self._num_new_prompt_tokens = 0
         # compute time of the last step (engine.step alone: in the thread, without the
@@ -501,7 +502,9 @@ class WorkerService:
                     max_samples=self.cfg.max_batch_samples,
                 )
             except Exception as exc:  # Redis hiccup: the next iteration writes again
-                log.warning("snapshot_write_failed", error=str(exc))
+                self._write_failures.failed(error=str(exc))
+            else:
+                self._write_failures.ok()
 
     # -- inbox, heartbeat, drain ----------------------------------------------
 
@@ -527,6 +530,7 @@ class WorkerService:
     async def _heartbeat(self) -> None:
         # The loop also ends on `_closing`: redis-py can swallow a cancellation that
         # lands inside a command, and the task would then sleep on for ever.
+        failures = RetryLog(log, "heartbeat_failed")
         while not self._closing:
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
             if self._closing:
@@ -535,7 +539,9 @@ class WorkerService:
                 await self._register()
                 await self._read_calibration()
             except Exception as exc:
-                log.warning("heartbeat_failed", error=str(exc))
+                failures.failed(error=str(exc))
+            else:
+                failures.ok()
 
     async def _read_calibration(self) -> None:
         blob = (await self._store.read_calibrations([self.cfg.instance_id]))[self.cfg.instance_id]

@@ -220,3 +220,31 @@ async def test_bus_request_reply_and_bad_messages(nats_url: str) -> None:
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(reply), type=RouteReply) == reply
     finally:
         await bus.close()
+
+
+def test_retry_log_keeps_an_outage_to_a_few_lines() -> None:
+    """RetryLog: the first failure of a stretch at once, then one line per every_s with
+    the count left out, one `_recovered` line on the first success, nothing after."""
+    from structlog.testing import capture_logs
+
+    from shared.logging import RetryLog, get_logger
+
+    with capture_logs() as lines:
+        failures = RetryLog(get_logger(component="t"), "refresh_failed", every_s=0.2)
+        failures.ok()  # no stretch yet: nothing
+        for _ in range(50):  # a loop retrying every few ms
+            failures.failed(error="down")
+        time.sleep(0.25)
+        failures.failed(error="down")
+        failures.ok()
+        failures.ok()
+        failures.failed(error="again")  # a new stretch is logged at once
+    events = [(e["event"], e.get("failures"), e.get("left_out")) for e in lines]
+    assert events == [
+        ("refresh_failed", 1, None),
+        ("refresh_failed", 51, 49),
+        ("refresh_recovered", 51, None),
+        ("refresh_failed", 1, None),
+    ]
+    assert lines[0]["log_level"] == "warning" and lines[2]["log_level"] == "info"
+    assert lines[2]["lasted_s"] >= 0.25
