@@ -52,9 +52,8 @@ class RetryLog:
     NATS outage): the first failure of a stretch is logged at once, then at most one
     every `every_s` with the number left out since, and the first success after a
     stretch logs the event with `_failed` replaced by `_recovered`, with the count and
-how long it lasted. A loop
-    that retries every 20 ms would otherwise write 50 lines a second while the store
-    is down, burying whatever else the log says."""
+    how long it lasted. A loop that retries every 20 ms would otherwise write 50 lines
+    a second while the store is down, burying whatever else the log says."""
 
     def __init__(self, logger: Any, event: str, every_s: float = 10.0) -> None:
         self._log = logger
