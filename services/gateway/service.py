@@ -201,6 +201,8 @@ class GatewayService:
         routed here without the round trip: there is nothing to choose.
         """
         model = req.model
+        if not self.bus.is_connected:  # reconnecting: a request would only wait and time out
+            raise self._bus_unavailable()
         if self.settings.route_single_locally:
             serving = self.serving(model)
             if len(serving) == 1:
@@ -220,6 +222,8 @@ class GatewayService:
                 timeout_s=self.settings.route_timeout_s,
             )
         except Exception as exc:
+            if not self.bus.is_connected:  # the connection dropped while it waited
+                raise self._bus_unavailable() from None
             if not (is_no_responders(exc) or isinstance(exc, TimeoutError)):
                 raise
             raise GatewayError(
@@ -238,6 +242,15 @@ class GatewayService:
                 retry_after_s=max(1, round(reply.retry_after_s)),
             )
         return reply
+
+    def _bus_unavailable(self) -> GatewayError:
+        return GatewayError(
+            503,
+            "the message bus (NATS) is unreachable from this gateway; retry later",
+            "service_unavailable",
+            "bus_unavailable",
+            retry_after_s=self.settings.retry_after_s,
+        )
 
     async def submit(
         self,

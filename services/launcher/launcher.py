@@ -10,10 +10,11 @@
 3. wait until the gateway's /health is ready and lists every worker started (so
    the printed curl example, or any model of the cluster, answers at once), print
    the URL and a curl example
-4. supervise: a child that dies is started again after a backoff (a worker that
-   exited cleanly, drained on request, is not) and each restart is printed with its
-   log; a child that dies `max_restarts` times within `RESTART_WINDOW_S` stops the
-   deployment (a crash loop: nothing fails silently). max_restarts 0: any exit stops it
+4. supervise: a service (or a server started in step 1) that dies is started again
+   after a backoff (a worker that exited cleanly, drained on request, is not) and
+   each restart is printed with its log; one that dies more than `max_restarts`
+   times within `RESTART_WINDOW_S` stops the deployment (a crash loop: nothing
+   fails silently). max_restarts 0: any exit stops it
 5. Ctrl-C / SIGTERM: stop gateway, workers (they drain), estimator/relay/batcher, then the
    servers started in step 1; every step bounded, stragglers SIGKILLed
 """
@@ -32,6 +33,7 @@ import sys
 import time
 import urllib.request
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,13 +65,39 @@ def _child_setup() -> None:  # runs in the child between fork and exec
 
 
 @dataclass
+class Restarts:
+    """The deaths of one supervised process within RESTART_WINDOW_S and its next start."""
+
+    deaths: deque[float] = field(default_factory=deque)  # monotonic times
+    restart_at: float | None = None  # monotonic time of a scheduled start (inf: never)
+
+    def schedule(self, now: float, max_restarts: int) -> float | None:
+        """Count a death at `now`: the delay before the restart, or None when this is
+        one death too many within the window (a crash loop)."""
+        while self.deaths and now - self.deaths[0] > RESTART_WINDOW_S:
+            self.deaths.popleft()
+        self.deaths.append(now)
+        if len(self.deaths) > max_restarts:
+            return None
+        first, cap = RESTART_BACKOFF_S
+        delay = min(cap, first * 2 ** (len(self.deaths) - 1))
+        self.restart_at = now + delay
+        return delay
+
+    def is_due(self, now: float) -> bool:
+        if self.restart_at is None or self.restart_at > now:
+            return False
+        self.restart_at = None
+        return True
+
+
+@dataclass
 class Child:
     name: str
     cmd: list[str]
     log_path: Path
     process: subprocess.Popen[bytes] | None = None
-    deaths: deque[float] = field(default_factory=deque)  # monotonic times, RESTART_WINDOW_S
-    restart_at: float | None = None  # monotonic time of a scheduled restart
+    restarts: Restarts = field(default_factory=Restarts)
 
     @property
     def returncode(self) -> int | None:
@@ -94,6 +122,10 @@ class Launcher:
     ready_timeout_s: float = 600.0
     max_restarts: int = DEFAULT_MAX_RESTARTS
     servers: list[ServerProcess] = field(default_factory=list)
+    # how to start each server of `servers` again (same port), and its restarts
+    _server_starts: dict[str, tuple[Callable[[], ServerProcess], Path, Restarts]] = field(
+        default_factory=dict
+    )
     children: list[Child] = field(default_factory=list)
     worker_ids: list[str] = field(default_factory=list)  # instance ids of the workers started
     nats_url: str = ""
@@ -137,8 +169,14 @@ class Launcher:
             self.say(f"using the NATS server at {self.cluster.nats_url}")
             self.nats_url = self.cluster.nats_url
         else:
-            server = start_nats(host, port, self.log_dir / ".nats", self.log_dir / "nats.log")
+            log_path = self.log_dir / "nats.log"
+
+            def start() -> ServerProcess:
+                return start_nats(host, port, self.log_dir / ".nats", log_path)
+
+            server = start()
             self.servers.append(server)
+            self._server_starts[server.name] = (start, log_path, Restarts())
             self.nats_url = server.url
             self.say(f"started nats-server (JetStream) at {server.url}")
 
@@ -148,8 +186,14 @@ class Launcher:
             self.say(f"using the Redis server at {self.cluster.redis_url}")
             self.redis_url = self.cluster.redis_url
         else:
-            server = start_redis(host, port, self.log_dir / "redis.log")
+            log_path = self.log_dir / "redis.log"
+
+            def start() -> ServerProcess:
+                return start_redis(host, port, log_path)
+
+            server = start()
             self.servers.append(server)
+            self._server_starts[server.name] = (start, log_path, Restarts())
             self.redis_url = self.cluster.redis_url
             self.say(f"started redis-server at {self.redis_url}")
 
@@ -308,7 +352,7 @@ class Launcher:
     def _dead_child(self) -> Child | None:
         for child in self.children:
             if (
-                child.restart_at is None
+                child.restarts.restart_at is None
                 and child.process is not None
                 and child.process.poll() is not None
             ):
@@ -316,45 +360,62 @@ class Launcher:
         return None
 
     def _supervise(self, env: dict[str, str]) -> int:
-        """Restart what dies (module docstring, step 4); returns when a child crash-loops."""
+        """Restart what dies (module docstring, step 4); returns when something crash-loops."""
         while True:
             now = time.monotonic()
-            # 1. a death: give up on a crash loop, else schedule the restart
+            # 1. a service's death: give up on a crash loop, else schedule the restart
             while (dead := self._dead_child()) is not None:
                 code = dead.returncode
                 if dead.is_worker and code == 0:
                     self.say(f"{dead.name} exited cleanly (drained): not restarted")
-                    dead.restart_at = math.inf
-                    continue
-                while dead.deaths and now - dead.deaths[0] > RESTART_WINDOW_S:
-                    dead.deaths.popleft()
-                dead.deaths.append(now)
-                if len(dead.deaths) > self.max_restarts:
-                    self.say(
-                        f"{dead.name} exited with {code}: see {dead.log_path}; "
-                        + (
-                            f"{len(dead.deaths)} exits within {RESTART_WINDOW_S:.0f} s, "
-                            if self.max_restarts
-                            else ""
-                        )
-                        + "stopping"
-                    )
+                    dead.restarts.restart_at = math.inf
+                elif not self._schedule(dead.name, code, dead.log_path, dead.restarts, now):
                     return 1
-                first, cap = RESTART_BACKOFF_S
-                delay = min(cap, first * 2 ** (len(dead.deaths) - 1))
-                dead.restart_at = now + delay
-                self.say(
-                    f"{dead.name} exited with {code}: see {dead.log_path}; restarting in "
-                    f"{delay:.1f} s ({len(dead.deaths)} of {self.max_restarts} restarts "
-                    f"within {RESTART_WINDOW_S:.0f} s)"
-                )
-            # 2. restarts that are due
+            # 2. a server's (started in step 1): the same, on its own port again
+            for server in self.servers:
+                start, log_path, restarts = self._server_starts[server.name]
+                code = server.process.poll()
+                if (
+                    code is not None
+                    and restarts.restart_at is None
+                    and not self._schedule(f"{server.name}-server", code, log_path, restarts, now)
+                ):
+                    return 1
+            # 3. restarts that are due
             for child in self.children:
-                if child.restart_at is not None and child.restart_at <= now:
-                    child.restart_at = None
+                if child.restarts.is_due(now):
                     child.start(env)
                     self.say(f"restarted {child.name}")
+            for i, server in enumerate(self.servers):
+                start, _, restarts = self._server_starts[server.name]
+                if restarts.is_due(now):
+                    try:
+                        self.servers[i] = start()
+                    except ServerError as exc:  # counts as its next death (loop above)
+                        self.say(f"could not restart {server.name}-server: {exc}")
+                    else:
+                        self.say(f"restarted {server.name}-server at {self.servers[i].url}")
             time.sleep(0.2)
+
+    def _schedule(
+        self, name: str, code: int | None, log_path: Path, restarts: Restarts, now: float
+    ) -> bool:
+        """Say that `name` exited and schedule its restart; False: a crash loop, stop."""
+        delay = restarts.schedule(now, self.max_restarts)
+        if delay is None:
+            loop = (
+                f"{len(restarts.deaths)} exits within {RESTART_WINDOW_S:.0f} s, "
+                if self.max_restarts
+                else ""
+            )
+            self.say(f"{name} exited with {code}: see {log_path}; {loop}stopping")
+            return False
+        self.say(
+            f"{name} exited with {code}: see {log_path}; restarting in {delay:.1f} s "
+            f"({len(restarts.deaths)} of {self.max_restarts} restarts within "
+            f"{RESTART_WINDOW_S:.0f} s)"
+        )
+        return True
 
     # 5. shutdown ------------------------------------------------------------
 

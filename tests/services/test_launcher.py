@@ -163,9 +163,22 @@ def wait_healthy_with(port: int, worker: str, timeout_s: float = 60.0) -> None:
     raise AssertionError(f"/health never listed {worker}")
 
 
+def served(port: int, body: dict[str, object], timeout_s: float = 30.0) -> None:
+    """A completion answers 200 within timeout_s (retried: a restarted server's clients
+    reconnect on their own schedule)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30)
+        if resp.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert resp.status_code == 200, resp.text
+
+
 def test_launcher_restarts_a_service_that_dies(tmp_path: Path, repo_root: Path) -> None:
-    """A worker and then the gateway are SIGKILLed: each is started again, the deployment
-    keeps serving, and Ctrl-C still leaves no process behind."""
+    """A worker, the gateway, then the Redis and NATS servers the launcher started are
+    SIGKILLed: each is started again (the servers on their ports), the deployment
+    serves again, and Ctrl-C still leaves no process behind."""
     nats_url, redis_url = f"nats://127.0.0.1:{free_port()}", f"redis://127.0.0.1:{free_port()}/0"
     port = free_port()
     (tmp_path / "cluster.toml").write_text(tiny_cluster_text(nats_url, redis_url, port=port))
@@ -178,14 +191,22 @@ def test_launcher_restarts_a_service_that_dies(tmp_path: Path, repo_root: Path) 
         for needles, name in (
             (("services.worker", "random-tiny-0"), "worker random-tiny-0"),
             (("services.gateway",), "gateway"),
+            (("redis-server",), "redis-server"),  # its keys are gone: workers register again
+            (("nats-server",), "nats-server"),  # every client reconnects
         ):
             os.kill(service_pid(proc.pid, *needles), signal.SIGKILL)
+            if name == "nats-server":  # the gateway says so, rather than time out
+                unavailable = httpx.post(
+                    f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30
+                )
+                assert unavailable.status_code == 503, unavailable.text
+                assert unavailable.headers["retry-after"]
+                assert "NATS" in unavailable.json()["error"]["message"], unavailable.text
             said = lines.wait_for(f"{name} exited with -9")
             assert "restarting in" in said and "1 of 5 restarts" in said, said
             lines.wait_for(f"restarted {name}")
             wait_healthy_with(port, "random-tiny-0")
-            resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30)
-            assert resp.status_code == 200, resp.text
+            served(port, body)
         assert proc.poll() is None  # still serving
         kids = children_of(proc.pid)
         proc.send_signal(signal.SIGINT)
