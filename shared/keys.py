@@ -1,6 +1,8 @@
 """Every Redis key Baton uses, built in one place, prefixed by the deployment namespace.
 
 {ns}:workers                    SET of instance ids ever registered (pruned by readers)
+{ns}:registry_epoch             a random id set once (SET NX) by the first registration: a new
+                                one tells readers the store lost its data (shared.messages.registry)
 {ns}:worker:{instance_id}       registration (WorkerInfo, msgpack), expires unless heartbeats renew it
 {ns}:snapshot:{instance_id}     HASH {version, wall_time_s, data}: the latest WorkloadSnapshot
 {ns}:samples:{instance_id}      LIST of BatchSample (msgpack), newest last, capped
@@ -16,6 +18,10 @@ from shared.subjects import check_token
 
 def workers(namespace: str) -> str:
     return f"{check_token(namespace)}:workers"
+
+
+def registry_epoch(namespace: str) -> str:
+    return f"{check_token(namespace)}:registry_epoch"
 
 
 def worker(namespace: str, instance_id: str) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import struct
 import time
+import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
@@ -277,6 +278,8 @@ class Store:
                 keys.worker(self.namespace, info.instance_id), encode(info), px=int(ttl_s * 1000)
             )
             pipe.sadd(keys.workers(self.namespace), info.instance_id)
+            # no TTL: it lives as long as the store keeps its data
+            pipe.set(keys.registry_epoch(self.namespace), uuid.uuid4().hex, nx=True)
             await pipe.execute()
 
     async def deregister(self, instance_id: str) -> None:
@@ -287,7 +290,19 @@ class Store:
 
     async def live_workers(self) -> list[WorkerInfo]:
         """Every registered worker whose registration has not expired (expired ids are pruned)."""
-        members = cast(set[bytes], await self.redis.smembers(keys.workers(self.namespace)))
+        return (await self.read_registry())[0]
+
+    async def read_registry(self) -> tuple[list[WorkerInfo], str | None]:
+        """`live_workers` and the registry's epoch (None: no worker registered since the
+        store's data began), the two in the first round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.smembers(keys.workers(self.namespace))
+            pipe.get(keys.registry_epoch(self.namespace))
+            members, raw_epoch = await pipe.execute()
+        epoch = None if raw_epoch is None else cast(bytes, raw_epoch).decode()
+        return await self._live_records(cast(set[bytes], members)), epoch
+
+    async def _live_records(self, members: set[bytes]) -> list[WorkerInfo]:
         ids = sorted(i.decode() for i in members)
         if not ids:
             return []

@@ -53,7 +53,7 @@ from shared.messages.estimator import (
     RouteReply,
     RouteRequest,
 )
-from shared.messages.registry import WorkerInfo, departed
+from shared.messages.registry import RegistryEpoch, WorkerInfo, departed
 from shared.messages.worker import BatchTimeCalibration
 from shared.model_store import REPO_ROOT
 from shared.scheduling.snapshot import BatchSample
@@ -68,6 +68,7 @@ SAMPLES_PER_READ = 2048  # newest batch samples read per instance per fit interv
 class EstimatorService:
     def __init__(self, cluster: ClusterConfig) -> None:
         self.cluster = cluster
+        self._registry_epoch = RegistryEpoch(cluster.worker.heartbeat_ttl_s)
         self.settings = cluster.estimator
         self.bus = Bus(cluster.nats_url, name="estimator")
         self.store = Store(cluster.redis_url, cluster.namespace)
@@ -196,7 +197,8 @@ class EstimatorService:
                 failures.ok()
 
     async def _refresh_workers(self) -> None:
-        live = {w.instance_id: w for w in await self.store.live_workers()}
+        read, epoch = await self.store.read_registry()
+        live = self._registry_epoch.carry(self.workers, read, epoch, time.time())
         for gone in departed(self.workers, live):
             self.shared_ledger.forget_instance(gone)
             self.instances.pop(gone, None)

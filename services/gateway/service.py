@@ -24,7 +24,7 @@ from shared.messages.estimator import (
     RouteRequest,
 )
 from shared.messages.gateway import DELTA_BATCH_DECODER
-from shared.messages.registry import WorkerInfo, departed
+from shared.messages.registry import RegistryEpoch, WorkerInfo, departed
 from shared.messages.worker import CALIBRATION_DECODER, AbortRequest, SubmitRequest
 from shared.sampling import SamplingParams
 from shared.store import SnapshotDecoder, Store
@@ -57,6 +57,7 @@ class GatewayService:
     def __init__(self, cfg: GatewayServiceConfig) -> None:
         self.cfg = cfg
         self.cluster = cfg.cluster
+        self._registry_epoch = RegistryEpoch(self.cluster.worker.heartbeat_ttl_s)
         self.settings = cfg.settings
         ns = cfg.cluster.namespace
         self.inbox_subject = subjects.gateway_inbox(ns, cfg.gateway_id)
@@ -145,7 +146,8 @@ class GatewayService:
                 self.metrics.instance_requests.remove(instance_id, state)
 
     async def _refresh_workers(self) -> None:
-        live = {w.instance_id: w for w in await self.store.live_workers()}
+        read, epoch = await self.store.read_registry()
+        live = self._registry_epoch.carry(self.workers, read, epoch, time.time())
         for gone in departed(self.workers, live):
             num = self.streams.fail_instance(
                 gone, f"worker {gone} went away while serving the request"

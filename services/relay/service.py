@@ -34,7 +34,7 @@ from shared.messages.peer import (
     PeerRelease,
     PeerReq,
 )
-from shared.messages.registry import WorkerInfo
+from shared.messages.registry import RegistryEpoch, WorkerInfo
 from shared.store import SnapshotDecoder, Store
 
 log = get_logger(component="relay")
@@ -59,6 +59,7 @@ class RelayService:
         self._snapshots = SnapshotDecoder(log)
         self._last_retry_s = -math.inf  # monotonic time of the last re-read on a miss
         self._refresh_failures = RetryLog(log, "registry_refresh_failed")
+        self._registry_epoch = RegistryEpoch(cluster.worker.heartbeat_ttl_s)
         self._stop = asyncio.Event()
 
     def request_stop(self) -> None:
@@ -88,7 +89,8 @@ class RelayService:
         return best
 
     async def _refresh(self) -> None:
-        self.workers = {w.instance_id: w for w in await self.store.live_workers()}
+        read, epoch = await self.store.read_registry()
+        self.workers = self._registry_epoch.carry(self.workers, read, epoch, time.time())
         self._snapshots.keep_only(self.workers)
         blobs = await self.store.read_snapshots(list(self.workers))
         for iid, snap in self._snapshots.decode(blobs).items():

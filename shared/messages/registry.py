@@ -2,9 +2,20 @@
 
 A worker rewrites its record every heartbeat interval; when it dies the key
 expires and gateways and estimators stop seeing it.
+
+A store that loses its data (a Redis restart, a failover to a replica that lagged)
+loses every record at once while the workers live on; each registers again at its
+next heartbeat. Read naively, every worker would leave and come back, and readers
+would fail the requests they stream meanwhile. So the first registration sets a
+random registry epoch (`keys.registry_epoch`), and a reader that sees it change
+keeps, for a TTL, each worker missing from its reads whose record is younger than
+the TTL (`RegistryView`): such a record cannot have expired on its own.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Iterable
 
 import msgspec
 
@@ -32,3 +43,34 @@ def departed(before: dict[str, WorkerInfo], now: dict[str, WorkerInfo]) -> list[
         for iid, info in before.items()
         if iid not in now or now[iid].started_at_s != info.started_at_s
     ]
+
+
+class RegistryEpoch:
+    """What one reader saw of the registry epoch (module docstring): `carry` keeps the
+    workers a read lacks while the store has lately lost its data."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s  # the workers' heartbeat TTL
+        self._epoch: str | None = None
+        self._lost_at_s = -math.inf  # wall time the epoch last changed
+
+    def carry(
+        self,
+        before: dict[str, WorkerInfo],
+        read: Iterable[WorkerInfo],
+        epoch: str | None,
+        now_s: float,
+    ) -> dict[str, WorkerInfo]:
+        """The workers to treat as live after a read (`Store.read_registry`): the read's,
+        plus, within `ttl_s` of an epoch change, each worker of `before` the read lacks
+        whose record is younger than `ttl_s` (kept as last read). Outside that window
+        a worker the read lacks is gone at once (`departed`)."""
+        live = {w.instance_id: w for w in read}
+        if self._epoch is not None and epoch != self._epoch:
+            self._lost_at_s = now_s
+        self._epoch = epoch
+        if now_s - self._lost_at_s < self.ttl_s:
+            for iid, info in before.items():
+                if iid not in live and now_s - info.heartbeat_at_s < self.ttl_s:
+                    live[iid] = info
+        return live

@@ -248,3 +248,35 @@ def test_retry_log_keeps_an_outage_to_a_few_lines() -> None:
     ]
     assert lines[0]["log_level"] == "warning" and lines[2]["log_level"] == "info"
     assert lines[2]["lasted_s"] >= 0.25
+
+
+def test_registry_epoch_keeps_workers_only_after_the_store_lost_its_data() -> None:
+    from shared.messages.registry import RegistryEpoch
+
+    def worker(iid: str, heartbeat_at_s: float) -> WorkerInfo:
+        return WorkerInfo(
+            instance_id=iid,
+            model="m",
+            inbox="x",
+            max_model_len=8,
+            max_num_seqs=1,
+            started_at_s=0.0,
+            heartbeat_at_s=heartbeat_at_s,
+        )
+
+    view = RegistryEpoch(ttl_s=3.0)
+    a, b = worker("a", 100.0), worker("b", 96.0)
+    live = view.carry({}, [a, b], "e1", 100.5)  # the first read: no epoch before it
+    assert set(live) == {"a", "b"}
+    # the same epoch: a worker the read lacks deregistered or expired, gone at once
+    assert set(view.carry(live, [a], "e1", 100.6)) == {"a"}
+    # the store lost its data (no epoch yet, then a new one): a record younger than the
+    # TTL is kept as last read (b's is 4.7 s old: it may really have expired)
+    kept = view.carry(live, [], None, 100.7)
+    assert kept == {"a": a}
+    assert view.carry(kept, [], "e2", 101.0) == {"a": a}
+    # a's record turns older than the TTL without a new one: gone
+    assert view.carry(kept, [], "e2", 103.1) == {}
+    # past the window after the change, a missing worker is gone at once again
+    fresh = worker("c", 104.9)
+    assert view.carry({"c": fresh}, [], "e2", 105.0) == {}
