@@ -18,7 +18,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from shared.logging import get_logger
+from shared.logging import RetryLog, get_logger
 from shared.messages import encode
 
 T = TypeVar("T")
@@ -49,8 +49,14 @@ class Bus:
         return self._nc is not None and self._nc.is_connected
 
     async def connect(self, *, connect_timeout_s: float = 5.0) -> None:
+        # a reconnect loop's errors (twice a second while NATS is down): a few lines
+        failures = RetryLog(log, "nats_error", recovered="nats_reconnected")
+
         async def on_error(exc: Exception) -> None:
-            log.warning("nats_error", error=str(exc))
+            failures.failed(error=str(exc))
+
+        async def on_reconnected() -> None:
+            failures.ok()
 
         self._nc = await nats.connect(
             self.url,
@@ -59,6 +65,7 @@ class Bus:
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
             error_cb=on_error,
+            reconnected_cb=on_reconnected,
             pending_size=64 * 1024 * 1024,
         )
 

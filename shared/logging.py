@@ -55,9 +55,13 @@ class RetryLog:
     how long it lasted. A loop that retries every 20 ms would otherwise write 50 lines
     a second while the store is down, burying whatever else the log says."""
 
-    def __init__(self, logger: Any, event: str, every_s: float = 10.0) -> None:
+    def __init__(
+        self, logger: Any, event: str, every_s: float = 10.0, *, recovered: str | None = None
+    ) -> None:
         self._log = logger
         self.event = event
+        # the success's event: by default the failure's with _failed -> _recovered
+        self.recovered = recovered or event.removesuffix("_failed") + "_recovered"
         self.every_s = every_s
         self.num_failed = 0  # failures in the current stretch
         self._since_s = 0.0  # monotonic time the stretch began
@@ -79,7 +83,7 @@ class RetryLog:
     def ok(self) -> None:
         if self.num_failed:
             self._log.info(
-                self.event.removesuffix("_failed") + "_recovered",
+                self.recovered,
                 failures=self.num_failed,
                 lasted_s=round(time.monotonic() - self._since_s, 3),
             )

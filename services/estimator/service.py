@@ -184,7 +184,7 @@ class EstimatorService:
         Also ends on `_stop`: redis-py can swallow a cancellation that lands inside a
         command, and the loop would then run on after close().
         """
-        failures = RetryLog(log, "background_step_failed")
+        failures = RetryLog(log.bind(step=what), "background_step_failed")
         while not self._stop.is_set():
             await asyncio.sleep(period_s)
             if self._stop.is_set():
@@ -192,13 +192,13 @@ class EstimatorService:
             try:
                 await step()
             except Exception as exc:
-                failures.failed(step=what, error=repr(exc))
+                failures.failed(error=repr(exc))
             else:
                 failures.ok()
 
     async def _refresh_workers(self) -> None:
         read, epoch = await self.store.read_registry()
-        live = self._registry_epoch.carry(self.workers, read, epoch, time.time())
+        live = self._registry_epoch.carry(self.workers, read, epoch, time.monotonic())
         for gone in departed(self.workers, live):
             self.shared_ledger.forget_instance(gone)
             self.instances.pop(gone, None)

@@ -147,7 +147,7 @@ class GatewayService:
 
     async def _refresh_workers(self) -> None:
         read, epoch = await self.store.read_registry()
-        live = self._registry_epoch.carry(self.workers, read, epoch, time.time())
+        live = self._registry_epoch.carry(self.workers, read, epoch, time.monotonic())
         for gone in departed(self.workers, live):
             num = self.streams.fail_instance(
                 gone, f"worker {gone} went away while serving the request"

@@ -11,8 +11,8 @@
    the printed curl example, or any model of the cluster, answers at once), print
    the URL and a curl example
 4. supervise: a service (or a server started in step 1) that dies is started again
-   after a backoff (a worker that exited cleanly, drained on request, is not) and
-   each restart is printed with its log; one that dies more than `max_restarts`
+   after a backoff (a worker that exited cleanly, drained on request, is not; when
+   no worker is left the deployment stops) and each restart is printed with its log; one that dies more than `max_restarts`
    times within `RESTART_WINDOW_S` stops the deployment (a crash loop: nothing
    fails silently). max_restarts 0: any exit stops it
 5. Ctrl-C / SIGTERM: stop gateway, workers (they drain), estimator/relay/batcher, then the
@@ -33,7 +33,7 @@ import sys
 import time
 import urllib.request
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,10 +52,23 @@ from shared.config import ClusterConfig
 from shared.store import Store
 
 _PR_SET_PDEATHSIG = 1
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 DEFAULT_MAX_RESTARTS = 5  # per child within RESTART_WINDOW_S; one more death stops all
 RESTART_WINDOW_S = 60.0
 RESTART_BACKOFF_S = (0.5, 30.0)  # the first restart's delay, doubling up to the second
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until the block ends: a server started in it (its own
+    session, not killed with the launcher) is in `Launcher.servers`, which stop()
+    reaches, before the KeyboardInterrupt can be raised."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
 
 
 def _child_setup() -> None:  # runs in the child between fork and exec
@@ -174,8 +187,9 @@ class Launcher:
             def start() -> ServerProcess:
                 return start_nats(host, port, self.log_dir / ".nats", log_path)
 
-            server = start()
-            self.servers.append(server)
+            with _signals_held():
+                server = start()
+                self.servers.append(server)
             self._server_starts[server.name] = (start, log_path, Restarts())
             self.nats_url = server.url
             self.say(f"started nats-server (JetStream) at {server.url}")
@@ -191,8 +205,9 @@ class Launcher:
             def start() -> ServerProcess:
                 return start_redis(host, port, log_path)
 
-            server = start()
-            self.servers.append(server)
+            with _signals_held():
+                server = start()
+                self.servers.append(server)
             self._server_starts[server.name] = (start, log_path, Restarts())
             self.redis_url = self.cluster.redis_url
             self.say(f"started redis-server at {self.redis_url}")
@@ -360,25 +375,33 @@ class Launcher:
         return None
 
     def _supervise(self, env: dict[str, str]) -> int:
-        """Restart what dies (module docstring, step 4); returns when something crash-loops."""
+        """Restart what dies (module docstring, step 4); returns when something crash-loops
+        or no worker is left."""
         while True:
             now = time.monotonic()
             # 1. a service's death: give up on a crash loop, else schedule the restart
             while (dead := self._dead_child()) is not None:
                 code = dead.returncode
-                if dead.is_worker and code == 0:
+                if dead.is_worker and code == 0 and self.max_restarts > 0:
                     self.say(f"{dead.name} exited cleanly (drained): not restarted")
                     dead.restarts.restart_at = math.inf
-                elif not self._schedule(dead.name, code, dead.log_path, dead.restarts, now):
+                    if all(c.restarts.restart_at == math.inf for c in self._workers()):
+                        self.say("no worker is left: stopping")
+                        return 1
+                elif not self._schedule(
+                    dead.name, f"exited with {code}", dead.log_path, dead.restarts, now
+                ):
                     return 1
             # 2. a server's (started in step 1): the same, on its own port again
             for server in self.servers:
-                start, log_path, restarts = self._server_starts[server.name]
+                _, log_path, restarts = self._server_starts[server.name]
                 code = server.process.poll()
                 if (
                     code is not None
                     and restarts.restart_at is None
-                    and not self._schedule(f"{server.name}-server", code, log_path, restarts, now)
+                    and not self._schedule(
+                        f"{server.name}-server", f"exited with {code}", log_path, restarts, now
+                    )
                 ):
                     return 1
             # 3. restarts that are due
@@ -387,20 +410,30 @@ class Launcher:
                     child.start(env)
                     self.say(f"restarted {child.name}")
             for i, server in enumerate(self.servers):
-                start, _, restarts = self._server_starts[server.name]
-                if restarts.is_due(now):
-                    try:
+                start, log_path, restarts = self._server_starts[server.name]
+                if not restarts.is_due(now):
+                    continue
+                try:
+                    with _signals_held():
                         self.servers[i] = start()
-                    except ServerError as exc:  # counts as its next death (loop above)
-                        self.say(f"could not restart {server.name}-server: {exc}")
-                    else:
-                        self.say(f"restarted {server.name}-server at {self.servers[i].url}")
+                except ServerError as exc:  # its next death: retried after the next backoff
+                    name = f"{server.name}-server"
+                    if not self._schedule(
+                        name, f"failed to start ({exc})", log_path, restarts, now
+                    ):
+                        return 1
+                else:
+                    self.say(f"restarted {server.name}-server at {self.servers[i].url}")
             time.sleep(0.2)
 
+    def _workers(self) -> list[Child]:
+        return [c for c in self.children if c.is_worker]
+
     def _schedule(
-        self, name: str, code: int | None, log_path: Path, restarts: Restarts, now: float
+        self, name: str, what: str, log_path: Path, restarts: Restarts, now: float
     ) -> bool:
-        """Say that `name` exited and schedule its restart; False: a crash loop, stop."""
+        """Say that `name` `what` (exited with N, failed to start) and schedule its
+        restart; False: one death too many within the window, stop."""
         delay = restarts.schedule(now, self.max_restarts)
         if delay is None:
             loop = (
@@ -408,10 +441,10 @@ class Launcher:
                 if self.max_restarts
                 else ""
             )
-            self.say(f"{name} exited with {code}: see {log_path}; {loop}stopping")
+            self.say(f"{name} {what}: see {log_path}; {loop}stopping")
             return False
         self.say(
-            f"{name} exited with {code}: see {log_path}; restarting in {delay:.1f} s "
+            f"{name} {what}: see {log_path}; restarting in {delay:.1f} s "
             f"({len(restarts.deaths)} of {self.max_restarts} restarts within "
             f"{RESTART_WINDOW_S:.0f} s)"
         )
@@ -428,7 +461,7 @@ class Launcher:
         back = ("estimator", "relay", "batcher")
         tiers = [
             [c for c in self.children if c.name == "gateway"],
-            [c for c in self.children if c.name.startswith("worker")],
+            self._workers(),
             [c for c in self.children if c.name in back],
         ]
         for group in tiers:

@@ -90,7 +90,7 @@ class RelayService:
 
     async def _refresh(self) -> None:
         read, epoch = await self.store.read_registry()
-        self.workers = self._registry_epoch.carry(self.workers, read, epoch, time.time())
+        self.workers = self._registry_epoch.carry(self.workers, read, epoch, time.monotonic())
         self._snapshots.keep_only(self.workers)
         blobs = await self.store.read_snapshots(list(self.workers))
         for iid, snap in self._snapshots.decode(blobs).items():

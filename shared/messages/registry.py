@@ -8,8 +8,8 @@ loses every record at once while the workers live on; each registers again at it
 next heartbeat. Read naively, every worker would leave and come back, and readers
 would fail the requests they stream meanwhile. So the first registration sets a
 random registry epoch (`keys.registry_epoch`), and a reader that sees it change
-keeps, for a TTL, each worker missing from its reads whose record is younger than
-the TTL (`RegistryView`): such a record cannot have expired on its own.
+keeps every worker it knew for one heartbeat TTL (`RegistryEpoch`), however long
+the store was unreachable before.
 """
 
 from __future__ import annotations
@@ -47,12 +47,12 @@ def departed(before: dict[str, WorkerInfo], now: dict[str, WorkerInfo]) -> list[
 
 class RegistryEpoch:
     """What one reader saw of the registry epoch (module docstring): `carry` keeps the
-    workers a read lacks while the store has lately lost its data."""
+    workers a read lacks while the store has just lost its data."""
 
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s  # the workers' heartbeat TTL
         self._epoch: str | None = None
-        self._lost_at_s = -math.inf  # wall time the epoch last changed
+        self._lost_at_s = -math.inf  # time.monotonic() when the epoch last changed
 
     def carry(
         self,
@@ -61,16 +61,16 @@ class RegistryEpoch:
         epoch: str | None,
         now_s: float,
     ) -> dict[str, WorkerInfo]:
-        """The workers to treat as live after a read (`Store.read_registry`): the read's,
-        plus, within `ttl_s` of an epoch change, each worker of `before` the read lacks
-        whose record is younger than `ttl_s` (kept as last read). Outside that window
-        a worker the read lacks is gone at once (`departed`)."""
+        """The workers to treat as live after a read (`Store.read_registry`; `now_s`:
+        time.monotonic()): the read's, plus, for `ttl_s` after the epoch changed, each
+        worker of `before` the read lacks, as last read (a live one registers again
+        within a heartbeat; one that died meanwhile leaves when the window ends).
+        Outside that window a worker the read lacks is gone at once (`departed`)."""
         live = {w.instance_id: w for w in read}
         if self._epoch is not None and epoch != self._epoch:
             self._lost_at_s = now_s
         self._epoch = epoch
         if now_s - self._lost_at_s < self.ttl_s:
             for iid, info in before.items():
-                if iid not in live and now_s - info.heartbeat_at_s < self.ttl_s:
-                    live[iid] = info
+                live.setdefault(iid, info)
         return live

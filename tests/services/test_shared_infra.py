@@ -143,6 +143,7 @@ async def test_snapshot_reads_survive_a_dropped_connection_and_a_cancelled_read(
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        assert not store.hot._conn.is_connected  # cancelled mid-exchange: closed
         both = await store.read_snapshots(["b", "a"])
         assert [(k, v.data if v else None) for k, v in both.items()] == [("b", b"b"), ("a", b"a")]
         # the combined read: snapshots and ledger hashes (RESP2 pairs made a dict)
@@ -253,7 +254,7 @@ def test_retry_log_keeps_an_outage_to_a_few_lines() -> None:
 def test_registry_epoch_keeps_workers_only_after_the_store_lost_its_data() -> None:
     from shared.messages.registry import RegistryEpoch
 
-    def worker(iid: str, heartbeat_at_s: float) -> WorkerInfo:
+    def worker(iid: str) -> WorkerInfo:
         return WorkerInfo(
             instance_id=iid,
             model="m",
@@ -261,22 +262,22 @@ def test_registry_epoch_keeps_workers_only_after_the_store_lost_its_data() -> No
             max_model_len=8,
             max_num_seqs=1,
             started_at_s=0.0,
-            heartbeat_at_s=heartbeat_at_s,
+            heartbeat_at_s=0.0,  # the worker's clock: never compared with the reader's
         )
 
     view = RegistryEpoch(ttl_s=3.0)
-    a, b = worker("a", 100.0), worker("b", 96.0)
-    live = view.carry({}, [a, b], "e1", 100.5)  # the first read: no epoch before it
+    a, b = worker("a"), worker("b")
+    live = view.carry({}, [a, b], "e1", 100.0)  # the first read: no epoch before it
     assert set(live) == {"a", "b"}
     # the same epoch: a worker the read lacks deregistered or expired, gone at once
-    assert set(view.carry(live, [a], "e1", 100.6)) == {"a"}
-    # the store lost its data (no epoch yet, then a new one): a record younger than the
-    # TTL is kept as last read (b's is 4.7 s old: it may really have expired)
-    kept = view.carry(live, [], None, 100.7)
-    assert kept == {"a": a}
-    assert view.carry(kept, [], "e2", 101.0) == {"a": a}
-    # a's record turns older than the TTL without a new one: gone
-    assert view.carry(kept, [], "e2", 103.1) == {}
-    # past the window after the change, a missing worker is gone at once again
-    fresh = worker("c", 104.9)
-    assert view.carry({"c": fresh}, [], "e2", 105.0) == {}
+    assert view.carry(live, [a], "e1", 100.1) == {"a": a}
+    # the store lost its data (no epoch yet): every worker known is kept as last read,
+    # then a new epoch within the window changes nothing
+    kept = view.carry(live, [], None, 100.2)
+    assert kept == {"a": a, "b": b}
+    back = view.carry(kept, [a], "e2", 101.0)  # a registered again, b not yet
+    assert back == {"a": a, "b": b}
+    # b never came back: gone when the window ends (3 s after the change was seen)
+    assert view.carry(back, [a], "e2", 103.3) == {"a": a}
+    # past the window, a missing worker is gone at once again
+    assert view.carry({"a": a}, [], "e2", 104.0) == {}

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 
 from shared.config import parse_cluster
+from shared.messages.registry import WorkerInfo
 from tests.services.conftest import start_stack, start_worker, tiny_cluster_text
 
 CHAT = {"model": "random-tiny", "messages": [{"role": "user", "content": "Tell me a story."}]}
@@ -186,42 +187,44 @@ async def test_sim_engine_worker_serves_through_the_gateway(nats_url: str, redis
 
 async def test_a_store_that_loses_its_data_fails_no_stream(nats_url: str, redis_url: str) -> None:
     """Every key of the namespace vanishes mid-stream (a Redis restart, a failover): the
-    workers register again at their next heartbeat, and meanwhile the gateway and the
-    estimator keep them (the registry epoch changed; their records cannot have expired),
-    so the open stream finishes and routing never stops."""
+    workers register again at their next heartbeat, and meanwhile the gateway keeps them
+    (the registry epoch changed), so the open stream finishes and routing never stops."""
     cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
     stack = await start_stack(cluster, num_workers=2)
-    store = stack.gateway.store
+    gateway, store = stack.gateway, stack.gateway.store
     try:
-        await wait_for(
-            lambda: len(stack.gateway.workers) == 2 and len(stack.estimator.workers) == 2
-        )
-        gone: list[str] = []
-        refresh = stack.gateway._refresh_workers
+        await wait_for(lambda: len(gateway.workers) == 2 and len(stack.estimator.workers) == 2)
+        reads: list[int] = []  # workers in each of the gateway's registry reads
+        read_registry = store.read_registry
 
-        async def watched() -> None:  # records what the gateway dropped
-            before = set(stack.gateway.workers)
-            await refresh()
-            gone.extend(before - set(stack.gateway.workers))
+        async def counted() -> tuple[list[WorkerInfo], str | None]:
+            read = await read_registry()
+            reads.append(len(read[0]))
+            return read
 
-        stack.gateway._refresh_workers = watched  # type: ignore[method-assign]
+        store.read_registry = counted  # type: ignore[method-assign]
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
             body = {**CHAT, "stream": True, "max_tokens": 120, "ignore_eos": True}
             async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
                 lines = resp.aiter_lines()
                 for _ in range(3):
                     await anext(lines)
-                names = [k async for k in store.redis.scan_iter(f"{cluster.namespace}:*")]
-                await store.redis.delete(*names)  # the store lost the namespace
-                # the next reads see no worker at all, yet both stay
-                await asyncio.sleep(2 * cluster.gateway.registry_refresh_s)
-                assert len(stack.gateway.workers) == 2 and len(stack.estimator.workers) == 2
+                # The store loses the namespace; a read at once (before the workers'
+                # next heartbeat, 0.3 s away) sees no worker: both must stay.
+                for _ in range(5):  # again if a heartbeat raced the read
+                    names = [k async for k in store.redis.scan_iter(f"{cluster.namespace}:*")]
+                    await store.redis.delete(*names)
+                    await gateway._refresh_workers()
+                    if reads[-1] < 2:
+                        break
+                assert reads[-1] < 2, reads  # the loss was seen
+                assert set(gateway.workers) == {"w0", "w1"}
                 rest = [line async for line in lines]
             assert '"finish_reason":"length"' in "".join(rest), rest[-3:]
             assert not any("went away" in line for line in rest)
             resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
             assert resp.status_code == 200, resp.text
-        assert gone == []
-        assert await store.redis.get(f"{cluster.namespace}:registry_epoch") is not None
+            await wait_for(lambda: reads[-1] == 2, 5)  # both registered again
+        assert len(stack.estimator.workers) == 2
     finally:
         await stack.stop()
