@@ -65,6 +65,11 @@ class GatewayMetrics:
             ["instance", "feature_set"],
             registry=r,
         )
+        self.route_fallbacks = Counter(
+            "baton_route_fallbacks",
+            "requests the gateway routed itself (shortest queue) because no estimator answered",
+            registry=r,
+        )
         self.router_overhead_s = Histogram(
             "baton_router_overhead_seconds",
             "time the gateway waited for the routing decision",

@@ -74,6 +74,12 @@ class GatewayService:
         self._background: set[asyncio.Task[Any]] = set()
         self._fitted: dict[str, str] = {}  # instance -> feature set of its MAPE gauge
         self._snapshots = SnapshotDecoder(log)
+        # Load per instance for routing without the estimator (route(), fallback):
+        # requests in its latest snapshot, plus those this gateway sent since.
+        self._snapshot_load: dict[str, int] = {}
+        self._sent_since: dict[str, int] = {}
+        self._no_estimator = RetryLog(log, "estimator_unreachable", recovered="estimator_reachable")
+        self._fallback_turn = 0
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -162,6 +168,8 @@ class GatewayService:
         self._snapshots.keep_only(live)
         self.metrics.live_workers.set(sum(not w.is_draining for w in live.values()))
         snapshots = self._snapshots.decode(await self.store.read_snapshots(list(live)))
+        self._snapshot_load = {iid: snap.num_requests for iid, snap in snapshots.items()}
+        self._sent_since = {}
         for iid, snap in snapshots.items():
             self.metrics.instance_requests.labels(iid, "running").set(snap.num_running)
             self.metrics.instance_requests.labels(iid, "waiting").set(snap.num_waiting)
@@ -200,7 +208,11 @@ class GatewayService:
         """Ask the estimator which instance serves this request.
 
         With `route_single_locally`, a model that only one live instance serves is
-        routed here without the round trip: there is nothing to choose.
+        routed here without the round trip: there is nothing to choose. When no
+        estimator answers (none subscribed: at once; a hung one: after
+        `route_timeout_s`), the gateway routes the request itself to the instance with
+        the fewest requests (`_fallback`) rather than fail it: an estimator that is
+        restarting or gone costs the routing quality, not the answers.
         """
         model = req.model
         if not self.bus.is_connected:  # reconnecting: a request would only wait and time out
@@ -228,13 +240,9 @@ class GatewayService:
                 raise self._bus_unavailable() from None
             if not (is_no_responders(exc) or isinstance(exc, TimeoutError)):
                 raise
-            raise GatewayError(
-                503,
-                "no estimator answered; the service is starting or overloaded",
-                "service_unavailable",
-                "no_estimator",
-                retry_after_s=self.settings.retry_after_s,
-            ) from None
+            self._no_estimator.failed(error=type(exc).__name__)
+            return self._fallback(req)
+        self._no_estimator.ok()
         if reply.instance_id is None:
             raise GatewayError(
                 503,
@@ -244,6 +252,36 @@ class GatewayService:
                 retry_after_s=max(1, round(reply.retry_after_s)),
             )
         return reply
+
+    def _fallback(self, req: RouteRequest) -> RouteReply:
+        """Shortest queue from this gateway's own view (snapshot requests + sent since),
+        ties in turn; 503 when no live instance serves the model."""
+        serving = sorted(self.serving(req.model), key=lambda w: w.instance_id)
+        if not serving:
+            raise GatewayError(
+                503,
+                f"no live worker serves model {req.model!r}",
+                "service_unavailable",
+                "no_worker",
+                retry_after_s=self.settings.retry_after_s,
+            )
+
+        def load(w: WorkerInfo) -> int:
+            iid = w.instance_id
+            return self._snapshot_load.get(iid, 0) + self._sent_since.get(iid, 0)
+
+        least = min(load(w) for w in serving)
+        ties = [w for w in serving if load(w) == least]
+        self._fallback_turn += 1
+        w = ties[self._fallback_turn % len(ties)]
+        self.metrics.route_fallbacks.inc()
+        return RouteReply(
+            request_id=req.request_id,
+            instance_id=w.instance_id,
+            model=w.model,
+            inbox=w.inbox,
+            policy="gateway-fallback",
+        )
 
     def _bus_unavailable(self) -> GatewayError:
         return GatewayError(
@@ -278,6 +316,7 @@ class GatewayService:
         )
         stream.submitted_at = time.perf_counter()
         await self.bus.publish(reply.inbox, msg)
+        self._sent_since[reply.instance_id] = self._sent_since.get(reply.instance_id, 0) + 1
         return stream
 
     def finish(self, stream: RequestStream, *, aborted: bool) -> None:

@@ -228,3 +228,28 @@ async def test_a_store_that_loses_its_data_fails_no_stream(nats_url: str, redis_
         assert len(stack.estimator.workers) == 2
     finally:
         await stack.stop()
+
+
+async def test_without_an_estimator_the_gateway_routes_by_itself(
+    nats_url: str, redis_url: str
+) -> None:
+    """The estimator stops (a crash, a restart): requests are still answered, routed by
+    the gateway to the instance with the fewest requests, and counted in /metrics."""
+    cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
+    stack = await start_stack(cluster, num_workers=2)
+    try:
+        stack.estimator.request_stop()
+        await asyncio.wait_for(stack._tasks[2], 10)  # the estimator's task: gone
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
+            body = {**CHAT, "max_tokens": 2}
+            resps = await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=body) for _ in range(4))
+            )
+            assert [r.status_code for r in resps] == [200] * 4, [r.text for r in resps]
+            picked = [r.json()["baton"] for r in resps]
+            assert {p["policy"] for p in picked} == {"gateway-fallback"}
+            assert {p["instance"] for p in picked} == {"w0", "w1"}  # the load is spread
+            metrics = (await client.get("/metrics")).text
+            assert "baton_route_fallbacks_total 4.0" in metrics
+    finally:
+        await stack.stop()
