@@ -220,14 +220,7 @@ class GatewayService:
         if self.settings.route_single_locally:
             serving = self.serving(model)
             if len(serving) == 1:
-                w = serving[0]
-                return RouteReply(
-                    request_id=req.request_id,
-                    instance_id=w.instance_id,
-                    model=w.model,
-                    inbox=w.inbox,
-                    policy="single",
-                )
+                return _routed_here(req, serving[0], "single")
         try:
             reply = await self.bus.request(
                 self._route_subject,
@@ -275,13 +268,7 @@ class GatewayService:
         self._fallback_turn += 1
         w = ties[self._fallback_turn % len(ties)]
         self.metrics.route_fallbacks.inc()
-        return RouteReply(
-            request_id=req.request_id,
-            instance_id=w.instance_id,
-            model=w.model,
-            inbox=w.inbox,
-            policy="gateway-fallback",
-        )
+        return _routed_here(req, w, "gateway-fallback")
 
     def _bus_unavailable(self) -> GatewayError:
         return GatewayError(
@@ -344,3 +331,14 @@ class GatewayService:
                 log.warning("publish_failed", error=repr(t.exception()))
 
         task.add_done_callback(done)
+
+
+def _routed_here(req: RouteRequest, worker: WorkerInfo, policy: str) -> RouteReply:
+    """A decision the gateway made itself (no estimator round trip)."""
+    return RouteReply(
+        request_id=req.request_id,
+        instance_id=worker.instance_id,
+        model=worker.model,
+        inbox=worker.inbox,
+        policy=policy,
+    )

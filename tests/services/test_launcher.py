@@ -42,6 +42,23 @@ def is_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def assert_no_orphans(pids: set[int], timeout_s: float = 5.0) -> None:
+    """Every one of `pids` (a stopped launcher's children) is gone within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while any(is_alive(k) for k in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [k for k in pids if is_alive(k)], "orphaned processes"
+
+
+def write_own_servers_cluster(tmp_path: Path) -> int:
+    """tmp_path/cluster.toml with NATS and Redis URLs nothing answers at (the launcher
+    starts both) and a free gateway port, which it returns."""
+    nats_url, redis_url = f"nats://127.0.0.1:{free_port()}", f"redis://127.0.0.1:{free_port()}/0"
+    port = free_port()
+    (tmp_path / "cluster.toml").write_text(tiny_cluster_text(nats_url, redis_url, port=port))
+    return port
+
+
 def launcher_cmd(tmp_path: Path) -> list[str]:
     """`python -m services.launcher` on tmp_path/cluster.toml, logs in tmp_path/logs."""
     cluster, logs = str(tmp_path / "cluster.toml"), str(tmp_path / "logs")
@@ -73,9 +90,7 @@ def read_until_serving(proc: subprocess.Popen[str]) -> str:
 
 
 def test_launcher_serves_and_stops_cleanly(tmp_path: Path, repo_root: Path) -> None:
-    nats_url, redis_url = f"nats://127.0.0.1:{free_port()}", f"redis://127.0.0.1:{free_port()}/0"
-    port = free_port()
-    (tmp_path / "cluster.toml").write_text(tiny_cluster_text(nats_url, redis_url, port=port))
+    port = write_own_servers_cluster(tmp_path)
     proc = start_launcher(tmp_path, repo_root)
     try:
         out = read_until_serving(proc)
@@ -94,10 +109,7 @@ def test_launcher_serves_and_stops_cleanly(tmp_path: Path, repo_root: Path) -> N
         assert resp.status_code == 200, resp.text
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         assert proc.wait(30) == 0
-        deadline = time.monotonic() + 5
-        while any(is_alive(k) for k in kids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [k for k in kids if is_alive(k)], "orphaned processes"
+        assert_no_orphans(kids)
         logs = {p.name for p in (tmp_path / "logs").iterdir()}
         assert {
             "gateway.log",
@@ -187,9 +199,7 @@ def test_launcher_restarts_a_service_that_dies(tmp_path: Path, repo_root: Path) 
     SIGKILLed: each is started again (the servers on their ports) and the deployment
     serves again. Then the workers drain on SIGTERM, one after the other: neither is
     restarted, and with none left the launcher stops, leaving no process behind."""
-    nats_url, redis_url = f"nats://127.0.0.1:{free_port()}", f"redis://127.0.0.1:{free_port()}/0"
-    port = free_port()
-    (tmp_path / "cluster.toml").write_text(tiny_cluster_text(nats_url, redis_url, port=port))
+    port = write_own_servers_cluster(tmp_path)
     proc = start_launcher(tmp_path, repo_root)
     try:
         out = read_until_serving(proc)
@@ -225,10 +235,7 @@ def test_launcher_restarts_a_service_that_dies(tmp_path: Path, repo_root: Path) 
         os.kill(service_pid(proc.pid, "services.worker", "random-tiny-0"), signal.SIGTERM)
         lines.wait_for("no worker is left: stopping")
         assert proc.wait(30) == 1
-        deadline = time.monotonic() + 5
-        while any(is_alive(k) for k in kids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [k for k in kids if is_alive(k)], "orphaned processes"
+        assert_no_orphans(kids)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -238,8 +245,7 @@ def test_launcher_restarts_a_service_that_dies(tmp_path: Path, repo_root: Path) 
 def test_launcher_with_no_restarts_stops_at_the_first_death(
     tmp_path: Path, repo_root: Path
 ) -> None:
-    nats_url, redis_url = f"nats://127.0.0.1:{free_port()}", f"redis://127.0.0.1:{free_port()}/0"
-    (tmp_path / "cluster.toml").write_text(tiny_cluster_text(nats_url, redis_url))
+    write_own_servers_cluster(tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
     proc = subprocess.Popen(
         [*launcher_cmd(tmp_path), "--max-restarts", "0"],
@@ -258,10 +264,7 @@ def test_launcher_with_no_restarts_stops_at_the_first_death(
         rest = proc.stdout.read()
         assert "worker random-tiny-1 exited with -9" in rest and "stopping" in rest, rest
         assert "restarting" not in rest
-        deadline = time.monotonic() + 5
-        while any(is_alive(k) for k in kids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [k for k in kids if is_alive(k)], "orphaned processes"
+        assert_no_orphans(kids)
     finally:
         if proc.poll() is None:
             proc.kill()
