@@ -7,6 +7,8 @@ gateway. Decoding with msgspec gives exact, user-facing type errors
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 
@@ -23,8 +25,11 @@ class ResponseFormat(msgspec.Struct, frozen=True):
     type: str  # only "text" is served (json_object / json_schema: refused, not ignored)
 
 
+Role = Literal["system", "user", "assistant", "developer", "tool"]  # OpenAI's; others: 400
+
+
 class ChatMessage(msgspec.Struct, frozen=True):
-    role: str  # system | user | assistant | developer | tool
+    role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
 

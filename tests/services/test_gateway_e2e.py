@@ -367,6 +367,12 @@ async def test_neutral_values_of_unserved_fields_are_served(stack: Stack) -> Non
         ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages must not be empty"),
         (
             "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "wizard", "content": "hi"}]},
+            400,
+            "Invalid enum value 'wizard' - at `$.messages[0].role`",
+        ),
+        (
+            "/v1/chat/completions",
             {**CHAT, "response_format": {"type": "json_object"}},
             400,
             "response_format 'json_object' is not supported",
