@@ -4,6 +4,8 @@
 {ns}:registry_epoch             a random id set once (SET NX) by the first registration: a new
                                 one tells readers the store lost its data (shared.messages.registry)
 {ns}:worker:{instance_id}       registration (WorkerInfo, msgpack), expires unless heartbeats renew it
+{ns}:gateway:{gateway_id}       a gateway's liveness ("1"), renewed every registry refresh: workers
+                                abort the requests of a gateway that is gone
 {ns}:snapshot:{instance_id}     HASH {version, wall_time_s, data}: the latest WorkloadSnapshot
 {ns}:samples:{instance_id}      LIST of BatchSample (msgpack), newest last, capped
 {ns}:calibration:{instance_id}  BatchTimeCalibration (msgpack): the estimator's fitted batch-time model
@@ -26,6 +28,10 @@ def registry_epoch(namespace: str) -> str:
 
 def worker(namespace: str, instance_id: str) -> str:
     return f"{check_token(namespace)}:worker:{check_token(instance_id)}"
+
+
+def gateway(namespace: str, gateway_id: str) -> str:
+    return f"{check_token(namespace)}:gateway:{check_token(gateway_id)}"
 
 
 def snapshot(namespace: str, instance_id: str) -> str:

@@ -298,6 +298,23 @@ class Store:
             pipe.srem(keys.workers(self.namespace), instance_id)
             await pipe.execute()
 
+    # -- gateway liveness ---------------------------------------------------
+
+    async def register_gateway(self, gateway_id: str, *, ttl_s: float) -> None:
+        """Say that this gateway lives (and owns its requests) for `ttl_s` more."""
+        await self.redis.set(keys.gateway(self.namespace, gateway_id), b"1", px=int(ttl_s * 1000))
+
+    async def deregister_gateway(self, gateway_id: str) -> None:
+        await self.redis.delete(keys.gateway(self.namespace, gateway_id))
+
+    async def live_gateways(self, gateway_ids: Iterable[str]) -> set[str]:
+        """Those of `gateway_ids` whose registration has not expired, in one round trip."""
+        ids = sorted(set(gateway_ids))
+        if not ids:
+            return set()
+        found = await self.redis.mget([keys.gateway(self.namespace, g) for g in ids])
+        return {g for g, value in zip(ids, found, strict=True) if value is not None}
+
     async def live_workers(self) -> list[WorkerInfo]:
         """Every registered worker whose registration has not expired (expired ids are pruned)."""
         return (await self.read_registry())[0]

@@ -103,6 +103,8 @@ class GatewayService:
             await asyncio.wait([self._refresh_task], timeout=2.0)
         if self._background:
             await asyncio.wait(self._background, timeout=2.0)
+        with contextlib.suppress(Exception):  # best effort: it expires anyway
+            await asyncio.wait_for(self.store.deregister_gateway(self.cfg.gateway_id), 2.0)
         await self.bus.close()
         await self.store.close()
 
@@ -152,6 +154,10 @@ class GatewayService:
                 self.metrics.instance_requests.remove(instance_id, state)
 
     async def _refresh_workers(self) -> None:
+        # This gateway lives: workers keep its requests (they abort a dead gateway's).
+        await self.store.register_gateway(
+            self.cfg.gateway_id, ttl_s=self.cluster.worker.heartbeat_ttl_s
+        )
         read, epoch = await self.store.read_registry()
         live = self._registry_epoch.carry(self.workers, read, epoch, time.monotonic())
         for gone in departed(self.workers, live):
@@ -300,6 +306,7 @@ class GatewayService:
             arrival_time_s=arrival_time_s,
             predicted_output_tokens=reply.predicted_output_tokens,
             preset=preset,
+            owner=self.cfg.gateway_id,
         )
         stream.submitted_at = time.perf_counter()
         await self.bus.publish(reply.inbox, msg)

@@ -63,6 +63,9 @@ from shared.store import Store
 
 log = get_logger(component="worker")
 EXPIRY_CHECK_S = 0.5  # how often parked token-routing requests are checked for silence
+# heartbeat TTLs a request's owning gateway may stay unregistered before its requests
+# are aborted (`_abort_orphans`)
+ORPHAN_GRACE_TTLS = 2.0
 RELAY_QUERY_TIMEOUT_S = 1.0  # a relay that does not answer within this is taken as gone
 
 EngineFactory = Callable[[WorkerServiceConfig], Any]
@@ -91,6 +94,8 @@ class WorkerService:
         self._wakeup = asyncio.Event()
         self._stop = asyncio.Event()
         self._owners: dict[str, str] = {}  # request id -> owning gateway's inbox subject
+        self._owner_of: dict[str, str] = {}  # request id -> owning gateway's id (if sent)
+        self._gone_since: dict[str, float] = {}  # gateway id -> monotonic time seen gone
         self._num_steps = 0
         self.num_inline_steps = 0  # of them, run on the event loop (short steps)
         self._write_failures = RetryLog(log, "snapshot_write_failed")  # Redis outages
@@ -419,6 +424,8 @@ class WorkerService:
             log.info("request_rejected", request_id=msg.request_id, error=str(exc))
             return RequestFailed(msg.request_id, 400, str(exc))
         self._owners[msg.request_id] = msg.reply_to
+        if msg.owner:
+            self._owner_of[msg.request_id] = msg.owner
         self._num_new_prompt_tokens += len(msg.prompt_token_ids)
         if msg.preset is not None and self.routing is not None:
             self.routing.add_origin(msg.request_id, msg.preset, msg.prompt_token_ids, msg.params)
@@ -538,10 +545,39 @@ class WorkerService:
             try:
                 await self._register()
                 await self._read_calibration()
+                await self._abort_orphans()
             except Exception as exc:
                 failures.failed(error=str(exc))
             else:
                 failures.ok()
+
+    async def _abort_orphans(self) -> None:
+        """Abort the requests whose owning gateway's registration has been gone for
+        ORPHAN_GRACE_TTLS heartbeat TTLs: a gateway that died leaves no one to read
+        their tokens, which would otherwise run to their max_tokens. The grace covers a
+        store that lost its data (a live gateway registers again within its next
+        registry refresh); the abort goes through the inbox, as a client's does."""
+        owners = {rid: gid for rid, gid in self._owner_of.items() if rid in self._owners}
+        self._owner_of = owners  # finished requests leave
+        if not owners:
+            self._gone_since.clear()
+            return
+        alive = await self._store.live_gateways(owners.values())
+        now = time.monotonic()
+        grace_s = ORPHAN_GRACE_TTLS * self.cfg.heartbeat_ttl_s
+        for gid in set(owners.values()):
+            if gid in alive:
+                self._gone_since.pop(gid, None)
+                continue
+            if now - self._gone_since.setdefault(gid, now) < grace_s:
+                continue
+            orphans = [rid for rid, g in owners.items() if g == gid]
+            log.warning("owner_gone", gateway_id=gid, num_aborted=len(orphans))
+            for rid in orphans:
+                self._inbox.append(AbortRequest(request_id=rid))
+                del self._owner_of[rid]
+            del self._gone_since[gid]
+            self._wakeup.set()
 
     async def _read_calibration(self) -> None:
         blob = (await self._store.read_calibrations([self.cfg.instance_id]))[self.cfg.instance_id]

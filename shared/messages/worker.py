@@ -18,6 +18,9 @@ class SubmitRequest(msgspec.Struct, tag="submit", frozen=True, kw_only=True):
     # tokens, the router's length prediction (snapshots carry it)
     predicted_output_tokens: int | None = None
     preset: str | None = None  # the token-level preset the client named; None: plain request
+    # the owning gateway's id (`keys.gateway`): the worker aborts the request once that
+    # registration has been gone a while (the gateway died); "": never
+    owner: str = ""
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True, kw_only=True):

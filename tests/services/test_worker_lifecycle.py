@@ -7,12 +7,16 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 
+from services.worker.service import ORPHAN_GRACE_TTLS
 from shared.config import parse_cluster
 from shared.messages.registry import WorkerInfo
+from shared.messages.worker import SubmitRequest
+from shared.sampling import SamplingParams
 from tests.services.conftest import start_stack, start_worker, tiny_cluster_text
 
 CHAT = {"model": "random-tiny", "messages": [{"role": "user", "content": "Tell me a story."}]}
@@ -251,5 +255,60 @@ async def test_without_an_estimator_the_gateway_routes_by_itself(
             assert {p["instance"] for p in picked} == {"w0", "w1"}  # the load is spread
             metrics = (await client.get("/metrics")).text
             assert "baton_route_fallbacks_total 4.0" in metrics
+    finally:
+        await stack.stop()
+
+
+SLOW_SIM = """
+[models.slow]
+engine = "sim"
+tokenizer = "random-tiny"
+batch_time_features = "six-term"
+batch_time_coefs = [0.02, 0.0, 0.0, 0.0, 0.0, 0.0]
+
+[models.slow.sim]
+clock = "wall"
+output_len_dist = "fixed"
+output_len_mean = 1000.0
+
+[[instances]]
+model = "slow"
+max_num_seqs = 4
+max_num_batched_tokens = 256
+num_kv_blocks = 256
+max_model_len = 1024
+"""
+
+
+async def test_the_requests_of_a_dead_gateway_are_aborted(nats_url: str, redis_url: str) -> None:
+    """A request whose owning gateway is not registered (it died) is aborted once the
+    grace has passed, and its KV freed; the live gateway's request runs on."""
+    text = tiny_cluster_text(nats_url, redis_url).replace("replicas = 2", "replicas = 0")
+    cluster = parse_cluster(text + SLOW_SIM)
+    stack = await start_stack(cluster, 1, ["slow"])  # 20 ms a step: 1000 tokens take 20 s
+    worker = stack.workers[0]
+    try:
+        params = SamplingParams(max_tokens=1000, ignore_eos=True)
+        for rid, owner in (("mine", stack.gateway.cfg.gateway_id), ("orphan", "gw-dead")):
+            await stack.gateway.bus.publish(
+                worker.inbox_subject,
+                SubmitRequest(
+                    request_id=rid,
+                    prompt_token_ids=[1, 2, 3],
+                    params=params,
+                    reply_to=f"{cluster.namespace}.nobody.in",
+                    arrival_time_s=time.time(),
+                    owner=owner,
+                ),
+            )
+        await wait_for(lambda: {"mine", "orphan"} <= set(worker._owners), 5)
+        t0 = time.monotonic()
+        await wait_for(lambda: "orphan" not in worker._owners, 10)
+        waited_s = time.monotonic() - t0
+        grace_s = ORPHAN_GRACE_TTLS * cluster.worker.heartbeat_ttl_s
+        assert waited_s >= grace_s - 2 * cluster.worker.heartbeat_interval_s, waited_s
+        assert "mine" in worker._owners  # the live gateway's request runs on
+        running = [r.request_id for r in worker._engine.scheduler.running]
+        assert running == ["mine"]
     finally:
         await stack.stop()
