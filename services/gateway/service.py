@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from typing import Any
 
@@ -80,6 +81,9 @@ class GatewayService:
         self._sent_since: dict[str, int] = {}
         self._no_estimator = RetryLog(log, "estimator_unreachable", recovered="estimator_reachable")
         self._fallback_turn = 0
+        # monotonic time until which requests skip an estimator that timed out (a hung
+        # one would otherwise cost every request route_timeout_s)
+        self._skip_estimator_until = -math.inf
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -218,7 +222,9 @@ class GatewayService:
         estimator answers (none subscribed: at once; a hung one: after
         `route_timeout_s`), the gateway routes the request itself to the instance with
         the fewest requests (`_fallback`) rather than fail it: an estimator that is
-        restarting or gone costs the routing quality, not the answers.
+        restarting or gone costs the routing quality, not the answers. After a
+        timeout the requests of the next `route_timeout_s` go straight to the
+        fallback; the first one after it asks the estimator again.
         """
         model = req.model
         if not self.bus.is_connected:  # reconnecting: a request would only wait and time out
@@ -227,6 +233,9 @@ class GatewayService:
             serving = self.serving(model)
             if len(serving) == 1:
                 return _routed_here(req, serving[0], "single")
+        if time.monotonic() < self._skip_estimator_until:
+            self._no_estimator.failed(error="skipped after a timeout")
+            return self._fallback(req)
         try:
             reply = await self.bus.request(
                 self._route_subject,
@@ -240,6 +249,8 @@ class GatewayService:
             if not (is_no_responders(exc) or isinstance(exc, TimeoutError)):
                 raise
             self._no_estimator.failed(error=type(exc).__name__)
+            if isinstance(exc, TimeoutError):
+                self._skip_estimator_until = time.monotonic() + self.settings.route_timeout_s
             return self._fallback(req)
         self._no_estimator.ok()
         if reply.instance_id is None:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -310,5 +311,40 @@ async def test_the_requests_of_a_dead_gateway_are_aborted(nats_url: str, redis_u
         assert "mine" in worker._owners  # the live gateway's request runs on
         running = [r.request_id for r in worker._engine.scheduler.running]
         assert running == ["mine"]
+    finally:
+        await stack.stop()
+
+
+async def test_a_hung_estimator_costs_one_timeout_per_window(nats_url: str, redis_url: str) -> None:
+    """An estimator that takes route requests but never answers: the first request waits
+    route_timeout_s and is routed by the gateway; the next ones within that window go
+    straight to the gateway's fallback (the hung estimator sees none of them); after the
+    window the gateway asks it again."""
+    text = tiny_cluster_text(nats_url, redis_url).replace(
+        "[gateway]\n", "[gateway]\nroute_timeout_s = 1.0\n", 1
+    )
+    cluster = parse_cluster(text)
+    stack = await start_stack(cluster, num_workers=2)
+    asked: list[bytes] = []
+    try:
+        stack.estimator.request_stop()
+        await asyncio.wait_for(stack._tasks[2], 10)
+
+        async def hung(msg: Any) -> None:  # takes the request, answers nothing
+            asked.append(msg.data)
+
+        await stack.gateway.bus.nc.subscribe(stack.gateway._route_subject, cb=hung)
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
+            body = {**CHAT, "max_tokens": 2}
+            policies = []
+            for _ in range(4):
+                resp = await client.post("/v1/chat/completions", json=body)
+                assert resp.status_code == 200, resp.text
+                policies.append(resp.json()["baton"]["policy"])
+            assert policies == ["gateway-fallback"] * 4
+            assert len(asked) == 1  # only the first request waited for it
+            await asyncio.sleep(cluster.gateway.route_timeout_s)
+            resp = await client.post("/v1/chat/completions", json=body)
+            assert resp.status_code == 200 and len(asked) == 2  # asked again after the window
     finally:
         await stack.stop()
