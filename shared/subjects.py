@@ -26,6 +26,11 @@ ESTIMATOR_QUEUE_GROUP = "estimator"
 RELAY_QUEUE_GROUP = "relay"
 
 
+def is_token(value: str) -> bool:
+    """Whether `value` is usable as one subject token (and Redis key part)."""
+    return bool(_TOKEN.match(value))
+
+
 def check_token(value: str) -> str:
     """Return `value` if it is usable as one subject token, else raise ValueError."""
     if not _TOKEN.match(value):

@@ -25,7 +25,8 @@ class ResponseFormat(msgspec.Struct, frozen=True):
     type: str  # only "text" is served (json_object / json_schema: refused, not ignored)
 
 
-Role = Literal["system", "user", "assistant", "developer", "tool"]  # OpenAI's; others: 400
+# OpenAI's roles ("function": the deprecated one older clients still send); others: 400
+Role = Literal["system", "user", "assistant", "developer", "tool", "function"]
 
 
 class ChatMessage(msgspec.Struct, frozen=True):

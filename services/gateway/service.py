@@ -10,6 +10,8 @@ import asyncio
 import contextlib
 import math
 import time
+import uuid
+from collections import deque
 from typing import Any
 
 from services.gateway.config import GatewayServiceConfig
@@ -78,12 +80,22 @@ class GatewayService:
         # Load per instance for routing without the estimator (route(), fallback):
         # requests in its latest snapshot, plus those this gateway sent since.
         self._snapshot_load: dict[str, int] = {}
-        self._sent_since: dict[str, int] = {}
+        # wall times of this gateway's sends per instance, newer than its snapshot
+        self._sent_at: dict[str, deque[float]] = {}
         self._no_estimator = RetryLog(log, "estimator_unreachable", recovered="estimator_reachable")
         self._fallback_turn = 0
         # monotonic time until which requests skip an estimator that timed out (a hung
         # one would otherwise cost every request route_timeout_s)
         self._skip_estimator_until = -math.inf
+        self._estimator_suspect = False  # the last ask timed out: one request probes
+        # This process's name in SubmitRequest.owner and its liveness key: the gateway id
+        # plus a tag, so a restart under a fixed id does not adopt the dead one's requests.
+        self.owner_token = f"{cfg.gateway_id}-{uuid.uuid4().hex[:8]}"
+        # Renewed every registry refresh: live for at least three of them.
+        self._liveness_ttl_s = max(
+            self.cluster.worker.heartbeat_ttl_s, 3 * self.settings.registry_refresh_s
+        )
+        self._liveness_failures = RetryLog(log, "gateway_register_failed")
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -108,7 +120,7 @@ class GatewayService:
         if self._background:
             await asyncio.wait(self._background, timeout=2.0)
         with contextlib.suppress(Exception):  # best effort: it expires anyway
-            await asyncio.wait_for(self.store.deregister_gateway(self.cfg.gateway_id), 2.0)
+            await asyncio.wait_for(self.store.deregister_gateway(self.owner_token), 2.0)
         await self.bus.close()
         await self.store.close()
 
@@ -159,9 +171,13 @@ class GatewayService:
 
     async def _refresh_workers(self) -> None:
         # This gateway lives: workers keep its requests (they abort a dead gateway's).
-        await self.store.register_gateway(
-            self.cfg.gateway_id, ttl_s=self.cluster.worker.heartbeat_ttl_s
-        )
+        # On its own: a failed write must not stop the registry read.
+        try:
+            await self.store.register_gateway(self.owner_token, ttl_s=self._liveness_ttl_s)
+        except Exception as exc:
+            self._liveness_failures.failed(error=str(exc))
+        else:
+            self._liveness_failures.ok()
         read, epoch = await self.store.read_registry()
         live = self._registry_epoch.carry(self.workers, read, epoch, time.monotonic())
         for gone in departed(self.workers, live):
@@ -179,7 +195,13 @@ class GatewayService:
         self.metrics.live_workers.set(sum(not w.is_draining for w in live.values()))
         snapshots = self._snapshots.decode(await self.store.read_snapshots(list(live)))
         self._snapshot_load = {iid: snap.num_requests for iid, snap in snapshots.items()}
-        self._sent_since = {}
+        for iid in list(self._sent_at):  # sends the snapshot may show: counted there
+            sent = self._sent_at[iid]
+            snap = snapshots.get(iid)
+            while sent and (snap is None or sent[0] <= snap.wall_time_s):
+                sent.popleft()
+            if iid not in live:
+                del self._sent_at[iid]
         for iid, snap in snapshots.items():
             self.metrics.instance_requests.labels(iid, "running").set(snap.num_running)
             self.metrics.instance_requests.labels(iid, "waiting").set(snap.num_waiting)
@@ -224,7 +246,8 @@ class GatewayService:
         the fewest requests (`_fallback`) rather than fail it: an estimator that is
         restarting or gone costs the routing quality, not the answers. After a
         timeout the requests of the next `route_timeout_s` go straight to the
-        fallback; the first one after it asks the estimator again.
+        fallback; then one request asks the estimator again while the others keep
+        falling back, until an answer ends the suspicion.
         """
         model = req.model
         if not self.bus.is_connected:  # reconnecting: a request would only wait and time out
@@ -233,9 +256,12 @@ class GatewayService:
             serving = self.serving(model)
             if len(serving) == 1:
                 return _routed_here(req, serving[0], "single")
-        if time.monotonic() < self._skip_estimator_until:
+        now = time.monotonic()
+        if now < self._skip_estimator_until:
             self._no_estimator.failed(error="skipped after a timeout")
             return self._fallback(req)
+        if self._estimator_suspect:  # this request probes it; the others fall back meanwhile
+            self._skip_estimator_until = now + self.settings.route_timeout_s
         try:
             reply = await self.bus.request(
                 self._route_subject,
@@ -250,9 +276,11 @@ class GatewayService:
                 raise
             self._no_estimator.failed(error=type(exc).__name__)
             if isinstance(exc, TimeoutError):
+                self._estimator_suspect = True
                 self._skip_estimator_until = time.monotonic() + self.settings.route_timeout_s
             return self._fallback(req)
         self._no_estimator.ok()
+        self._estimator_suspect, self._skip_estimator_until = False, -math.inf
         if reply.instance_id is None:
             raise GatewayError(
                 503,
@@ -278,7 +306,7 @@ class GatewayService:
 
         def load(w: WorkerInfo) -> int:
             iid = w.instance_id
-            return self._snapshot_load.get(iid, 0) + self._sent_since.get(iid, 0)
+            return self._snapshot_load.get(iid, 0) + len(self._sent_at.get(iid, ()))
 
         least = min(load(w) for w in serving)
         ties = [w for w in serving if load(w) == least]
@@ -317,11 +345,11 @@ class GatewayService:
             arrival_time_s=arrival_time_s,
             predicted_output_tokens=reply.predicted_output_tokens,
             preset=preset,
-            owner=self.cfg.gateway_id,
+            owner=self.owner_token,
         )
         stream.submitted_at = time.perf_counter()
         await self.bus.publish(reply.inbox, msg)
-        self._sent_since[reply.instance_id] = self._sent_since.get(reply.instance_id, 0) + 1
+        self._sent_at.setdefault(reply.instance_id, deque()).append(time.time())
         return stream
 
     def finish(self, stream: RequestStream, *, aborted: bool) -> None:

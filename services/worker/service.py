@@ -60,6 +60,7 @@ from shared.messages.worker import (
 )
 from shared.scheduling.snapshot import BatchSample
 from shared.store import Store
+from shared.subjects import is_token
 
 log = get_logger(component="worker")
 EXPIRY_CHECK_S = 0.5  # how often parked token-routing requests are checked for silence
@@ -424,7 +425,7 @@ class WorkerService:
             log.info("request_rejected", request_id=msg.request_id, error=str(exc))
             return RequestFailed(msg.request_id, 400, str(exc))
         self._owners[msg.request_id] = msg.reply_to
-        if msg.owner:
+        if msg.owner and is_token(msg.owner):  # another value: never checked (no owner)
             self._owner_of[msg.request_id] = msg.owner
         self._num_new_prompt_tokens += len(msg.prompt_token_ids)
         if msg.preset is not None and self.routing is not None:
@@ -538,6 +539,7 @@ class WorkerService:
         # The loop also ends on `_closing`: redis-py can swallow a cancellation that
         # lands inside a command, and the task would then sleep on for ever.
         failures = RetryLog(log, "heartbeat_failed")
+        orphan_failures = RetryLog(log, "owner_check_failed")
         while not self._closing:
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
             if self._closing:
@@ -545,11 +547,16 @@ class WorkerService:
             try:
                 await self._register()
                 await self._read_calibration()
-                await self._abort_orphans()
             except Exception as exc:
                 failures.failed(error=str(exc))
             else:
                 failures.ok()
+            try:  # on its own: a calibration that keeps failing must not stop it
+                await self._abort_orphans()
+            except Exception as exc:
+                orphan_failures.failed(error=str(exc))
+            else:
+                orphan_failures.ok()
 
     async def _abort_orphans(self) -> None:
         """Abort the requests whose owning gateway's registration has been gone for
@@ -557,25 +564,29 @@ class WorkerService:
         their tokens, which would otherwise run to their max_tokens. The grace covers a
         store that lost its data (a live gateway registers again within its next
         registry refresh); the abort goes through the inbox, as a client's does."""
-        owners = {rid: gid for rid, gid in self._owner_of.items() if rid in self._owners}
-        self._owner_of = owners  # finished requests leave
-        if not owners:
-            self._gone_since.clear()
-            return
-        alive = await self._store.live_gateways(owners.values())
+        # A copy taken before the read: requests admitted while it is awaited wait for
+        # the next check, and only the gateways asked about are judged.
+        self._owner_of = {rid: g for rid, g in self._owner_of.items() if rid in self._owners}
+        owners = dict(self._owner_of)
+        gids = set(owners.values())
+        try:
+            alive = await self._store.live_gateways(gids) if gids else set()
+        except Exception:
+            self._gone_since.clear()  # no stale "gone since" survives an outage of ours
+            raise
         now = time.monotonic()
+        # Kept: the gateways still owning requests here and still unregistered; a
+        # gateway seen again, or with no request left, starts afresh next time.
+        self._gone_since = {g: self._gone_since.get(g, now) for g in gids if g not in alive}
         grace_s = ORPHAN_GRACE_TTLS * self.cfg.heartbeat_ttl_s
-        for gid in set(owners.values()):
-            if gid in alive:
-                self._gone_since.pop(gid, None)
-                continue
-            if now - self._gone_since.setdefault(gid, now) < grace_s:
+        for gid, since in list(self._gone_since.items()):
+            if now - since < grace_s:
                 continue
             orphans = [rid for rid, g in owners.items() if g == gid]
             log.warning("owner_gone", gateway_id=gid, num_aborted=len(orphans))
             for rid in orphans:
                 self._inbox.append(AbortRequest(request_id=rid))
-                del self._owner_of[rid]
+                self._owner_of.pop(rid, None)
             del self._gone_since[gid]
             self._wakeup.set()
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import httpx
 
-from services.worker.service import ORPHAN_GRACE_TTLS
+from services.worker.service import ORPHAN_GRACE_TTLS, WorkerService
 from shared.config import parse_cluster
 from shared.messages.registry import WorkerInfo
-from shared.messages.worker import SubmitRequest
+from shared.messages.worker import AbortRequest, SubmitRequest
 from shared.sampling import SamplingParams
 from tests.services.conftest import start_stack, start_worker, tiny_cluster_text
 
@@ -281,6 +281,18 @@ max_model_len = 1024
 """
 
 
+def submit_to(worker: WorkerService, request_id: str, owner: str) -> SubmitRequest:
+    """A long request (1,000 tokens, 20 s on the slow sim) owned by `owner`."""
+    return SubmitRequest(
+        request_id=request_id,
+        prompt_token_ids=[1, 2, 3],
+        params=SamplingParams(max_tokens=1000, ignore_eos=True),
+        reply_to=f"{worker.cfg.namespace}.nobody.in",
+        arrival_time_s=time.time(),
+        owner=owner,
+    )
+
+
 async def test_the_requests_of_a_dead_gateway_are_aborted(nats_url: str, redis_url: str) -> None:
     """A request whose owning gateway is not registered (it died) is aborted once the
     grace has passed, and its KV freed; the live gateway's request runs on."""
@@ -289,19 +301,8 @@ async def test_the_requests_of_a_dead_gateway_are_aborted(nats_url: str, redis_u
     stack = await start_stack(cluster, 1, ["slow"])  # 20 ms a step: 1000 tokens take 20 s
     worker = stack.workers[0]
     try:
-        params = SamplingParams(max_tokens=1000, ignore_eos=True)
-        for rid, owner in (("mine", stack.gateway.cfg.gateway_id), ("orphan", "gw-dead")):
-            await stack.gateway.bus.publish(
-                worker.inbox_subject,
-                SubmitRequest(
-                    request_id=rid,
-                    prompt_token_ids=[1, 2, 3],
-                    params=params,
-                    reply_to=f"{cluster.namespace}.nobody.in",
-                    arrival_time_s=time.time(),
-                    owner=owner,
-                ),
-            )
+        for rid, owner in (("mine", stack.gateway.owner_token), ("orphan", "gw-dead")):
+            await stack.gateway.bus.publish(worker.inbox_subject, submit_to(worker, rid, owner))
         await wait_for(lambda: {"mine", "orphan"} <= set(worker._owners), 5)
         t0 = time.monotonic()
         await wait_for(lambda: "orphan" not in worker._owners, 10)
@@ -309,19 +310,57 @@ async def test_the_requests_of_a_dead_gateway_are_aborted(nats_url: str, redis_u
         grace_s = ORPHAN_GRACE_TTLS * cluster.worker.heartbeat_ttl_s
         assert waited_s >= grace_s - 2 * cluster.worker.heartbeat_interval_s, waited_s
         assert "mine" in worker._owners  # the live gateway's request runs on
-        running = [r.request_id for r in worker._engine.scheduler.running]
-        assert running == ["mine"]
+        sched = worker._engine.scheduler
+        assert [r.request_id for r in sched.running] == ["mine"]
+        held = sched.config.num_kv_blocks - sched.blocks.num_free_blocks
+        assert held == len(sched.running[0].block_ids)  # the orphan's KV is free
+    finally:
+        await stack.stop()
+
+
+async def test_an_owner_seen_gone_once_gets_the_whole_grace_again(
+    nats_url: str, redis_url: str
+) -> None:
+    """_abort_orphans, called by hand (the heartbeat's own calls stopped): a gateway seen
+    gone once whose requests then all ended starts afresh; a new request of it absent
+    again is not aborted before a whole grace."""
+    text = tiny_cluster_text(nats_url, redis_url).replace("replicas = 2", "replicas = 0")
+    cluster = parse_cluster(text + SLOW_SIM)
+    stack = await start_stack(cluster, 1, ["slow"])
+    worker = stack.workers[0]
+    store = stack.gateway.store
+    try:
+        assert worker._heartbeat_task is not None
+        worker._heartbeat_task.cancel()  # only the calls below check owners
+        await store.register_gateway("gw-a", ttl_s=60)
+        await store.register_gateway("gw-b", ttl_s=60)
+        for rid, owner in (("r1", "gw-b"), ("r2", "gw-a")):
+            await stack.gateway.bus.publish(worker.inbox_subject, submit_to(worker, rid, owner))
+        await wait_for(lambda: {"r1", "r2"} <= set(worker._owners), 5)
+        await store.deregister_gateway("gw-b")
+        await worker._abort_orphans()  # gw-b seen gone once
+        assert "r1" in worker._owners and set(worker._gone_since) == {"gw-b"}
+        await stack.gateway.bus.publish(worker.inbox_subject, AbortRequest(request_id="r1"))
+        await wait_for(lambda: "r1" not in worker._owners, 5)  # gw-b owns nothing now
+        await worker._abort_orphans()
+        assert worker._gone_since == {}
+        await asyncio.sleep(ORPHAN_GRACE_TTLS * cluster.worker.heartbeat_ttl_s)
+        await stack.gateway.bus.publish(worker.inbox_subject, submit_to(worker, "r3", "gw-b"))
+        await wait_for(lambda: "r3" in worker._owners, 5)
+        await worker._abort_orphans()  # gw-b absent again: the grace starts now
+        await asyncio.sleep(0.1)
+        assert "r3" in worker._owners and {"r2", "r3"} <= set(worker._owner_of)
     finally:
         await stack.stop()
 
 
 async def test_a_hung_estimator_costs_one_timeout_per_window(nats_url: str, redis_url: str) -> None:
     """An estimator that takes route requests but never answers: the first request waits
-    route_timeout_s and is routed by the gateway; the next ones within that window go
-    straight to the gateway's fallback (the hung estimator sees none of them); after the
-    window the gateway asks it again."""
+    route_timeout_s and is routed by the gateway; requests within the next window go
+    straight to the gateway's fallback (the hung estimator sees none of them); after
+    it, one request asks the estimator again while the others fall back at once."""
     text = tiny_cluster_text(nats_url, redis_url).replace(
-        "[gateway]\n", "[gateway]\nroute_timeout_s = 1.0\n", 1
+        "[gateway]\n", "[gateway]\nroute_timeout_s = 2.0\n", 1
     )
     cluster = parse_cluster(text)
     stack = await start_stack(cluster, num_workers=2)
@@ -336,15 +375,21 @@ async def test_a_hung_estimator_costs_one_timeout_per_window(nats_url: str, redi
         await stack.gateway.bus.nc.subscribe(stack.gateway._route_subject, cb=hung)
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
             body = {**CHAT, "max_tokens": 2}
-            policies = []
-            for _ in range(4):
-                resp = await client.post("/v1/chat/completions", json=body)
-                assert resp.status_code == 200, resp.text
-                policies.append(resp.json()["baton"]["policy"])
-            assert policies == ["gateway-fallback"] * 4
-            assert len(asked) == 1  # only the first request waited for it
+
+            async def three() -> list[str]:
+                resps = await asyncio.gather(
+                    *(client.post("/v1/chat/completions", json=body) for _ in range(3))
+                )
+                assert [r.status_code for r in resps] == [200] * 3, [r.text for r in resps]
+                return [r.json()["baton"]["policy"] for r in resps]
+
+            first = await client.post("/v1/chat/completions", json=body)
+            assert first.json()["baton"]["policy"] == "gateway-fallback"
+            assert len(asked) == 1
+            assert await three() == ["gateway-fallback"] * 3
+            assert len(asked) == 1  # within the window: not asked
             await asyncio.sleep(cluster.gateway.route_timeout_s)
-            resp = await client.post("/v1/chat/completions", json=body)
-            assert resp.status_code == 200 and len(asked) == 2  # asked again after the window
+            assert await three() == ["gateway-fallback"] * 3
+            assert len(asked) == 2  # after it: one probe, not three
     finally:
         await stack.stop()
