@@ -30,7 +30,7 @@ import redis.asyncio as redis
 
 from shared import keys
 from shared.messages import encode
-from shared.messages.registry import WORKER_INFO_DECODER, WorkerInfo
+from shared.messages.registry import WORKER_INFO_DECODER, RegistryEpoch, WorkerInfo
 from shared.scheduling.snapshot import WorkloadSnapshot
 
 _HEADER = struct.Struct("<qd")  # version, wall time: the stored snapshot's first 16 bytes
@@ -334,6 +334,15 @@ class Store:
         raw_epoch = replies[0]
         epoch = None if raw_epoch is None else cast(bytes, raw_epoch).decode()
         return await self._live_records(ids, replies[1] if ids else []), epoch
+
+    async def read_live_workers(
+        self, before: dict[str, WorkerInfo], epoch: RegistryEpoch
+    ) -> dict[str, WorkerInfo]:
+        """What a reader (gateway, estimator, relay) treats as live after this read:
+        `read_registry`, carried over a store that lost its data (`RegistryEpoch.carry`;
+        `before`: the reader's last view, `epoch`: its own)."""
+        read, seen = await self.read_registry()
+        return epoch.carry(before, read, seen, time.monotonic())
 
     async def _live_records(self, ids: list[str], blobs: list[Any]) -> list[WorkerInfo]:
         """The records of `ids` read (`blobs`, None where expired); expired ids are pruned."""

@@ -197,8 +197,7 @@ class EstimatorService:
                 failures.ok()
 
     async def _refresh_workers(self) -> None:
-        read, epoch = await self.store.read_registry()
-        live = self._registry_epoch.carry(self.workers, read, epoch, time.monotonic())
+        live = await self.store.read_live_workers(self.workers, self._registry_epoch)
         for gone in departed(self.workers, live):
             self.shared_ledger.forget_instance(gone)
             self.instances.pop(gone, None)

@@ -178,8 +178,7 @@ class GatewayService:
             self._liveness_failures.failed(error=str(exc))
         else:
             self._liveness_failures.ok()
-        read, epoch = await self.store.read_registry()
-        live = self._registry_epoch.carry(self.workers, read, epoch, time.monotonic())
+        live = await self.store.read_live_workers(self.workers, self._registry_epoch)
         for gone in departed(self.workers, live):
             num = self.streams.fail_instance(
                 gone, f"worker {gone} went away while serving the request"

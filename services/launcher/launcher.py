@@ -12,9 +12,10 @@
    the URL and a curl example
 4. supervise: a service (or a server started in step 1) that dies is started again
    after a backoff (a worker that exited cleanly, drained on request, is not; when
-   no worker is left the deployment stops) and each restart is printed with its log; one that dies more than `max_restarts`
-   times within `RESTART_WINDOW_S` stops the deployment (a crash loop: nothing
-   fails silently). max_restarts 0: any exit stops it
+   no worker is left the deployment stops) and each restart is printed with its
+   log; one that dies more than `max_restarts` times within `RESTART_WINDOW_S`
+   stops the deployment (a crash loop: nothing fails silently). max_restarts 0:
+   any exit stops it
 5. Ctrl-C / SIGTERM: stop gateway, workers (they drain), estimator/relay/batcher, then the
    servers started in step 1; every step bounded, stragglers SIGKILLed
 """
@@ -183,14 +184,9 @@ class Launcher:
             self.nats_url = self.cluster.nats_url
         else:
             log_path = self.log_dir / "nats.log"
-
-            def start() -> ServerProcess:
-                return start_nats(host, port, self.log_dir / ".nats", log_path)
-
-            with _signals_held():
-                server = start()
-                self.servers.append(server)
-            self._server_starts[server.name] = (start, log_path, Restarts())
+            server = self._start_server(
+                lambda: start_nats(host, port, self.log_dir / ".nats", log_path), log_path
+            )
             self.nats_url = server.url
             self.say(f"started nats-server (JetStream) at {server.url}")
 
@@ -201,16 +197,17 @@ class Launcher:
             self.redis_url = self.cluster.redis_url
         else:
             log_path = self.log_dir / "redis.log"
-
-            def start() -> ServerProcess:
-                return start_redis(host, port, log_path)
-
-            with _signals_held():
-                server = start()
-                self.servers.append(server)
-            self._server_starts[server.name] = (start, log_path, Restarts())
+            self._start_server(lambda: start_redis(host, port, log_path), log_path)
             self.redis_url = self.cluster.redis_url
             self.say(f"started redis-server at {self.redis_url}")
+
+    def _start_server(self, start: Callable[[], ServerProcess], log_path: Path) -> ServerProcess:
+        """Start a server of step 1 and keep `start` to restart it on its port (step 4)."""
+        with _signals_held():
+            server = start()
+            self.servers.append(server)
+        self._server_starts[server.name] = (start, log_path, Restarts())
+        return server
 
     def _check_namespace_free(self) -> None:
         """Refuse to start a second deployment in a namespace whose workers are live.

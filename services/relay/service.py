@@ -89,8 +89,7 @@ class RelayService:
         return best
 
     async def _refresh(self) -> None:
-        read, epoch = await self.store.read_registry()
-        self.workers = self._registry_epoch.carry(self.workers, read, epoch, time.monotonic())
+        self.workers = await self.store.read_live_workers(self.workers, self._registry_epoch)
         self._snapshots.keep_only(self.workers)
         blobs = await self.store.read_snapshots(list(self.workers))
         for iid, snap in self._snapshots.decode(blobs).items():

@@ -34,7 +34,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -72,6 +72,13 @@ RELAY_QUERY_TIMEOUT_S = 1.0  # a relay that does not answer within this is taken
 EngineFactory = Callable[[WorkerServiceConfig], Any]
 
 
+class Owner(NamedTuple):
+    """Who a running request answers to."""
+
+    reply_to: str  # the owning gateway's inbox subject
+    gateway: str  # its liveness token (SubmitRequest.owner; `_abort_orphans`); "": unchecked
+
+
 def _timed(step: Callable[[], list[Any]]) -> tuple[list[Any], float]:
     """step() and the seconds it took, timed where it runs (the loop or the thread)."""
     t0 = time.perf_counter()
@@ -94,8 +101,7 @@ class WorkerService:
         self._inbox: deque[WorkerInbound] = deque()
         self._wakeup = asyncio.Event()
         self._stop = asyncio.Event()
-        self._owners: dict[str, str] = {}  # request id -> owning gateway's inbox subject
-        self._owner_of: dict[str, str] = {}  # request id -> owning gateway's id (if sent)
+        self._owners: dict[str, Owner] = {}  # request id -> its owning gateway
         self._gone_since: dict[str, float] = {}  # gateway id -> monotonic time seen gone
         self._num_steps = 0
         self.num_inline_steps = 0  # of them, run on the event loop (short steps)
@@ -424,9 +430,8 @@ class WorkerService:
         except ValueError as exc:  # RequestError is a ValueError: the loop goes on
             log.info("request_rejected", request_id=msg.request_id, error=str(exc))
             return RequestFailed(msg.request_id, 400, str(exc))
-        self._owners[msg.request_id] = msg.reply_to
-        if msg.owner and is_token(msg.owner):  # another value: never checked (no owner)
-            self._owner_of[msg.request_id] = msg.owner
+        # an owner that is not a valid key part is never checked (as none)
+        self._owners[msg.request_id] = Owner(msg.reply_to, msg.owner if is_token(msg.owner) else "")
         self._num_new_prompt_tokens += len(msg.prompt_token_ids)
         if msg.preset is not None and self.routing is not None:
             self.routing.add_origin(msg.request_id, msg.preset, msg.prompt_token_ids, msg.params)
@@ -435,9 +440,10 @@ class WorkerService:
     def _deltas(self, outputs: list[Any]) -> list[tuple[str, GatewayEvent]]:
         events: list[tuple[str, GatewayEvent]] = []
         for out in outputs:
-            reply_to = self._owners.get(out.request_id)
-            if reply_to is None:
+            owner = self._owners.get(out.request_id)
+            if owner is None:
                 continue
+            reply_to = owner.reply_to
             counts = None
             if out.finished:
                 del self._owners[out.request_id]
@@ -566,8 +572,7 @@ class WorkerService:
         registry refresh); the abort goes through the inbox, as a client's does."""
         # A copy taken before the read: requests admitted while it is awaited wait for
         # the next check, and only the gateways asked about are judged.
-        self._owner_of = {rid: g for rid, g in self._owner_of.items() if rid in self._owners}
-        owners = dict(self._owner_of)
+        owners = {rid: o.gateway for rid, o in self._owners.items() if o.gateway}
         gids = set(owners.values())
         try:
             alive = await self._store.live_gateways(gids) if gids else set()
@@ -584,9 +589,8 @@ class WorkerService:
                 continue
             orphans = [rid for rid, g in owners.items() if g == gid]
             log.warning("owner_gone", gateway_id=gid, num_aborted=len(orphans))
-            for rid in orphans:
-                self._inbox.append(AbortRequest(request_id=rid))
-                self._owner_of.pop(rid, None)
+            # an abort still queued at the next check meets a fresh grace: never twice
+            self._inbox.extend(AbortRequest(request_id=rid) for rid in orphans)
             del self._gone_since[gid]
             self._wakeup.set()
 
@@ -628,8 +632,8 @@ class WorkerService:
         """Drain timed out: abort what still runs; return the failures to send its gateways."""
         log.warning("drain_timeout", num_aborted=len(self._owners))
         failures: list[tuple[str, GatewayEvent]] = []
-        for request_id, reply_to in self._owners.items():
+        for request_id, owner in self._owners.items():
             self._engine.abort_request(request_id)
-            failures.append((reply_to, RequestFailed(request_id, 503, reason)))
+            failures.append((owner.reply_to, RequestFailed(request_id, 503, reason)))
         self._owners.clear()
         return failures
