@@ -32,7 +32,6 @@ Writes JSON to --out, PNGs next to it (and to --docs-img when given).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import dataclasses
 import gc
@@ -63,6 +62,7 @@ sys.path.insert(0, str(REPO))
 
 import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
+import uvloop  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from loadgen.arrivals import arrival_offsets, constant_profile, mmpp_profile  # noqa: E402
@@ -1075,7 +1075,9 @@ def part_decision(args: argparse.Namespace) -> dict[str, Any]:
 
     server = start_redis("127.0.0.1", None)
     try:
-        return asyncio.run(_decision_async(args, server.url, live_snapshot, Store))
+        # on uvloop, as the estimator service runs (shared.runtime): the read is
+        # measured on the event loop that does it there
+        return uvloop.run(_decision_async(args, server.url, live_snapshot, Store))
     finally:
         server.stop()
 
@@ -1218,7 +1220,8 @@ async def _decision_runs(
                 assert blob is not None
                 snap = dec.decode(blob.data)
                 state.take_snapshot(snap, (blob.version, blob.wall_time_s))
-                ledger.reconcile(state.instance_id, state.visible)
+                if ledger.has_pending(state.instance_id):  # as the service does
+                    ledger.reconcile(state.instance_id, state.visible)
             t_parsed, c_parsed = time.perf_counter(), time.thread_time()
             views = build_views(
                 cluster,

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from services.estimator.ledger import LedgerEntry
@@ -85,17 +85,29 @@ class InstanceState:
     last_sample_time_s: float = -math.inf  # newest batch sample fed to the fitter
     mean_running: float = 0.0  # time-averaged concurrency from batch samples (LPS k)
     last_fit: FitResult | None = None
-    visible: set[str] = field(default_factory=set)  # request ids `snapshot` shows
+    # `visible` and the snapshot it was built from (whichever way `snapshot` was set)
+    _visible: tuple[WorkloadSnapshot | None, frozenset[str]] = (None, frozenset())
 
     @property
     def instance_id(self) -> str:
         return self.info.instance_id
 
+    @property
+    def visible(self) -> frozenset[str]:
+        """Ids of the requests `snapshot` shows, built on first use: only instances
+        with ledger entries to reconcile and the snapshots a decision replays need
+        them (a set of ~65 fresh strings costs a few us, 13 instances per refresh)."""
+        of, ids = self._visible
+        snap = self.snapshot
+        if of is not snap:
+            ids = frozenset() if snap is None else snapshot_ids(snap)
+            self._visible = (snap, ids)
+        return ids
+
     def take_snapshot(self, snapshot: WorkloadSnapshot, key: tuple[int, float]) -> None:
         """A newly read snapshot: `key` is its (version, store wall time)."""
         self.snapshot, self.snapshot_key = snapshot, key
         self.snapshot_wall_time_s = key[1]
-        self.visible = set(snapshot.request_ids)
 
     def is_fresh(self, now_s: float, max_age_s: float) -> bool:
         return self.snapshot is not None and now_s - self.snapshot_wall_time_s <= max_age_s
@@ -182,19 +194,19 @@ class LatencyEstimator:
         """Parse a newly read snapshot now, so a decision only copies the parsed state."""
         if state.snapshot is not None and state.batch_time_model() is not None:
             try:
-                self._parse(state.instance_id, state.snapshot)
+                self._parse(state, state.snapshot)
             except ValueError:  # an inconsistent snapshot: decisions use the queue model
                 self._parsed.pop(state.instance_id, None)
 
     def _parse(
-        self, instance_id: str, snapshot: WorkloadSnapshot
+        self, state: InstanceState, snapshot: WorkloadSnapshot
     ) -> tuple[KernelState, frozenset[str], OutputPolicy]:
         key = (snapshot.version, snapshot.wall_time_s)
-        hit = self._parsed.get(instance_id)
+        hit = self._parsed.get(state.instance_id)
         if hit is None or hit[0] != key:
             policy = self.policy.for_snapshot(snapshot)
-            hit = (key, kernel_state(snapshot, policy), snapshot_ids(snapshot), policy)
-            self._parsed[instance_id] = hit
+            hit = (key, kernel_state(snapshot, policy), state.visible, policy)
+            self._parsed[state.instance_id] = hit
         return hit[1], hit[2], hit[3]
 
     def ttft(
@@ -246,7 +258,7 @@ class LatencyEstimator:
         scales the result back by the speed (faded with the wait, `horizon_factor`);
         left on the wall clock, the elapsed part was scaled with the rest.
         """
-        base, visible, policy = self._parse(state.instance_id, snap)
+        base, visible, policy = self._parse(state, snap)
         st = base.copy()
         snap_t = state.snapshot_wall_time_s
         age_s = max(0.0, now_wall_s - snap_t) / speed

@@ -28,6 +28,7 @@ Redis after its RequestDoneEvent is not re-added. Times are wall-clock
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 
 import msgspec
 
@@ -74,11 +75,15 @@ class Ledger:
         del self._by_instance[entry.instance_id][request_id]
         return True
 
-    def reconcile(self, instance_id: str, visible_ids: set[str]) -> int:
+    def has_pending(self, instance_id: str) -> bool:
+        """Whether `instance_id` has entries (what `reconcile` would look at)."""
+        return bool(self._by_instance.get(instance_id))
+
+    def reconcile(self, instance_id: str, visible_ids: AbstractSet[str]) -> int:
         """Drop entries of `instance_id` that its snapshot now shows. Returns how many."""
         return len(self.reconcile_ids(instance_id, visible_ids))
 
-    def reconcile_ids(self, instance_id: str, visible_ids: set[str]) -> list[str]:
+    def reconcile_ids(self, instance_id: str, visible_ids: AbstractSet[str]) -> list[str]:
         """As `reconcile`, returning the dropped ids."""
         pending = self._by_instance.get(instance_id)
         if not pending:
@@ -155,7 +160,7 @@ class SharedLedger:
         else:
             self._dropped[request_id] = now_s
 
-    def reconcile(self, instance_id: str, visible_ids: set[str], now_s: float) -> int:
+    def reconcile(self, instance_id: str, visible_ids: AbstractSet[str], now_s: float) -> int:
         """Drop the entries the instance's snapshot now shows (here and in Redis)."""
         seen = self.ledger.reconcile_ids(instance_id, visible_ids)
         for rid in seen:
@@ -166,7 +171,7 @@ class SharedLedger:
         self,
         instance_id: str,
         stored: Mapping[bytes, bytes],
-        visible_ids: set[str],
+        visible_ids: AbstractSet[str],
         now_s: float,
     ) -> int:
         """Fold the instance's Redis hash into the local ledger. Returns entries added.

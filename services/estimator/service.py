@@ -240,10 +240,11 @@ class EstimatorService:
             if snapshot is None:  # as missing: the last one read ages out
                 continue
             state.take_snapshot(snapshot, key)
-            if shared:
-                self.shared_ledger.reconcile(iid, state.visible, now_wall)
-            else:
-                self.ledger.reconcile(iid, state.visible)
+            if self.ledger.has_pending(iid):  # (its visible ids are built only then)
+                if shared:
+                    self.shared_ledger.reconcile(iid, state.visible, now_wall)
+                else:
+                    self.ledger.reconcile(iid, state.visible)
             self.latency.prepare(state)
         if shared and self.shared_ledger.has_writes():
             self._ledger_dirty.set()

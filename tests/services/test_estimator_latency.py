@@ -277,8 +277,23 @@ def test_ledger_entries_are_counted_once() -> None:
     ledger.add(unseen)
     ledger.add(unseen)  # re-adding an id replaces it
     assert len(ledger) == 2
+    assert ledger.has_pending("a") and not ledger.has_pending("b")
     ledger.reconcile("a", {r.request_id for r in snap.waiting})
     assert [e.request_id for e in ledger.pending("a")] == ["new"]
+    ledger.reconcile("a", {"new"})
+    assert not ledger.has_pending("a")
+
+
+def test_visible_ids_follow_the_snapshot_however_it_was_set() -> None:
+    """`InstanceState.visible` is built on first use; it never outlives its snapshot."""
+    state = create_instance_state(info("a"), None, SETTINGS)
+    assert state.visible == frozenset()
+    state.take_snapshot(snapshot(2), (1, 0.0))
+    assert state.visible == {"r0", "r1"}
+    state.take_snapshot(snapshot(1, num_waiting=1), (2, 0.0))
+    assert state.visible == {"r0", "w0"}
+    state.snapshot = snapshot(3)  # set directly (tests, the benchmark): rebuilt too
+    assert state.visible == {"r0", "r1", "r2"}
 
 
 def test_batch_time_model_prefers_the_snapshot_then_the_fit_then_the_config() -> None:

@@ -151,6 +151,17 @@ async def test_snapshot_reads_survive_a_dropped_connection_and_a_cancelled_read(
         snaps, ledgers = await store.read_snapshots_and_ledgers(["a", "b"])
         assert snaps["b"] is not None and snaps["b"].data == b"b"
         assert ledgers == {"a": {}, "b": {b"r1": b"x", b"r2": b"y"}}
+        # a server that does not answer within the store's socket timeout (one deadline
+        # over the exchange here): the read fails and closes the connection; the next
+        # one, after the pause, gets its own reply
+        store.hot._timeout_s = 0.1
+        await store.redis.execute_command("CLIENT", "PAUSE", "400", "ALL")
+        with pytest.raises(TimeoutError):
+            await store.read_snapshots(["a"])
+        assert not store.hot._conn.is_connected
+        store.hot._timeout_s = 5.0  # this one waits out the rest of the pause
+        both = await store.read_snapshots(["b", "a"])
+        assert [(k, v.data if v else None) for k, v in both.items()] == [("b", b"b"), ("a", b"a")]
     finally:
         await store.close()
 

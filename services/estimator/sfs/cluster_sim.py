@@ -355,7 +355,8 @@ def simulate_cluster(
                 continue
             state.take_snapshot(snap, key)
             state.snapshot_wall_time_s = wall  # the store's time of it, not the writer's
-            ledger.reconcile(state.instance_id, state.visible)
+            if ledger.has_pending(state.instance_id):  # (visible is built only then)
+                ledger.reconcile(state.instance_id, state.visible)
             latency.prepare(state)
 
     def route(r: SimRequest, t: float) -> None:
