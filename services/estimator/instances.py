@@ -65,6 +65,9 @@ FALLBACK_PREFILL_TPS = 1000.0  # tokens/s
 FALLBACK_DECODE_STEP_S = 0.05  # seconds
 
 
+_NO_IDS: tuple[WorkloadSnapshot | None, frozenset[str]] = (None, frozenset())
+
+
 @dataclass(frozen=True, slots=True)
 class TtftEstimate:
     ttft_s: float  # seconds from now (inf: cannot serve)
@@ -86,7 +89,7 @@ class InstanceState:
     mean_running: float = 0.0  # time-averaged concurrency from batch samples (LPS k)
     last_fit: FitResult | None = None
     # `visible` and the snapshot it was built from (whichever way `snapshot` was set)
-    _visible: tuple[WorkloadSnapshot | None, frozenset[str]] = (None, frozenset())
+    _visible: tuple[WorkloadSnapshot | None, frozenset[str]] = _NO_IDS
 
     @property
     def instance_id(self) -> str:
@@ -108,6 +111,7 @@ class InstanceState:
         """A newly read snapshot: `key` is its (version, store wall time)."""
         self.snapshot, self.snapshot_key = snapshot, key
         self.snapshot_wall_time_s = key[1]
+        self._visible = _NO_IDS  # holds no old snapshot alive until `visible` is read
 
     def is_fresh(self, now_s: float, max_age_s: float) -> bool:
         return self.snapshot is not None and now_s - self.snapshot_wall_time_s <= max_age_s
