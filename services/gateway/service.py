@@ -11,7 +11,6 @@ import contextlib
 import math
 import time
 import uuid
-from collections import deque
 from typing import Any
 
 from services.gateway.config import GatewayServiceConfig
@@ -78,10 +77,12 @@ class GatewayService:
         self._fitted: dict[str, str] = {}  # instance -> feature set of its MAPE gauge
         self._snapshots = SnapshotDecoder(log)
         # Load per instance for routing without the estimator (route(), fallback):
-        # requests in its latest snapshot, plus those this gateway sent since.
+        # requests in its latest snapshot, plus those this gateway sent there that the
+        # snapshot does not show yet (by request id, as the estimator's ledger: a
+        # snapshot taken after a send but before the worker took the request in does
+        # not show it, so a time comparison would drop it too early).
         self._snapshot_load: dict[str, int] = {}
-        # wall times of this gateway's sends per instance, newer than its snapshot
-        self._sent_at: dict[str, deque[float]] = {}
+        self._unseen: dict[str, set[str]] = {}  # instance -> request ids (open streams)
         self._no_estimator = RetryLog(log, "estimator_unreachable", recovered="estimator_reachable")
         self._fallback_turn = 0
         # monotonic time until which requests skip an estimator that timed out (a hung
@@ -194,13 +195,11 @@ class GatewayService:
         self.metrics.live_workers.set(sum(not w.is_draining for w in live.values()))
         snapshots = self._snapshots.decode(await self.store.read_snapshots(list(live)))
         self._snapshot_load = {iid: snap.num_requests for iid, snap in snapshots.items()}
-        for iid in list(self._sent_at):  # sends the snapshot may show: counted there
-            sent = self._sent_at[iid]
-            snap = snapshots.get(iid)
-            while sent and (snap is None or sent[0] <= snap.wall_time_s):
-                sent.popleft()
+        for iid in list(self._unseen):  # the ones a snapshot shows are counted there
             if iid not in live:
-                del self._sent_at[iid]
+                del self._unseen[iid]
+            elif (snap := snapshots.get(iid)) is not None and self._unseen[iid]:
+                self._unseen[iid].difference_update(snap.request_ids)
         for iid, snap in snapshots.items():
             self.metrics.instance_requests.labels(iid, "running").set(snap.num_running)
             self.metrics.instance_requests.labels(iid, "waiting").set(snap.num_waiting)
@@ -291,8 +290,8 @@ class GatewayService:
         return reply
 
     def _fallback(self, req: RouteRequest) -> RouteReply:
-        """Shortest queue from this gateway's own view (snapshot requests + sent since),
-        ties in turn; 503 when no live instance serves the model."""
+        """Shortest queue from this gateway's own view (snapshot requests + sent there
+        and not shown yet), ties in turn; 503 when no live instance serves the model."""
         serving = sorted(self.serving(req.model), key=lambda w: w.instance_id)
         if not serving:
             raise GatewayError(
@@ -305,7 +304,7 @@ class GatewayService:
 
         def load(w: WorkerInfo) -> int:
             iid = w.instance_id
-            return self._snapshot_load.get(iid, 0) + len(self._sent_at.get(iid, ()))
+            return self._snapshot_load.get(iid, 0) + len(self._unseen.get(iid, ()))
 
         least = min(load(w) for w in serving)
         ties = [w for w in serving if load(w) == least]
@@ -348,12 +347,13 @@ class GatewayService:
         )
         stream.submitted_at = time.perf_counter()
         await self.bus.publish(reply.inbox, msg)
-        self._sent_at.setdefault(reply.instance_id, deque()).append(time.time())
+        self._unseen.setdefault(reply.instance_id, set()).add(request_id)
         return stream
 
     def finish(self, stream: RequestStream, *, aborted: bool) -> None:
         """The request is over for this gateway: abort it on the worker if needed, tell the estimators."""
         self.streams.close(stream.request_id)
+        self._unseen.get(stream.instance_id, set()).discard(stream.request_id)
         inbox = self.workers.get(stream.instance_id)
         if aborted and inbox is not None:
             self._spawn(self.bus.publish(inbox.inbox, AbortRequest(request_id=stream.request_id)))

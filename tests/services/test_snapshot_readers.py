@@ -8,6 +8,7 @@ blobs are written with `Store.write_snapshot` as a worker writes them.
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -16,9 +17,11 @@ import pytest
 
 from services.estimator.service import EstimatorService
 from services.gateway.config import GatewayServiceConfig
-from services.gateway.service import GatewayService
+from services.gateway.service import GatewayService, _routed_here
 from services.relay.service import RelayService
 from shared.config import ClusterConfig, parse_cluster
+from shared.messages.estimator import RouteRequest
+from shared.sampling import SamplingParams
 from shared.scheduling.snapshot import RequestCounters, WorkloadSnapshot
 from shared.store import Store
 from tests.services.test_estimator_policies import info
@@ -153,4 +156,62 @@ async def test_gateway_reads_an_undecodable_snapshot_as_missing(redis_url: str) 
         await gw._refresh_workers()
         assert sample("baton_instance_requests", {"instance": "ok", "state": "running"}) is None
     finally:
+        await gw.store.close()
+
+
+def holding(version: int, request_ids: list[str]) -> bytes:
+    """A snapshot taken now that shows `request_ids` running."""
+    running = [RequestCounters(rid, k, 20, 1, 20, 10) for k, rid in enumerate(request_ids)]
+    snap = WorkloadSnapshot.from_rows(
+        version=version, wall_time_s=time.time(), running=running, **LIMITS
+    )
+    return msgspec.msgpack.encode(snap)
+
+
+async def test_gateway_fallback_counts_a_send_until_a_snapshot_shows_it(
+    nats_url: str, redis_url: str
+) -> None:
+    """Routing without an estimator (the fewest requests): a request the gateway sent
+    stays counted until a snapshot shows it, however new a snapshot that does not (one
+    taken before the worker took the request in); a shown one is counted once; a
+    finished one not at all."""
+    cl = cluster(redis_url, f'nats_url = "{nats_url}"\n[models.m]\n')
+    gw = GatewayService(GatewayServiceConfig.from_cluster(cl, "t"))
+    await gw.store.connect()
+    await gw.bus.connect()
+    req = RouteRequest(request_id="q", model="m", num_prompt_tokens=2, max_tokens=4)
+
+    async def seen(snapshots: dict[str, bytes]) -> None:
+        await publish(gw.store, snapshots)
+        await gw._refresh_workers()
+
+    def picks() -> list[str]:  # two picks in a row: a tie would alternate
+        return [gw._fallback(req).instance_id for _ in range(2)]
+
+    try:
+        await seen({"a": holding(1, []), "b": holding(1, ["x"])})
+        assert picks() == ["a", "a"]
+        sent = [
+            await gw.submit(
+                _routed_here(req, gw.workers["a"], "test"),
+                f"r{i}",
+                [1, 2],
+                SamplingParams(max_tokens=4),
+                time.time(),
+            )
+            for i in range(2)
+        ]
+        await seen({"a": holding(2, [])})  # newer than the sends, without them
+        assert picks() == ["b", "b"]  # a: 2 sent, b: 1
+        await seen({"a": holding(3, ["r0", "r1"]), "b": holding(2, ["x", "y", "z"])})
+        assert picks() == ["a", "a"]  # a: 2 (not 4), b: 3
+        late = await gw.submit(
+            _routed_here(req, gw.workers["a"], "test"), "r2", [1], SamplingParams(), time.time()
+        )
+        for stream in [*sent, late]:  # r2 ends before any snapshot shows it
+            gw.finish(stream, aborted=False)
+        await seen({"a": holding(4, []), "b": holding(3, ["x"])})
+        assert picks() == ["a", "a"]
+    finally:
+        await gw.bus.close()
         await gw.store.close()
