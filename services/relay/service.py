@@ -55,7 +55,8 @@ class RelayService:
         self.store = Store(cluster.redis_url, cluster.namespace)
         self.books = RelayBooks(self.settings.peer_timeout_s, self._pick, self._alive)
         self.workers: dict[str, WorkerInfo] = {}
-        self.load: dict[str, int] = {}  # instance -> requests in its snapshot + sent since
+        self.load: dict[str, int] = {}  # instance -> requests in its latest snapshot
+        self._shown: dict[str, frozenset[str]] = {}  # instance -> request ids it shows
         self._snapshots = SnapshotDecoder(log)
         self._last_retry_s = -math.inf  # monotonic time of the last re-read on a miss
         self._refresh_failures = RetryLog(log, "registry_refresh_failed")
@@ -84,9 +85,20 @@ class RelayService:
         live = self._serving(preset, model_index)
         if not live:
             return None
-        best = min(live, key=lambda i: (self.load.get(i, 0), i))
-        self.load[best] = self.load.get(best, 0) + 1  # until the next snapshot shows it
-        return best
+        return min(live, key=lambda i: (self._load(i), i))
+
+    def _load(self, instance_id: str) -> int:
+        """Requests in the instance's latest snapshot, plus the copies this relay placed
+        there that it does not show yet: matched by request id, since a snapshot taken
+        before a copy arrived does not show it, however new (O(routes), once per
+        request and peer model)."""
+        shown = self._shown.get(instance_id, frozenset())
+        placed = sum(
+            1
+            for rid, route in self.books.routes.items()
+            if rid not in shown and instance_id in route.holders.values()
+        )
+        return self.load.get(instance_id, 0) + placed
 
     async def _refresh(self) -> None:
         self.workers = await self.store.read_live_workers(self.workers, self._registry_epoch)
@@ -94,8 +106,13 @@ class RelayService:
         blobs = await self.store.read_snapshots(list(self.workers))
         for iid, snap in self._snapshots.decode(blobs).items():
             self.load[iid] = snap.num_requests
+            self._shown[iid] = frozenset(snap.request_ids)
         for iid in self._snapshots.undecodable:  # unknown load, not the last one seen
             self.load.pop(iid, None)
+            self._shown.pop(iid, None)
+        for iid in set(self.load).difference(self.workers):  # gone
+            del self.load[iid]
+            self._shown.pop(iid, None)
 
     async def _query(self, query: PeerQuery) -> PeerQueryReply:
         return PeerQueryReply(pending=self.books.pending(query.request_ids))

@@ -21,6 +21,7 @@ from services.gateway.service import GatewayService, _routed_here
 from services.relay.service import RelayService
 from shared.config import ClusterConfig, parse_cluster
 from shared.messages.estimator import RouteRequest
+from shared.messages.peer import PeerRelease, PeerReq
 from shared.sampling import SamplingParams
 from shared.scheduling.snapshot import RequestCounters, WorkloadSnapshot
 from shared.store import Store
@@ -215,3 +216,46 @@ async def test_gateway_fallback_counts_a_send_until_a_snapshot_shows_it(
     finally:
         await gw.bus.close()
         await gw.store.close()
+
+
+async def test_relay_counts_a_placed_copy_until_a_snapshot_shows_it(redis_url: str) -> None:
+    """The relay puts a request's first visit to a peer model on its least loaded
+    instance: a copy it placed counts there until a snapshot shows its id (a newer
+    snapshot without it does not drop it), then once."""
+    relay = RelayService(
+        cluster(redis_url, '[models.m]\n[models.x]\n[presets.p]\nmodels = ["x", "m"]\n')
+    )
+    await relay.store.connect()
+
+    def visit(rid: str) -> str:  # where the relay sends the hand-off of `rid` to model m
+        msg = PeerReq(
+            request_id=rid,
+            preset="p",
+            origin_instance="o",
+            sender_instance="o",
+            from_model=0,
+            to_model=1,
+            loc=0,
+            suffix=[],
+            num_prompt_tokens=1,
+            max_tokens=4,
+            params=SamplingParams(max_tokens=4),
+            seq_no=1,
+        )
+        ((target, _),) = relay.books.on_peer(msg, time.monotonic())
+        return target
+
+    async def seen(snapshots: dict[str, bytes]) -> None:
+        await publish(relay.store, snapshots)
+        await relay._refresh()
+
+    try:
+        await seen({"a": holding(1, []), "b": holding(1, ["y"])})
+        assert visit("r0") == "a"
+        await seen({"a": holding(2, []), "b": holding(2, [])})  # newer, without r0
+        assert visit("r1") == "b"  # a: r0 placed, b: none
+        relay.books.on_release(PeerRelease(request_id="r1", preset="p", origin_instance="o"))
+        await seen({"a": holding(3, ["r0"]), "b": holding(3, ["y"])})
+        assert visit("r2") == "a"  # a: r0 once (not twice), b: 1 (r1 released); ties by id
+    finally:
+        await relay.store.close()
