@@ -93,8 +93,8 @@ class _HotReads:
     def __init__(self, pool: redis.ConnectionPool) -> None:
         # The pool's settings, not its lock, and no socket timeout of its own: redis-py
         # wraps every send in `asyncio.wait_for` (a task) and every reply in a timeout
-        # context; one deadline over the whole exchange bounds it the same (13
-        # snapshots: ~30 us of ~200 us).
+        # context; one deadline (the pool's socket timeout) over each attempt's
+        # exchange bounds it the same (13 snapshots: ~30 us of ~200 us).
         kwargs = pool.connection_kwargs
         self._timeout_s: float | None = kwargs.get("socket_timeout")
         self._conn = pool.connection_class(**{**kwargs, "socket_timeout": None})
@@ -124,6 +124,11 @@ class _HotReads:
                     await self._conn.disconnect(nowait=True)
                     if attempt == 2:
                         raise
+                except TimeoutError:  # the deadline: as redis-py's own timeout says it
+                    await self._conn.disconnect(nowait=True)
+                    raise redis.TimeoutError(
+                        f"no reply from Redis within {self._timeout_s} s (snapshot read)"
+                    ) from None
                 except BaseException:
                     await self._conn.disconnect(nowait=True)
                     raise

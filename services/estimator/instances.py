@@ -97,9 +97,9 @@ class InstanceState:
 
     @property
     def visible(self) -> frozenset[str]:
-        """Ids of the requests `snapshot` shows, built on first use: only instances
-        with ledger entries to reconcile and the snapshots a decision replays need
-        them (a set of ~65 fresh strings costs a few us, 13 instances per refresh)."""
+        """Ids of the requests `snapshot` shows, built once per snapshot on first use
+        and shared by the ledger's reconcile and the replay's parse (before, each built
+        its own); a snapshot nothing reconciles or parses builds none."""
         of, ids = self._visible
         snap = self.snapshot
         if of is not snap:
@@ -198,13 +198,14 @@ class LatencyEstimator:
         """Parse a newly read snapshot now, so a decision only copies the parsed state."""
         if state.snapshot is not None and state.batch_time_model() is not None:
             try:
-                self._parse(state, state.snapshot)
+                self._parse(state)
             except ValueError:  # an inconsistent snapshot: decisions use the queue model
                 self._parsed.pop(state.instance_id, None)
 
-    def _parse(
-        self, state: InstanceState, snapshot: WorkloadSnapshot
-    ) -> tuple[KernelState, frozenset[str], OutputPolicy]:
+    def _parse(self, state: InstanceState) -> tuple[KernelState, frozenset[str], OutputPolicy]:
+        """The state's snapshot parsed (cached per version), its ids, its output policy."""
+        snapshot = state.snapshot
+        assert snapshot is not None
         key = (snapshot.version, snapshot.wall_time_s)
         hit = self._parsed.get(state.instance_id)
         if hit is None or hit[0] != key:
@@ -262,7 +263,7 @@ class LatencyEstimator:
         scales the result back by the speed (faded with the wait, `horizon_factor`);
         left on the wall clock, the elapsed part was scaled with the rest.
         """
-        base, visible, policy = self._parse(state, snap)
+        base, visible, policy = self._parse(state)  # (of snap: state.snapshot)
         st = base.copy()
         snap_t = state.snapshot_wall_time_s
         age_s = max(0.0, now_wall_s - snap_t) / speed

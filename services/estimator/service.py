@@ -240,7 +240,7 @@ class EstimatorService:
             if snapshot is None:  # as missing: the last one read ages out
                 continue
             state.take_snapshot(snapshot, key)
-            if self.ledger.has_pending(iid):  # (its visible ids are built only then)
+            if self.ledger.has_pending(iid):  # nothing to reconcile otherwise
                 if shared:
                     self.shared_ledger.reconcile(iid, state.visible, now_wall)
                 else:

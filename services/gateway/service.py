@@ -353,7 +353,8 @@ class GatewayService:
     def finish(self, stream: RequestStream, *, aborted: bool) -> None:
         """The request is over for this gateway: abort it on the worker if needed, tell the estimators."""
         self.streams.close(stream.request_id)
-        self._unseen.get(stream.instance_id, set()).discard(stream.request_id)
+        if (unseen := self._unseen.get(stream.instance_id)) is not None:
+            unseen.discard(stream.request_id)
         inbox = self.workers.get(stream.instance_id)
         if aborted and inbox is not None:
             self._spawn(self.bus.publish(inbox.inbox, AbortRequest(request_id=stream.request_id)))

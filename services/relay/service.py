@@ -56,7 +56,10 @@ class RelayService:
         self.books = RelayBooks(self.settings.peer_timeout_s, self._pick, self._alive)
         self.workers: dict[str, WorkerInfo] = {}
         self.load: dict[str, int] = {}  # instance -> requests in its latest snapshot
-        self._shown: dict[str, frozenset[str]] = {}  # instance -> request ids it shows
+        # instance -> ids of the copies placed there that no snapshot has shown yet
+        # (matched by id: a snapshot taken before a copy arrived does not show it,
+        # however new); dropped once shown or once the request's route ends
+        self._placed: dict[str, set[str]] = {}
         self._snapshots = SnapshotDecoder(log)
         self._last_retry_s = -math.inf  # monotonic time of the last re-read on a miss
         self._refresh_failures = RetryLog(log, "registry_refresh_failed")
@@ -85,34 +88,28 @@ class RelayService:
         live = self._serving(preset, model_index)
         if not live:
             return None
-        return min(live, key=lambda i: (self._load(i), i))
-
-    def _load(self, instance_id: str) -> int:
-        """Requests in the instance's latest snapshot, plus the copies this relay placed
-        there that it does not show yet: matched by request id, since a snapshot taken
-        before a copy arrived does not show it, however new (O(routes), once per
-        request and peer model)."""
-        shown = self._shown.get(instance_id, frozenset())
-        placed = sum(
-            1
-            for rid, route in self.books.routes.items()
-            if rid not in shown and instance_id in route.holders.values()
-        )
-        return self.load.get(instance_id, 0) + placed
+        best = min(live, key=lambda i: (self.load.get(i, 0) + len(self._placed.get(i, ())), i))
+        self._placed.setdefault(best, set()).add(request_id)
+        return best
 
     async def _refresh(self) -> None:
         self.workers = await self.store.read_live_workers(self.workers, self._registry_epoch)
         self._snapshots.keep_only(self.workers)
         blobs = await self.store.read_snapshots(list(self.workers))
-        for iid, snap in self._snapshots.decode(blobs).items():
+        snapshots = self._snapshots.decode(blobs)
+        for iid, snap in snapshots.items():
             self.load[iid] = snap.num_requests
-            self._shown[iid] = frozenset(snap.request_ids)
         for iid in self._snapshots.undecodable:  # unknown load, not the last one seen
             self.load.pop(iid, None)
-            self._shown.pop(iid, None)
         for iid in set(self.load).difference(self.workers):  # gone
             del self.load[iid]
-            self._shown.pop(iid, None)
+        for iid, placed in list(self._placed.items()):
+            if iid not in self.workers:
+                del self._placed[iid]
+                continue
+            if (shown := snapshots.get(iid)) is not None:
+                placed.difference_update(shown.request_ids)  # counted there now
+            placed.intersection_update(self.books.routes)  # routes that ended: nowhere
 
     async def _query(self, query: PeerQuery) -> PeerQueryReply:
         return PeerQueryReply(pending=self.books.pending(query.request_ids))

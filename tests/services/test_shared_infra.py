@@ -7,6 +7,7 @@ import time
 
 import msgspec
 import pytest
+import redis.asyncio as redis
 
 from shared import keys, subjects
 from shared.bus import Bus
@@ -156,7 +157,7 @@ async def test_snapshot_reads_survive_a_dropped_connection_and_a_cancelled_read(
         # one, after the pause, gets its own reply
         store.hot._timeout_s = 0.1
         await store.redis.execute_command("CLIENT", "PAUSE", "400", "ALL")
-        with pytest.raises(TimeoutError):
+        with pytest.raises(redis.TimeoutError, match="no reply from Redis"):
             await store.read_snapshots(["a"])
         assert not store.hot._conn.is_connected
         store.hot._timeout_s = 5.0  # this one waits out the rest of the pause

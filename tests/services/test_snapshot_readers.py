@@ -221,7 +221,7 @@ async def test_gateway_fallback_counts_a_send_until_a_snapshot_shows_it(
 async def test_relay_counts_a_placed_copy_until_a_snapshot_shows_it(redis_url: str) -> None:
     """The relay puts a request's first visit to a peer model on its least loaded
     instance: a copy it placed counts there until a snapshot shows its id (a newer
-    snapshot without it does not drop it), then once."""
+    snapshot without it does not drop it), then once; a route that ended, nowhere."""
     relay = RelayService(
         cluster(redis_url, '[models.m]\n[models.x]\n[presets.p]\nmodels = ["x", "m"]\n')
     )
@@ -245,6 +245,9 @@ async def test_relay_counts_a_placed_copy_until_a_snapshot_shows_it(redis_url: s
         ((target, _),) = relay.books.on_peer(msg, time.monotonic())
         return target
 
+    def release(rid: str) -> None:  # the origin ended the request
+        relay.books.on_release(PeerRelease(request_id=rid, preset="p", origin_instance="o"))
+
     async def seen(snapshots: dict[str, bytes]) -> None:
         await publish(relay.store, snapshots)
         await relay._refresh()
@@ -254,8 +257,12 @@ async def test_relay_counts_a_placed_copy_until_a_snapshot_shows_it(redis_url: s
         assert visit("r0") == "a"
         await seen({"a": holding(2, []), "b": holding(2, [])})  # newer, without r0
         assert visit("r1") == "b"  # a: r0 placed, b: none
-        relay.books.on_release(PeerRelease(request_id="r1", preset="p", origin_instance="o"))
+        release("r1")
         await seen({"a": holding(3, ["r0"]), "b": holding(3, ["y"])})
         assert visit("r2") == "a"  # a: r0 once (not twice), b: 1 (r1 released); ties by id
+        assert visit("r3") == "b"  # a: 1 + r2, b: 1
+        release("r3")  # before any snapshot showed it
+        await seen({"a": holding(4, ["r2"]), "b": holding(4, [])})
+        assert visit("r4") == "b"  # a: 1, b: 0 (r3's route ended)
     finally:
         await relay.store.close()
