@@ -1129,7 +1129,8 @@ async def _decision_async(
         "plain_kernel_decision_us_p50": plain["with_reads"]["p50"],
         "plain_kernel_service_path_us_p50": plain["service_path"]["p50"],
         "target_p50_us_13": TARGET_DECISION_P50_US_13,
-        "note": "with_reads: one pipelined Redis read of every instance's snapshot (all new "
+        "note": "on uvloop, as the estimator runs; "
+        "with_reads: one pipelined Redis read of every instance's snapshot (all new "
         "versions), msgpack decode, ledger reconcile and the sfs-constraint choice, which "
         "parses and replays only the candidates whose TTFT can change its pick (best "
         "utility first until one meets the target: ttfts_per_decision_mean, all_ttfts_share "
