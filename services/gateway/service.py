@@ -73,6 +73,7 @@ class GatewayService:
         self.num_in_flight = 0
         self._tokenizers: dict[str, Any] = {}
         self._refresh_task: asyncio.Task[None] | None = None
+        self._closing = False  # close() began: the refresh loop ends
         self._background: set[asyncio.Task[Any]] = set()
         self._fitted: dict[str, str] = {}  # instance -> feature set of its MAPE gauge
         self._snapshots = SnapshotDecoder(log)
@@ -115,6 +116,7 @@ class GatewayService:
         log.info("gateway_ready", gateway_id=self.cfg.gateway_id, live_workers=len(self.workers))
 
     async def close(self) -> None:
+        self._closing = True
         if self._refresh_task is not None:
             self._refresh_task.cancel()
             await asyncio.wait([self._refresh_task], timeout=2.0)
@@ -155,9 +157,14 @@ class GatewayService:
         return self.bus.is_connected and any(not w.is_draining for w in self.workers.values())
 
     async def _refresh_loop(self) -> None:
+        # Also ends on `_closing`: on Python 3.11 a cancellation that lands as one of
+        # redis-py's sends completes is lost (`asyncio.wait_for`), and the loop would
+        # run on after close().
         failures = RetryLog(log, "registry_refresh_failed")
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.settings.registry_refresh_s)
+            if self._closing:
+                return
             try:
                 await self._refresh_workers()
             except Exception as exc:

@@ -8,6 +8,7 @@ workers share the test's event loop) to keep start-up to a few seconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 import uuid
@@ -150,6 +151,22 @@ class Stack:
             for t in pending:
                 t.cancel()
             raise AssertionError(f"services did not stop: {[t.get_coro() for t in pending]}")
+
+
+async def kill(task: asyncio.Task, timeout_s: float = 10.0) -> None:  # type: ignore[type-arg]
+    """Cancel a service's task (its process dying) and wait until it is done.
+
+    Cancelled again while it runs on: on Python 3.11 `asyncio.wait_for` (redis-py
+    wraps every send in one) returns the inner result when a cancellation lands in
+    the same loop pass as its completion, so one cancel can be lost and a service's
+    loop would run on (a test awaiting it once hung for good)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not task.done():
+        assert asyncio.get_running_loop().time() < deadline, "the task did not stop"
+        task.cancel()
+        await asyncio.wait([task], timeout=0.1)
+    with contextlib.suppress(asyncio.CancelledError):
+        task.result()
 
 
 async def start_worker(

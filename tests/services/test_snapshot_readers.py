@@ -8,6 +8,7 @@ blobs are written with `Store.write_snapshot` as a worker writes them.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
@@ -266,3 +267,23 @@ async def test_relay_counts_a_placed_copy_until_a_snapshot_shows_it(redis_url: s
         assert visit("r4") == "b"  # a: 1, b: 0 (r3's route ended)
     finally:
         await relay.store.close()
+
+
+async def test_gateway_refresh_loop_ends_on_close_without_its_cancellation(
+    nats_url: str, redis_url: str
+) -> None:
+    """close() also ends the registry refresh loop by a flag: a cancellation can be
+    lost on Python 3.11 (asyncio.wait_for inside redis-py), and the loop must not
+    run on against a closed store."""
+    cl = cluster(redis_url, f'nats_url = "{nats_url}"\n[gateway]\nregistry_refresh_s = 0.05\n')
+    gw = GatewayService(GatewayServiceConfig.from_cluster(cl, "t"))
+    await gw.start()
+    task = gw._refresh_task
+    assert task is not None
+    try:
+        await asyncio.sleep(0.12)
+        assert not task.done()
+        gw._closing = True  # as close() sets it, without the cancel that may be lost
+        await asyncio.wait_for(asyncio.shield(task), 2.0)
+    finally:
+        await gw.close()

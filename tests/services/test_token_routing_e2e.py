@@ -8,7 +8,6 @@ expected answer is computable by one process."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,7 +24,7 @@ from shared.health import check
 from shared.model_store import load_tokenizer
 from shared.sampling import SamplingParams
 from tests.routing.test_runtime import EveryThird, big_writes
-from tests.services.conftest import Stack, start_stack, tiny_cluster_text
+from tests.services.conftest import Stack, kill, start_stack, tiny_cluster_text
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -227,9 +226,7 @@ async def test_dead_peer_never_loses_a_request(routed: tuple[Stack, RelayService
         pending = [asyncio.create_task(post(i, client)) for i in range(4)]
         await asyncio.sleep(0.3)  # hand-offs are under way
         big_task = stack._tasks[1]  # the large worker's loop: crash it
-        big_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await big_task
+        await kill(big_task)
         resps = await asyncio.gather(*pending)
         late = await post(99, client)  # no large worker at all: served by the small one
     for resp in [*resps, late]:

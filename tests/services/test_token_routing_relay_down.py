@@ -6,7 +6,6 @@ after `[relay] origin_wait_s`) and free every KV block (the peers' copies after
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import httpx
 import pytest
@@ -15,7 +14,7 @@ from services.relay.service import RelayService
 from services.worker.routing.policies import TOKEN_POLICIES
 from shared.config import parse_cluster
 from tests.routing.test_runtime import EveryThird
-from tests.services.conftest import start_stack, tiny_cluster_text
+from tests.services.conftest import kill, start_stack, tiny_cluster_text
 from tests.services.test_token_routing_e2e import PAIR, blocks_in_use, post_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -45,9 +44,7 @@ async def test_dead_relay_never_strands_a_request_or_its_kv(nats_url: str, redis
                     await asyncio.sleep(0.005)
 
             await asyncio.wait_for(handoffs_under_way(), 30)
-            relay_task.cancel()  # the relay dies: its books and timers with it
-            with contextlib.suppress(asyncio.CancelledError):
-                await relay_task
+            await kill(relay_task)  # the relay dies: its books and timers with it
             # bounded: without the safety nets these requests would wait forever
             resps = await asyncio.wait_for(asyncio.gather(*pending), 30)
         for resp in resps:
