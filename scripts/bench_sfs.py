@@ -1221,8 +1221,7 @@ async def _decision_runs(
                 assert blob is not None
                 snap = dec.decode(blob.data)
                 state.take_snapshot(snap, (blob.version, blob.wall_time_s))
-                if ledger.has_pending(state.instance_id):  # as the service does
-                    ledger.reconcile(state.instance_id, state.visible)
+                ledger.reconcile(state.instance_id, state.visible)
             t_parsed, c_parsed = time.perf_counter(), time.thread_time()
             views = build_views(
                 cluster,

@@ -97,9 +97,8 @@ class InstanceState:
 
     @property
     def visible(self) -> frozenset[str]:
-        """Ids of the requests `snapshot` shows, built once per snapshot on first use
-        and shared by the ledger's reconcile and the replay's parse (before, each built
-        its own); a snapshot nothing reconciles or parses builds none."""
+        """Ids of the requests `snapshot` shows: built once per snapshot, however it
+        was set, and shared by the ledger's reconcile and the replay's parse."""
         of, ids = self._visible
         snap = self.snapshot
         if of is not snap:

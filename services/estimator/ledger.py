@@ -75,10 +75,6 @@ class Ledger:
         del self._by_instance[entry.instance_id][request_id]
         return True
 
-    def has_pending(self, instance_id: str) -> bool:
-        """Whether `instance_id` has entries (what `reconcile` would look at)."""
-        return bool(self._by_instance.get(instance_id))
-
     def reconcile(self, instance_id: str, visible_ids: AbstractSet[str]) -> int:
         """Drop entries of `instance_id` that its snapshot now shows. Returns how many."""
         return len(self.reconcile_ids(instance_id, visible_ids))

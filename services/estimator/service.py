@@ -240,11 +240,10 @@ class EstimatorService:
             if snapshot is None:  # as missing: the last one read ages out
                 continue
             state.take_snapshot(snapshot, key)
-            if self.ledger.has_pending(iid):  # nothing to reconcile otherwise
-                if shared:
-                    self.shared_ledger.reconcile(iid, state.visible, now_wall)
-                else:
-                    self.ledger.reconcile(iid, state.visible)
+            if shared:
+                self.shared_ledger.reconcile(iid, state.visible, now_wall)
+            else:
+                self.ledger.reconcile(iid, state.visible)
             self.latency.prepare(state)
         if shared and self.shared_ledger.has_writes():
             self._ledger_dirty.set()

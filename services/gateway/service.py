@@ -29,6 +29,7 @@ from shared.messages.gateway import DELTA_BATCH_DECODER
 from shared.messages.registry import RegistryEpoch, WorkerInfo, departed
 from shared.messages.worker import CALIBRATION_DECODER, AbortRequest, SubmitRequest
 from shared.sampling import SamplingParams
+from shared.scheduling.unshown import UnshownRequests
 from shared.store import SnapshotDecoder, Store
 
 log = get_logger(component="gateway")
@@ -78,12 +79,10 @@ class GatewayService:
         self._fitted: dict[str, str] = {}  # instance -> feature set of its MAPE gauge
         self._snapshots = SnapshotDecoder(log)
         # Load per instance for routing without the estimator (route(), fallback):
-        # requests in its latest snapshot, plus those this gateway sent there that the
-        # snapshot does not show yet (by request id, as the estimator's ledger: a
-        # snapshot taken after a send but before the worker took the request in does
-        # not show it, so a time comparison would drop it too early).
+        # requests in its latest snapshot, plus those this gateway sent there that no
+        # snapshot shows yet.
         self._snapshot_load: dict[str, int] = {}
-        self._unseen: dict[str, set[str]] = {}  # instance -> request ids (open streams)
+        self._unshown = UnshownRequests()
         self._no_estimator = RetryLog(log, "estimator_unreachable", recovered="estimator_reachable")
         self._fallback_turn = 0
         # monotonic time until which requests skip an estimator that timed out (a hung
@@ -202,11 +201,7 @@ class GatewayService:
         self.metrics.live_workers.set(sum(not w.is_draining for w in live.values()))
         snapshots = self._snapshots.decode(await self.store.read_snapshots(list(live)))
         self._snapshot_load = {iid: snap.num_requests for iid, snap in snapshots.items()}
-        for iid in list(self._unseen):  # the ones a snapshot shows are counted there
-            if iid not in live:
-                del self._unseen[iid]
-            elif (snap := snapshots.get(iid)) is not None and self._unseen[iid]:
-                self._unseen[iid].difference_update(snap.request_ids)
+        self._unshown.refresh(live, snapshots)  # (finish() drops the ended ones)
         for iid, snap in snapshots.items():
             self.metrics.instance_requests.labels(iid, "running").set(snap.num_running)
             self.metrics.instance_requests.labels(iid, "waiting").set(snap.num_waiting)
@@ -311,7 +306,7 @@ class GatewayService:
 
         def load(w: WorkerInfo) -> int:
             iid = w.instance_id
-            return self._snapshot_load.get(iid, 0) + len(self._unseen.get(iid, ()))
+            return self._snapshot_load.get(iid, 0) + self._unshown.count(iid)
 
         least = min(load(w) for w in serving)
         ties = [w for w in serving if load(w) == least]
@@ -354,14 +349,13 @@ class GatewayService:
         )
         stream.submitted_at = time.perf_counter()
         await self.bus.publish(reply.inbox, msg)
-        self._unseen.setdefault(reply.instance_id, set()).add(request_id)
+        self._unshown.add(reply.instance_id, request_id)
         return stream
 
     def finish(self, stream: RequestStream, *, aborted: bool) -> None:
         """The request is over for this gateway: abort it on the worker if needed, tell the estimators."""
         self.streams.close(stream.request_id)
-        if (unseen := self._unseen.get(stream.instance_id)) is not None:
-            unseen.discard(stream.request_id)
+        self._unshown.discard(stream.instance_id, stream.request_id)
         inbox = self.workers.get(stream.instance_id)
         if aborted and inbox is not None:
             self._spawn(self.bus.publish(inbox.inbox, AbortRequest(request_id=stream.request_id)))

@@ -35,6 +35,7 @@ from shared.messages.peer import (
     PeerReq,
 )
 from shared.messages.registry import RegistryEpoch, WorkerInfo
+from shared.scheduling.unshown import UnshownRequests
 from shared.store import SnapshotDecoder, Store
 
 log = get_logger(component="relay")
@@ -56,10 +57,7 @@ class RelayService:
         self.books = RelayBooks(self.settings.peer_timeout_s, self._pick, self._alive)
         self.workers: dict[str, WorkerInfo] = {}
         self.load: dict[str, int] = {}  # instance -> requests in its latest snapshot
-        # instance -> ids of the copies placed there that no snapshot has shown yet
-        # (matched by id: a snapshot taken before a copy arrived does not show it,
-        # however new); dropped once shown or once the request's route ends
-        self._placed: dict[str, set[str]] = {}
+        self._placed = UnshownRequests()  # copies placed here that no snapshot shows yet
         self._snapshots = SnapshotDecoder(log)
         self._last_retry_s = -math.inf  # monotonic time of the last re-read on a miss
         self._refresh_failures = RetryLog(log, "registry_refresh_failed")
@@ -88,8 +86,8 @@ class RelayService:
         live = self._serving(preset, model_index)
         if not live:
             return None
-        best = min(live, key=lambda i: (self.load.get(i, 0) + len(self._placed.get(i, ())), i))
-        self._placed.setdefault(best, set()).add(request_id)
+        best = min(live, key=lambda i: (self.load.get(i, 0) + self._placed.count(i), i))
+        self._placed.add(best, request_id)
         return best
 
     async def _refresh(self) -> None:
@@ -103,13 +101,7 @@ class RelayService:
             self.load.pop(iid, None)
         for iid in set(self.load).difference(self.workers):  # gone
             del self.load[iid]
-        for iid, placed in list(self._placed.items()):
-            if iid not in self.workers:
-                del self._placed[iid]
-                continue
-            if (shown := snapshots.get(iid)) is not None:
-                placed.difference_update(shown.request_ids)  # counted there now
-            placed.intersection_update(self.books.routes)  # routes that ended: nowhere
+        self._placed.refresh(self.workers, snapshots, self.books.routes.__contains__)
 
     async def _query(self, query: PeerQuery) -> PeerQueryReply:
         return PeerQueryReply(pending=self.books.pending(query.request_ids))

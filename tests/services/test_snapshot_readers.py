@@ -1,4 +1,6 @@
-"""Snapshot readers (estimator, relay, gateway) treat an undecodable snapshot as missing.
+"""Snapshot readers (estimator, relay, gateway): an undecodable snapshot reads as
+missing, and the gateway's and the relay's own load counts take a request they sent
+as unshown until a snapshot shows its id.
 
 An older writer's row layout, or a blob whose columns disagree, fails to decode
 (`msgspec.ValidationError`); the reader skips that instance for the round and keeps
@@ -25,6 +27,7 @@ from shared.messages.estimator import RouteRequest
 from shared.messages.peer import PeerRelease, PeerReq
 from shared.sampling import SamplingParams
 from shared.scheduling.snapshot import RequestCounters, WorkloadSnapshot
+from shared.scheduling.unshown import UnshownRequests
 from shared.store import Store
 from tests.services.test_estimator_policies import info
 
@@ -287,3 +290,25 @@ async def test_gateway_refresh_loop_ends_on_close_without_its_cancellation(
         await asyncio.wait_for(asyncio.shield(task), 2.0)
     finally:
         await gw.close()
+
+
+def test_unshown_requests_count_until_shown_ended_or_their_instance_gone() -> None:
+    """The bookkeeping behind the two tests above (`shared.scheduling.unshown`)."""
+    u = UnshownRequests()
+    for iid, rid in (("a", "r1"), ("a", "r2"), ("a", "r3"), ("b", "r4")):
+        u.add(iid, rid)
+    assert (u.count("a"), u.count("b"), u.count("c")) == (3, 1, 0)
+    snapshot = msgspec.msgpack.Decoder(WorkloadSnapshot).decode
+    u.refresh({"a", "b"}, {"a": snapshot(holding(1, []))})  # not shown: still counted
+    assert u.count("a") == 3
+    u.refresh({"a", "b"}, {"a": snapshot(holding(2, ["r1", "x"]))})  # counted there now
+    assert u.count("a") == 2
+    u.discard("a", "r2")  # ended
+    u.discard("c", "r9")  # an unknown instance: nothing to do
+    assert u.count("a") == 1
+    u.refresh({"a", "b"}, {}, is_open=lambda rid: rid != "r3")  # ended, told by the caller
+    assert u.count("a") == 0
+    u.refresh({"a"}, {})  # b left the registry
+    assert u.count("b") == 0
+    u.add("b", "r5")  # back: counts afresh
+    assert u.count("b") == 1

@@ -355,8 +355,7 @@ def simulate_cluster(
                 continue
             state.take_snapshot(snap, key)
             state.snapshot_wall_time_s = wall  # the store's time of it, not the writer's
-            if ledger.has_pending(state.instance_id):  # nothing to reconcile otherwise
-                ledger.reconcile(state.instance_id, state.visible)
+            ledger.reconcile(state.instance_id, state.visible)
             latency.prepare(state)
 
     def route(r: SimRequest, t: float) -> None:
