@@ -29,10 +29,13 @@ from typing import Literal
 
 import msgspec
 
+from shared import subjects
+
 DEFAULT_CLUSTER_FILE = "configs/local.toml"
 
 # Query-level policies a cluster file (or a request's x-baton-policy header) may name.
-# The estimator implements all but routebalance, which it refuses until it lands.
+# The estimator implements all but routebalance, which it (and the launcher) refuses
+# until it lands.
 PolicyName = Literal[
     "round-robin",
     "shortest-queue",
@@ -357,6 +360,25 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
         """The presets that route per token."""
         return {n: p for n, p in self.presets.items() if p.is_token_level}
 
+    def replica_ids(self, inst: InstanceConfig) -> list[str]:
+        """Instance ids of the launcher's workers for one [[instances]] entry: model-i,
+        made a subject token (a model named "qwen2.5-7b" runs as "qwen2-5-7b-0", ...)."""
+        return [subjects.as_token(f"{inst.model}-{i}") for i in range(inst.replicas)]
+
+    def unimplemented_policies(self) -> list[str]:
+        """Where the file names a query-level policy the estimator does not run yet
+        (which it refuses at start), one line each; the launcher refuses the file with
+        them before starting anything."""
+        named = [("[estimator] policy", self.estimator.policy)] + [
+            (f"[presets.{name}] policy", p.policy) for name, p in self.presets.items()
+        ]
+        return [
+            f"{where} = {policy!r} is not available in this estimator yet: use one of "
+            + ", ".join(IMPLEMENTED_POLICIES)
+            for where, policy in named
+            if policy not in IMPLEMENTED_POLICIES
+        ]
+
     def check(self) -> None:
         """Cross-field checks msgspec cannot express."""
         for name, model in self.models.items():
@@ -369,6 +391,16 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
                 raise ConfigError(f"instance serves unknown model {inst.model!r}")
             if inst.replicas < 0:
                 raise ConfigError(f"replicas must be >= 0 for {inst.model!r}")
+        owner: dict[str, str] = {}  # instance id -> the model whose replica it is
+        for inst in self.instances:
+            for iid in self.replica_ids(inst):
+                if iid in owner:
+                    raise ConfigError(
+                        f"[[instances]] of {owner[iid]!r} and {inst.model!r} give two replicas "
+                        f"the instance id {iid!r} (ids keep letters, digits, '_' and '-'): "
+                        "rename a model, or list each model in one entry"
+                    )
+                owner[iid] = inst.model
         for name, preset in self.presets.items():
             if name in self.models:
                 raise ConfigError(f"preset {name!r} has the name of a real model")

@@ -21,6 +21,7 @@ import re
 # NATS tokens are separated by dots; ids become single tokens, so they must not
 # contain dots, spaces or wildcards.
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+_NOT_TOKEN = re.compile(r"[^A-Za-z0-9_\-]")
 
 ESTIMATOR_QUEUE_GROUP = "estimator"
 RELAY_QUEUE_GROUP = "relay"
@@ -29,6 +30,12 @@ RELAY_QUEUE_GROUP = "relay"
 def is_token(value: str) -> bool:
     """Whether `value` is usable as one subject token (and Redis key part)."""
     return bool(_TOKEN.match(value))
+
+
+def as_token(raw: str) -> str:
+    """`raw` made usable as one subject token: every other character becomes '-'
+    (a model named "qwen2.5-7b" gives instance ids "qwen2-5-7b-0", ...)."""
+    return _NOT_TOKEN.sub("-", raw) or "-"
 
 
 def check_token(value: str) -> str:

@@ -274,8 +274,7 @@ class Launcher:
             if problem is not None:
                 self.say(f"skipping {inst.model}: {problem}")
                 continue
-            for i in range(inst.replicas):
-                iid = f"{inst.model}-{i}"
+            for iid in self.cluster.replica_ids(inst):
                 self.worker_ids.append(iid)
                 self.children.append(
                     Child(

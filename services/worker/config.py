@@ -7,6 +7,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from shared import subjects
 from shared.config import (
     ClusterConfig,
     ConfigError,
@@ -123,5 +124,4 @@ def create_engine(cfg: WorkerServiceConfig) -> Any:
 
 def default_instance_id(model: str) -> str:
     """model-host-pid, made safe as a subject token (unique across compose replicas)."""
-    raw = f"{model}-{socket.gethostname()}-{os.getpid()}"
-    return "".join(c if c.isalnum() or c in "-_" else "-" for c in raw)
+    return subjects.as_token(f"{model}-{socket.gethostname()}-{os.getpid()}")

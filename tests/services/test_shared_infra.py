@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import msgspec
@@ -32,7 +33,23 @@ def test_shipped_cluster_files_parse(repo_root) -> None:  # type: ignore[no-unty
     )
     assert tiny.gateway.port == 9000 and tiny.namespace == "x"
     for path in sorted((repo_root / "configs").glob("*.toml")):  # every shipped file is valid
-        load_cluster(path, environ={})
+        cluster = load_cluster(path, environ={})
+        assert not cluster.unimplemented_policies(), path  # and its estimator starts
+        ids = [iid for inst in cluster.instances for iid in cluster.replica_ids(inst)]
+        assert all(subjects.is_token(i) for i in ids) and len(set(ids)) == len(ids), path
+
+
+def test_replica_ids_are_subject_tokens_and_never_shared() -> None:
+    assert subjects.as_token("qwen2.5-7b-0") == "qwen2-5-7b-0"
+    assert subjects.as_token("a b/c*d>e_f") == "a-b-c-d-e_f" and subjects.as_token("") == "-"
+    models = '[models."m.1"]\n[models.m-1]\n'
+    one = parse_cluster(models + '[[instances]]\nmodel = "m.1"\nreplicas = 2\n', environ={})
+    assert one.replica_ids(one.instances[0]) == ["m-1-0", "m-1-1"]
+    clash = "'m.1' and 'm-1' give two replicas the instance id 'm-1-0'"
+    with pytest.raises(ConfigError, match=re.escape(clash)):
+        parse_cluster(
+            models + '[[instances]]\nmodel = "m.1"\n[[instances]]\nmodel = "m-1"\n', environ={}
+        )
 
 
 def test_cluster_errors_are_clear() -> None:
