@@ -277,23 +277,29 @@ async def test_batch_time_fit_is_published_and_carried_by_snapshots(sim: Stack) 
 
 
 @pytest.mark.asyncio(loop_scope="session")
-async def test_sim_sfs_cluster_file_starts_and_serves(
-    nats_url: str, redis_url: str, repo_root: Path
+@pytest.mark.parametrize(
+    ("name", "most_accurate"),
+    [("sim-sfs.toml", "qwen3-32b"), ("sim-routebalance.toml", "qwen2.5-72b")],
+)
+async def test_sim_cluster_files_start_and_serve(
+    nats_url: str, redis_url: str, repo_root: Path, name: str, most_accurate: str
 ) -> None:
-    text = (repo_root / "configs" / "sim-sfs.toml").read_text()
+    """The papers' testbeds as shipped: every replica starts and every preset serves."""
+    text = (repo_root / "configs" / name).read_text()
     text = re.sub(r'^namespace = ".*"$', f'namespace = "t{uuid.uuid4().hex[:8]}"', text, flags=re.M)
     text = re.sub(r'^nats_url = ".*"$', f'nats_url = "{nats_url}"', text, flags=re.M)
     text = re.sub(r'^redis_url = ".*"$', f'redis_url = "{redis_url}"', text, flags=re.M)
     text = re.sub(r"^port = \d+$", f"port = {free_port()}", text, flags=re.M)
     cluster = parse_cluster(text)
-    models = [i.model for i in cluster.instances]
+    models = [i.model for i in cluster.instances for _ in range(i.replicas)]
     stack = await start_stack(cluster, len(models), models=models)
     try:
-        for preset in ("auto", "sfs-lagrangian", "latency-agnostic"):
+        for preset in cluster.presets:
             resp = await chat(stack, preset, max_tokens=4)
-            assert resp.status_code == 200, resp.text
+            assert resp.status_code == 200, (preset, resp.text)
             assert resp.json()["baton"]["model"] in models
         # latency-agnostic with lambda 0 takes the most accurate model
-        assert resp.json()["baton"]["model"] == "qwen3-32b"
+        resp = await chat(stack, "latency-agnostic", max_tokens=4)
+        assert resp.json()["baton"]["model"] == most_accurate
     finally:
         await stack.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import pytest
 
 from services.launcher.servers import free_port
 from shared.messages.registry import WorkerInfo
@@ -359,3 +361,60 @@ def test_launcher_help() -> None:
         check=True,
     )
     assert "BATON_PORT" in out.stdout and "cluster" in out.stdout
+
+
+def test_launcher_refuses_a_policy_the_estimator_does_not_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A preset naming `routebalance` (it parses) is refused before anything starts,
+    with the preset named, instead of an estimator that dies at start."""
+    from services.launcher.__main__ import main
+
+    path = tmp_path / "cluster.toml"
+    path.write_text(
+        '[models.a]\n[[instances]]\nmodel = "a"\n'
+        '[presets.auto]\nmodels = ["a"]\npolicy = "routebalance"\n'
+    )
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "[presets.auto] policy = 'routebalance' is not available" in err
+    assert "sfs-constraint" in err  # what to use instead
+
+
+def test_launcher_runs_the_shipped_sim_testbed(tmp_path: Path, repo_root: Path) -> None:
+    """configs/sim-sfs.toml as shipped (its servers, port and namespace moved aside):
+    model names with dots ("qwen3-0.6b") give workers ids that are subject tokens."""
+    text = (repo_root / "configs" / "sim-sfs.toml").read_text()
+    port = free_port()
+    for key, value in (
+        ("namespace", f'"t{uuid.uuid4().hex[:8]}"'),
+        ("nats_url", f'"nats://127.0.0.1:{free_port()}"'),
+        ("redis_url", f'"redis://127.0.0.1:{free_port()}/0"'),
+        ("port", str(port)),
+    ):
+        text = re.sub(rf"^{key} = .*$", f"{key} = {value}", text, count=1, flags=re.M)
+    (tmp_path / "cluster.toml").write_text(text)
+    proc = start_launcher(tmp_path, repo_root)
+    try:
+        out = read_until_serving(proc)
+        assert f"http://127.0.0.1:{port}/v1" in out, out
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
+        assert set(health["workers"]) == {"qwen3-0-6b-0", "qwen3-8b-0", "qwen3-32b-0"}, health
+        resp = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json={
+                "model": "auto",
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 3,
+            },
+            timeout=30,
+        )
+        assert resp.status_code == 200, resp.text
+        kids = children_of(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        assert_no_orphans(kids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
