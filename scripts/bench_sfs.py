@@ -1124,6 +1124,8 @@ async def _decision_async(
         "redis_read_us_p99": out["read_only"]["p99"],
         "every_ttft_decision_us_p50": out["every_ttft"]["p50"],
         "every_ttft_decision_us_p99": out["every_ttft"]["p99"],
+        "ttft_us_per_instance_p50": out["per_instance_ttft"]["p50"],
+        "ttft_us_per_instance_p99": out["per_instance_ttft"]["p99"],
         "ttfts_per_decision_mean": out["ttfts_per_decision"],
         "all_ttfts_share": out["all_ttfts_share"],
         "plain_kernel_decision_us_p50": plain["with_reads"]["p50"],
@@ -1135,6 +1137,8 @@ async def _decision_async(
         "parses and replays only the candidates whose TTFT can change its pick (best "
         "utility first until one meets the target: ttfts_per_decision_mean, all_ttfts_share "
         "how often it needed all); every_ttft: the same computing every candidate's TTFT; "
+        "ttft_us_per_instance: one candidate's TTFT timed alone (its snapshot parsed, the "
+        "replay to the request's first token; the candidates the choice did not read); "
         "service_path: the choice alone (the estimator reads and parses snapshots in its "
         "background refresh loop; here the parse of the replayed ones is in it); snapshots of 20-50 "
         "running requests from a live scheduler (bench_sfs_decision.live_snapshot); the ledger "
@@ -1150,7 +1154,14 @@ async def _decision_runs(
     dec = msgspec.msgpack.Decoder(WorkloadSnapshot)
     models = list(SFS_H100_QWEN3.items())
     out: dict[str, Any] = {}
-    for regime in ("with_reads", "service_path", "service_path_cpu", "read_only", "every_ttft"):
+    for regime in (
+        "with_reads",
+        "service_path",
+        "service_path_cpu",
+        "read_only",
+        "every_ttft",
+        "per_instance_ttft",
+    ):
         out[regime] = {"p50": {}, "p99": {}}
     out["ttfts_per_decision"], out["all_ttfts_share"] = {}, {}
     for n in args.decision_instances:
@@ -1195,6 +1206,7 @@ async def _decision_runs(
         reads: list[float] = []
         replays: list[int] = []  # TTFTs the policy read (the others were never computed)
         every: list[float] = []  # with_reads plus computing the TTFTs it did not read
+        per_instance: list[float] = []  # one candidate's TTFT alone (the ones not read)
         version = 0
         for d in tqdm(range(args.decisions), desc=f"[4] {label}, {n} instances", unit="decision"):
             # untimed: every worker writes a new snapshot version (worst case: all new)
@@ -1240,10 +1252,14 @@ async def _decision_runs(
             replays.append(sum(1 for v in views if v.scores is not None and v.scores.ttft_known))
             # untimed by the headline: the TTFTs the choice did not need, so that the
             # cost of a decision that computes every one is reported next to it
+            # Each timed alone too: one candidate's TTFT (its snapshot parsed, the
+            # replay to the request's first token) is the per-instance cost.
             t_rest = time.perf_counter()
             for v in views:
-                if v.scores is not None:
+                if v.scores is not None and not v.scores.ttft_known:
+                    t_one = time.perf_counter()
                     v.scores.ttft_s  # noqa: B018 (computes it)
+                    per_instance.append((time.perf_counter() - t_one) * 1e6)
             every.append((t1 - t0 + time.perf_counter() - t_rest) * 1e6)
             ledger.add(
                 LedgerEntry(
@@ -1270,6 +1286,7 @@ async def _decision_runs(
             ("service_path_cpu", service_cpu),
             ("read_only", reads),
             ("every_ttft", every),
+            ("per_instance_ttft", per_instance),
         ):
             out[regime]["p50"][str(n)] = pct(xs, 50)
             out[regime]["p99"][str(n)] = pct(xs, 99)
@@ -1650,6 +1667,13 @@ def main() -> None:
                 lambda n: (
                     f"{res4['every_ttft_decision_us_p50'][n]:.0f}/"
                     f"{res4['every_ttft_decision_us_p99'][n]:.0f}"
+                )
+            )
+            + "; one instance's TTFT alone (p50/p99 us): "
+            + per_count(
+                lambda n: (
+                    f"{res4['ttft_us_per_instance_p50'][n]:.0f}/"
+                    f"{res4['ttft_us_per_instance_p99'][n]:.0f}"
                 )
             )
             + f"\n   kernel: {res4['sfs_kernel']}; the plain-Python kernel side by side: "
