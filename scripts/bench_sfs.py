@@ -1388,7 +1388,7 @@ def plot_prediction(rows: list[Measured], path: Path) -> None:
         ax.set_xlabel("measured TTFT (s)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("predicted TTFT (s)")
-    fig.suptitle("Real CPU engine (in process) under the Azure conversation trace")
+    fig.suptitle("Real CPU engine (its own process) under the Azure conversation trace")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
