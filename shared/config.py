@@ -381,6 +381,17 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
 
     def check(self) -> None:
         """Cross-field checks msgspec cannot express."""
+        if not subjects.is_token(self.namespace):
+            raise ConfigError(
+                f"namespace {self.namespace!r} may hold only letters, digits, '_' and '-' "
+                "(it starts every NATS subject and Redis key of the deployment)"
+            )
+        for name in self.token_presets():
+            if not subjects.is_token(name):
+                raise ConfigError(
+                    f"token-level preset {name!r} may hold only letters, digits, '_' and '-' "
+                    "(it names the batcher's tables in Redis)"
+                )
         for name, model in self.models.items():
             if model.engine == "sim" and not (model.batch_time_features and model.batch_time_coefs):
                 raise ConfigError(

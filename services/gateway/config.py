@@ -6,6 +6,7 @@ import os
 import socket
 from dataclasses import dataclass
 
+from shared import subjects
 from shared.config import ClusterConfig, Env, GatewayConfig
 
 
@@ -20,5 +21,5 @@ class GatewayServiceConfig:
         cls, cluster: ClusterConfig, gateway_id: str | None = None
     ) -> GatewayServiceConfig:
         gid = gateway_id or Env.GATEWAY_ID.get() or f"gw-{socket.gethostname()}-{os.getpid()}"
-        gid = "".join(c if c.isalnum() or c in "-_" else "-" for c in gid)
+        gid = subjects.as_token(gid)  # a host name may hold dots
         return cls(gateway_id=gid, cluster=cluster, settings=cluster.gateway)

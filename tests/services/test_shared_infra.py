@@ -45,6 +45,11 @@ def test_replica_ids_are_subject_tokens_and_never_shared() -> None:
     models = '[models."m.1"]\n[models.m-1]\n'
     one = parse_cluster(models + '[[instances]]\nmodel = "m.1"\nreplicas = 2\n', environ={})
     assert one.replica_ids(one.instances[0]) == ["m-1-0", "m-1-1"]
+    with pytest.raises(ConfigError, match=re.escape("namespace 'a.b' may hold only letters")):
+        parse_cluster("", environ={"BATON_NAMESPACE": "a.b"})
+    token_preset = '[presets."r2r.v2"]\nmodels = ["m.1", "m-1"]\ntoken_policy = "r2r"\n'
+    with pytest.raises(ConfigError, match=re.escape("token-level preset 'r2r.v2' may hold only")):
+        parse_cluster(models + token_preset, environ={})
     clash = "'m.1' and 'm-1' give two replicas the instance id 'm-1-0'"
     with pytest.raises(ConfigError, match=re.escape(clash)):
         parse_cluster(
@@ -310,3 +315,22 @@ def test_registry_epoch_keeps_workers_only_after_the_store_lost_its_data() -> No
     assert view.carry(back, [a], "e2", 103.3) == {"a": a}
     # past the window, a missing worker is gone at once again
     assert view.carry({"a": a}, [], "e2", 104.0) == {}
+
+
+def test_default_ids_on_a_dotted_host_name_are_subject_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """EC2-style host names hold dots; the gateway's and a worker's default ids (which
+    name their NATS inboxes) must not."""
+    import socket
+
+    from services.gateway.config import GatewayServiceConfig
+    from services.worker.config import default_instance_id
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "ip-10-0-0-7.ec2.internal")
+    monkeypatch.delenv("BATON_GATEWAY_ID", raising=False)
+    gid = GatewayServiceConfig.from_cluster(parse_cluster("", environ={})).gateway_id
+    iid = default_instance_id("qwen2.5-7b")
+    assert gid.startswith("gw-ip-10-0-0-7-ec2-internal-") and subjects.is_token(gid)
+    assert iid.startswith("qwen2-5-7b-ip-10-0-0-7-ec2-internal-") and subjects.is_token(iid)
+    subjects.gateway_inbox("baton", gid), subjects.worker_inbox("baton", iid)  # no ValueError
