@@ -1137,8 +1137,9 @@ async def _decision_async(
         "parses and replays only the candidates whose TTFT can change its pick (best "
         "utility first until one meets the target: ttfts_per_decision_mean, all_ttfts_share "
         "how often it needed all); every_ttft: the same computing every candidate's TTFT; "
-        "ttft_us_per_instance: one candidate's TTFT timed alone (its snapshot parsed, the "
-        "replay to the request's first token; the candidates the choice did not read); "
+        "ttft_us_per_instance: one candidate's TTFT timed alone (its decoded snapshot parsed, "
+        "the replay to the request's first token; timed on the candidates the choice did not "
+        "read, so lower-utility ones; null when it read every one); "
         "service_path: the choice alone (the estimator reads and parses snapshots in its "
         "background refresh loop; here the parse of the replayed ones is in it); snapshots of 20-50 "
         "running requests from a live scheduler (bench_sfs_decision.live_snapshot); the ledger "
@@ -1288,8 +1289,9 @@ async def _decision_runs(
             ("every_ttft", every),
             ("per_instance_ttft", per_instance),
         ):
-            out[regime]["p50"][str(n)] = pct(xs, 50)
-            out[regime]["p99"][str(n)] = pct(xs, 99)
+            # None: nothing to time (per_instance_ttft when every decision read every TTFT)
+            out[regime]["p50"][str(n)] = pct(xs, 50) if xs else None
+            out[regime]["p99"][str(n)] = pct(xs, 99) if xs else None
         out["ttfts_per_decision"][str(n)] = statistics.fmean(replays)
         out["all_ttfts_share"][str(n)] = sum(1 for r in replays if r == n) / len(replays)
     return out
@@ -1672,7 +1674,9 @@ def main() -> None:
             + "; one instance's TTFT alone (p50/p99 us): "
             + per_count(
                 lambda n: (
-                    f"{res4['ttft_us_per_instance_p50'][n]:.0f}/"
+                    "n/a (every decision read every TTFT)"
+                    if res4["ttft_us_per_instance_p50"][n] is None
+                    else f"{res4['ttft_us_per_instance_p50'][n]:.0f}/"
                     f"{res4['ttft_us_per_instance_p99'][n]:.0f}"
                 )
             )

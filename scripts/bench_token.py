@@ -382,7 +382,9 @@ class Deployment:
 
     def __init__(self, cluster_path: Path, log_dir: Path, base_url: str) -> None:
         self.cluster_path, self.log_dir, self.base_url = cluster_path, log_dir, base_url
-        self.instances = {f"{m}-0" for m in (LARGE, MEDIUM, SMALL)}  # one replica each
+        cluster = load_cluster(cluster_path, environ={})
+        # the launcher's worker ids (ClusterConfig.replica_ids), waited for in /health
+        self.instances = {i for inst in cluster.instances for i in cluster.replica_ids(inst)}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 600.0) -> None:

@@ -20,7 +20,7 @@ import re
 
 # NATS tokens are separated by dots; ids become single tokens, so they must not
 # contain dots, spaces or wildcards.
-_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+_TOKEN = re.compile(r"[A-Za-z0-9_\-]+")  # used with fullmatch: `$` admits a final "\n"
 _NOT_TOKEN = re.compile(r"[^A-Za-z0-9_\-]")
 
 ESTIMATOR_QUEUE_GROUP = "estimator"
@@ -29,7 +29,7 @@ RELAY_QUEUE_GROUP = "relay"
 
 def is_token(value: str) -> bool:
     """Whether `value` is usable as one subject token (and Redis key part)."""
-    return bool(_TOKEN.match(value))
+    return bool(_TOKEN.fullmatch(value))
 
 
 def as_token(raw: str) -> str:
@@ -40,7 +40,7 @@ def as_token(raw: str) -> str:
 
 def check_token(value: str) -> str:
     """Return `value` if it is usable as one subject token, else raise ValueError."""
-    if not _TOKEN.match(value):
+    if not _TOKEN.fullmatch(value):
         raise ValueError(f"{value!r} is not a valid subject token (letters, digits, '_' and '-')")
     return value
 

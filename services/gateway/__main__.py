@@ -21,15 +21,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gateway-id", help="unique gateway id (default gw-host-pid)")
     args = parser.parse_args(argv)
     log = configure_logging("gateway")
+    from services.gateway.config import GatewayServiceConfig
+
     try:
         cluster = load_cluster(args.cluster)
+        cfg = GatewayServiceConfig.from_cluster(cluster, args.gateway_id)
     except ConfigError as exc:
         log.error("bad_config", error=str(exc))
         return 2
     from services.gateway.app import create_app
-    from services.gateway.config import GatewayServiceConfig
 
-    cfg = GatewayServiceConfig.from_cluster(cluster, args.gateway_id)
     app = create_app(cfg)
     log.info("gateway_listening", url=f"http://{cluster.gateway.host}:{cluster.gateway.port}/v1")
     uvicorn.run(

@@ -7,7 +7,7 @@ import socket
 from dataclasses import dataclass
 
 from shared import subjects
-from shared.config import ClusterConfig, Env, GatewayConfig
+from shared.config import ClusterConfig, ConfigError, Env, GatewayConfig
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,12 @@ class GatewayServiceConfig:
     def from_cluster(
         cls, cluster: ClusterConfig, gateway_id: str | None = None
     ) -> GatewayServiceConfig:
-        gid = gateway_id or Env.GATEWAY_ID.get() or f"gw-{socket.gethostname()}-{os.getpid()}"
-        gid = subjects.as_token(gid)  # a host name may hold dots
+        explicit = gateway_id or Env.GATEWAY_ID.get()
+        if explicit is not None and not subjects.is_token(explicit):
+            raise ConfigError(
+                f"gateway id {explicit!r} may hold only letters, digits, '_' and '-' "
+                "(it names the gateway's NATS inbox and Redis key)"
+            )
+        # a host name may hold dots: the default is made a token
+        gid = explicit or subjects.as_token(f"gw-{socket.gethostname()}-{os.getpid()}")
         return cls(gateway_id=gid, cluster=cluster, settings=cluster.gateway)

@@ -57,8 +57,14 @@ class WorkerServiceConfig:
             raise ConfigError(
                 f"unknown model {model!r}; the cluster file has {sorted(cluster.models)}"
             )
+        explicit = instance_id or Env.INSTANCE_ID.get()
+        if explicit is not None and not subjects.is_token(explicit):
+            raise ConfigError(
+                f"instance id {explicit!r} may hold only letters, digits, '_' and '-' "
+                "(it names the worker's NATS subjects and Redis keys)"
+            )
         return cls(
-            instance_id=instance_id or Env.INSTANCE_ID.get() or default_instance_id(model),
+            instance_id=explicit or default_instance_id(model),
             model=model,
             namespace=cluster.namespace,
             nats_url=cluster.nats_url,

@@ -6,8 +6,15 @@ import asyncio
 import socket
 import sys
 
+from shared import subjects
 from shared.config import load_cluster
 from shared.store import Store
+
+
+def on_host(instance_id: str, host: str) -> bool:
+    """Whether a worker's default id (model-host-pid made a token,
+    `worker.config.default_instance_id`) names `host`."""
+    return f"-{subjects.as_token(host)}-" in instance_id
 
 
 async def _check() -> bool:
@@ -16,7 +23,8 @@ async def _check() -> bool:
     await store.connect()
     try:
         host = socket.gethostname()
-        return any(host in w.instance_id and not w.is_draining for w in await store.live_workers())
+        workers = await store.live_workers()
+        return any(on_host(w.instance_id, host) and not w.is_draining for w in workers)
     finally:
         await store.close()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import time
 
 import msgspec
@@ -41,6 +42,7 @@ def test_shipped_cluster_files_parse(repo_root) -> None:  # type: ignore[no-unty
 
 def test_replica_ids_are_subject_tokens_and_never_shared() -> None:
     assert subjects.as_token("qwen2.5-7b-0") == "qwen2-5-7b-0"
+    assert not subjects.is_token("baton\n") and not subjects.is_token("")  # fullmatch
     assert subjects.as_token("a b/c*d>e_f") == "a-b-c-d-e_f" and subjects.as_token("") == "-"
     models = '[models."m.1"]\n[models.m-1]\n'
     one = parse_cluster(models + '[[instances]]\nmodel = "m.1"\nreplicas = 2\n', environ={})
@@ -322,8 +324,6 @@ def test_default_ids_on_a_dotted_host_name_are_subject_tokens(
 ) -> None:
     """EC2-style host names hold dots; the gateway's and a worker's default ids (which
     name their NATS inboxes) must not."""
-    import socket
-
     from services.gateway.config import GatewayServiceConfig
     from services.worker.config import default_instance_id
 
@@ -334,3 +334,28 @@ def test_default_ids_on_a_dotted_host_name_are_subject_tokens(
     assert gid.startswith("gw-ip-10-0-0-7-ec2-internal-") and subjects.is_token(gid)
     assert iid.startswith("qwen2-5-7b-ip-10-0-0-7-ec2-internal-") and subjects.is_token(iid)
     subjects.gateway_inbox("baton", gid), subjects.worker_inbox("baton", iid)  # no ValueError
+
+
+def test_explicit_ids_that_are_not_tokens_are_config_errors() -> None:
+    """Given ids are not rewritten (they name a deployment's subjects and keys): a bad
+    one is a clear config error, so `python -m services.<name>` exits 2 with it."""
+    from services.gateway.config import GatewayServiceConfig
+    from services.worker.config import WorkerServiceConfig
+
+    cluster = parse_cluster('[models.m]\n[[instances]]\nmodel = "m"\n', environ={})
+    with pytest.raises(ConfigError, match=re.escape("instance id 'w.1' may hold only")):
+        WorkerServiceConfig.from_cluster(cluster, "m", "w.1")
+    with pytest.raises(ConfigError, match=re.escape("gateway id 'gw 1' may hold only")):
+        GatewayServiceConfig.from_cluster(cluster, "gw 1")
+    assert WorkerServiceConfig.from_cluster(cluster, "m", "w-1").instance_id == "w-1"
+    assert GatewayServiceConfig.from_cluster(cluster, "gw_1").gateway_id == "gw_1"
+
+
+def test_compose_healthcheck_finds_this_hosts_worker_by_its_default_id() -> None:
+    from services.worker.config import default_instance_id
+    from services.worker.health import on_host
+
+    host = socket.gethostname()
+    assert on_host(default_instance_id("qwen2.5-7b"), host)
+    assert on_host("qwen2-5-7b-ip-10-0-0-7-ec2-internal-41", "ip-10-0-0-7.ec2.internal")
+    assert not on_host("ma-1", "a") and not on_host("m-other-1", "a")
