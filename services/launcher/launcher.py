@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import math
 import os
@@ -45,6 +44,7 @@ from services.launcher.servers import (
     ServerProcess,
     host_port,
     is_reachable,
+    own_session_dying_with_parent,
     start_nats,
     start_redis,
     stop_process_group,
@@ -52,7 +52,6 @@ from services.launcher.servers import (
 from shared.config import ClusterConfig
 from shared.store import Store
 
-_PR_SET_PDEATHSIG = 1
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 DEFAULT_MAX_RESTARTS = 5  # per child within RESTART_WINDOW_S; one more death stops all
@@ -70,12 +69,6 @@ def _signals_held() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
-
-
-def _child_setup() -> None:  # runs in the child between fork and exec
-    os.setsid()  # own process group: killpg reaches its children too
-    with contextlib.suppress(OSError):  # Linux: die with the launcher even if it is SIGKILLed
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -124,7 +117,7 @@ class Child:
     def start(self, env: dict[str, str]) -> None:
         with open(self.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
             self.process = subprocess.Popen(
-                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_child_setup
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=own_session_dying_with_parent
             )
 
 

@@ -8,6 +8,7 @@ group so that stopping it never leaves children behind.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -23,6 +24,27 @@ from urllib.parse import urlparse
 
 class ServerError(RuntimeError):
     pass
+
+
+_PR_SET_PDEATHSIG = 1
+try:  # loaded here, not in the forked child (which may only call it)
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:  # not glibc Linux: children outlive a parent that is SIGKILLed
+    _LIBC = None
+
+
+def own_session_dying_with_parent() -> None:
+    """preexec_fn (runs in the child between fork and exec): its own session, so that
+    killpg reaches its children too, and SIGTERM when the process that started it dies,
+    even by SIGKILL. Linux sends it when the starting *thread* exits: start children
+    from a thread that lives as long as they should (here always the main thread).
+    Signals blocked in the parent (the launcher holds SIGINT and SIGTERM while it starts
+    a server) are unblocked: a mask survives exec, and redis-server never unblocks them
+    itself, so it could not be stopped but by SIGKILL."""
+    os.setsid()
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def find_nats_server() -> str:
@@ -107,13 +129,15 @@ def stop_process_group(process: subprocess.Popen[bytes], timeout_s: float) -> No
 
 
 def _popen_logged(cmd: list[str], log_path: Path | None) -> subprocess.Popen[bytes]:
-    """Start `cmd` in its own session, output appended to `log_path` (or discarded)."""
+    """Start `cmd` in its own session, dying with this process, output appended to
+    `log_path` (or discarded)."""
+    setup = own_session_dying_with_parent
     if log_path is None:
         return subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=setup
         )
     with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=setup)
 
 
 def start_nats(

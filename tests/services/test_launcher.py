@@ -84,14 +84,19 @@ def start_launcher(tmp_path: Path, repo_root: Path) -> subprocess.Popen[str]:
 
 @contextlib.contextmanager
 def launched(tmp_path: Path, repo_root: Path) -> Iterator[subprocess.Popen[str]]:
-    """start_launcher for the block; killed at its end if the test left it running."""
+    """start_launcher for the block; stopped at its end if the test left it running (as
+    Ctrl-C would, so that a failing test leaves no servers behind; killed if that hangs)."""
     proc = start_launcher(tmp_path, repo_root)
     try:
         yield proc
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def read_until_serving(proc: subprocess.Popen[str]) -> str:
@@ -136,6 +141,10 @@ def test_launcher_serves_and_stops_cleanly(tmp_path: Path, repo_root: Path) -> N
             '"event": "worker_closed"'
             in (tmp_path / "logs" / "worker-random-tiny-0.log").read_text()
         )
+        # the servers stopped on SIGTERM, not by the SIGKILL after a timeout (a server
+        # started with the launcher's signals held inherited the mask)
+        assert "ready to exit" in (tmp_path / "logs" / "redis.log").read_text()
+        assert "Server Exiting" in (tmp_path / "logs" / "nats.log").read_text()
 
 
 def service_pid(launcher_pid: int, *needles: str) -> int:
@@ -403,3 +412,17 @@ def test_launcher_runs_the_shipped_sim_testbed(tmp_path: Path, repo_root: Path) 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
         assert_no_orphans(kids)
+
+
+def test_a_killed_launcher_leaves_no_process_behind(tmp_path: Path, repo_root: Path) -> None:
+    """SIGKILL gives the launcher no chance to stop anything: its services and the NATS
+    and Redis servers it started end on their own (they die with their parent)."""
+    write_own_servers_cluster(tmp_path)
+    with launched(tmp_path, repo_root) as proc:
+        out = read_until_serving(proc)
+        assert "started nats-server" in out and "started redis-server" in out, out
+        kids = children_of(proc.pid)
+        assert len(kids) == 6  # nats, redis, estimator, 2 workers, gateway
+        proc.kill()
+        proc.wait()
+        assert_no_orphans(kids, timeout_s=15)
