@@ -172,7 +172,11 @@ class UtilityPolicy:
 
     lambda: utility per cost unit; delta: utility per second of TTFT (Lagrangian);
     the TTFT target is the request's `ttft_target_ms`, else `default_target_s(prompt)`.
-    Candidates are ordered by instance id, so ties go to the smallest id.
+    Ties in utility (replicas of one model) go to the candidate holding fewer requests
+    (snapshot + ledger), then to the smallest instance id: by id alone, sfs-constraint
+    kept sending to the first replica while it still met the target and left its twins
+    idle (13 simulated instances, 20 req/s: 296 requests to one 72B replica, 1 to the
+    other). The SFS code breaks ties at random; RouteBalance's by running + waiting.
     """
 
     def __init__(
@@ -197,7 +201,8 @@ class UtilityPolicy:
         return self.default_target_s(request.num_prompt_tokens)
 
     def choose(self, request: RouteRequest, candidates: list[InstanceView]) -> InstanceView:
-        ordered = sorted(candidates, key=lambda c: c.instance_id)
+        # the choices below break ties to the earliest candidate in this order
+        ordered = sorted(candidates, key=lambda c: (c.num_requests, c.instance_id))
         scores: list[Scores] = []
         for c in ordered:
             assert c.scores is not None, "the service fills scores for utility policies"

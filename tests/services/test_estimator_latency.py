@@ -105,6 +105,27 @@ def test_sfs_constraint_best_utility_among_feasible_else_fastest() -> None:
     assert policy.choose(req(10_000), [slow_good, fast_poor, mid]).instance_id == "a"
 
 
+def test_utility_ties_go_to_the_replica_holding_fewer_requests() -> None:
+    """Replicas of one model tie on utility: the less loaded one is asked first and,
+    meeting the target, chosen (by id alone the first replica took every request while
+    it met the target); equal loads fall back to the smallest id."""
+    busy = InstanceView(info("a"), snapshot(3, 2), [], Scores(0.9, 0, 0.10, "sfs"))
+    idle = InstanceView(info("b"), snapshot(0), [], Scores(0.9, 0, 0.02, "sfs"))
+    pending = [LedgerEntry("x", "c", 500, 64, 0.0, 64)]  # one dispatch, no snapshot yet
+    queued = InstanceView(info("c"), None, pending, Scores(0.9, 0, 0.02, "sfs"))
+    for name in ("latency-agnostic", "sfs-constraint", "sfs-lagrangian"):
+        policy = UtilityPolicy(name, 0.0, 0.0, default_ttft_target_s)
+        assert policy.choose(req(500), [busy, idle]).instance_id == "b", name
+        assert policy.choose(req(500), [busy, queued]).instance_id == "c", name  # ledger counts
+    twin = InstanceView(info("d"), snapshot(0), [], Scores(0.9, 0, 0.02, "sfs"))
+    assert (
+        UtilityPolicy("sfs-constraint", 0.0, 0.0, default_ttft_target_s)
+        .choose(req(500), [twin, idle])
+        .instance_id
+        == "b"
+    )
+
+
 def test_sfs_lagrangian_trades_utility_against_ttft() -> None:
     a, b = view("a", 0.9, 0, 1.0), view("b", 0.5, 0, 0.1)
     # delta = 0.1/s: 0.9 - 0.1 > 0.5 - 0.01; delta = 1/s: 0.9 - 1 < 0.5 - 0.1
