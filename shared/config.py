@@ -34,8 +34,8 @@ from shared import subjects
 DEFAULT_CLUSTER_FILE = "configs/local.toml"
 
 # Query-level policies a cluster file (or a request's x-baton-policy header) may name.
-# The estimator implements all but routebalance, which it (and the launcher) refuses
-# until it lands.
+# The estimator implements all but routebalance: a cluster file naming it is refused
+# (ClusterConfig.check) until it lands.
 PolicyName = Literal[
     "round-robin",
     "shortest-queue",
@@ -63,6 +63,14 @@ TokenMode = Literal["baton", "eager_async", "barrier", "std_serving"]
 
 class ConfigError(ValueError):
     """The cluster file or an environment variable is invalid."""
+
+
+def require_token(value: str, what: str, why: str) -> str:
+    """`value` if it can be one NATS subject token (and Redis key part), else a
+    ConfigError naming `what` it is and `why` it must be one."""
+    if not subjects.is_token(value):
+        raise ConfigError(f"{what} {value!r} may hold only letters, digits, '_' and '-' ({why})")
+    return value
 
 
 # ---------------------------------------------------------------------------
@@ -365,32 +373,18 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
         made a subject token (a model named "qwen2.5-7b" runs as "qwen2-5-7b-0", ...)."""
         return [subjects.as_token(f"{inst.model}-{i}") for i in range(inst.replicas)]
 
-    def unimplemented_policies(self) -> list[str]:
-        """Where the file names a query-level policy the estimator does not run yet
-        (which it refuses at start), one line each; the launcher refuses the file with
-        them before starting anything."""
-        named = [("[estimator] policy", self.estimator.policy)] + [
-            (f"[presets.{name}] policy", p.policy) for name, p in self.presets.items()
-        ]
-        return [
-            f"{where} = {policy!r} is not available in this estimator yet: use one of "
-            + ", ".join(IMPLEMENTED_POLICIES)
-            for where, policy in named
-            if policy not in IMPLEMENTED_POLICIES
-        ]
-
     def check(self) -> None:
         """Cross-field checks msgspec cannot express."""
-        if not subjects.is_token(self.namespace):
-            raise ConfigError(
-                f"namespace {self.namespace!r} may hold only letters, digits, '_' and '-' "
-                "(it starts every NATS subject and Redis key of the deployment)"
-            )
+        require_token(self.namespace, "namespace", "it starts every NATS subject and Redis key")
         for name in self.token_presets():
-            if not subjects.is_token(name):
+            require_token(name, "token-level preset", "it names the batcher's tables in Redis")
+        policies = [("[estimator]", self.estimator.policy)]
+        policies += [(f"[presets.{name}]", p.policy) for name, p in self.presets.items()]
+        for where, policy in policies:
+            if policy not in IMPLEMENTED_POLICIES:
                 raise ConfigError(
-                    f"token-level preset {name!r} may hold only letters, digits, '_' and '-' "
-                    "(it names the batcher's tables in Redis)"
+                    f"{where} policy {policy!r} is not available in this estimator yet: "
+                    f"use one of {', '.join(IMPLEMENTED_POLICIES)}"
                 )
         for name, model in self.models.items():
             if model.engine == "sim" and not (model.batch_time_features and model.batch_time_coefs):

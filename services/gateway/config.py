@@ -7,7 +7,7 @@ import socket
 from dataclasses import dataclass
 
 from shared import subjects
-from shared.config import ClusterConfig, ConfigError, Env, GatewayConfig
+from shared.config import ClusterConfig, Env, GatewayConfig, require_token
 
 
 @dataclass(frozen=True)
@@ -21,11 +21,11 @@ class GatewayServiceConfig:
         cls, cluster: ClusterConfig, gateway_id: str | None = None
     ) -> GatewayServiceConfig:
         explicit = gateway_id or Env.GATEWAY_ID.get()
-        if explicit is not None and not subjects.is_token(explicit):
-            raise ConfigError(
-                f"gateway id {explicit!r} may hold only letters, digits, '_' and '-' "
-                "(it names the gateway's NATS inbox and Redis key)"
-            )
+        why = "it names the gateway's NATS inbox and Redis key"
         # a host name may hold dots: the default is made a token
-        gid = explicit or subjects.as_token(f"gw-{socket.gethostname()}-{os.getpid()}")
+        gid = (
+            require_token(explicit, "gateway id", why)
+            if explicit
+            else subjects.as_token(f"gw-{socket.gethostname()}-{os.getpid()}")
+        )
         return cls(gateway_id=gid, cluster=cluster, settings=cluster.gateway)

@@ -50,10 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"baton: {exc}", file=sys.stderr)
         return 2
-    if unrunnable := cluster.unimplemented_policies():
-        for line in unrunnable:
-            print(f"baton: {path}: {line}", file=sys.stderr)
-        return 2
     from services.launcher.launcher import DEFAULT_MAX_RESTARTS, Launcher
 
     log_dir = Path(args.log_dir or Env.LOG_DIR.get() or "logs")

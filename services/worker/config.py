@@ -16,6 +16,7 @@ from shared.config import (
     ModelConfig,
     PresetConfig,
     RelayConfig,
+    require_token,
 )
 
 if TYPE_CHECKING:
@@ -58,13 +59,11 @@ class WorkerServiceConfig:
                 f"unknown model {model!r}; the cluster file has {sorted(cluster.models)}"
             )
         explicit = instance_id or Env.INSTANCE_ID.get()
-        if explicit is not None and not subjects.is_token(explicit):
-            raise ConfigError(
-                f"instance id {explicit!r} may hold only letters, digits, '_' and '-' "
-                "(it names the worker's NATS subjects and Redis keys)"
-            )
+        why = "it names the worker's NATS subjects and Redis keys"
         return cls(
-            instance_id=explicit or default_instance_id(model),
+            instance_id=require_token(explicit, "instance id", why)
+            if explicit
+            else default_instance_id(model),
             model=model,
             namespace=cluster.namespace,
             nats_url=cluster.nats_url,

@@ -374,8 +374,9 @@ def test_launcher_help() -> None:
 def test_launcher_refuses_a_policy_the_estimator_does_not_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A preset naming `routebalance` (it parses) is refused before anything starts,
-    with the preset named, instead of an estimator that dies at start."""
+    """A preset naming `routebalance` (a policy name the estimator does not run yet) is
+    refused before anything starts, with the preset named, instead of an estimator
+    that dies at start."""
     from services.launcher.__main__ import main
 
     path = tmp_path / "cluster.toml"
@@ -385,7 +386,7 @@ def test_launcher_refuses_a_policy_the_estimator_does_not_run(
     )
     assert main([str(path)]) == 2
     err = capsys.readouterr().err
-    assert "[presets.auto] policy = 'routebalance' is not available" in err
+    assert "[presets.auto] policy 'routebalance' is not available" in err
     assert "sfs-constraint" in err  # what to use instead
 
 

@@ -179,8 +179,7 @@ def build_instances(
         if mc.engine != "sim":
             raise ValueError(f"model {inst.model!r} is not engine = 'sim'")
         sim_fields = {k: v for k, v in mc.sim.items() if k != "clock"}
-        for r in range(inst.replicas):
-            iid = f"{inst.model}-{r}"
+        for r, iid in enumerate(cluster.replica_ids(inst)):  # the launcher's ids
             cfg = SimEngineConfig(
                 max_num_seqs=inst.max_num_seqs,
                 max_num_batched_tokens=inst.max_num_batched_tokens,
