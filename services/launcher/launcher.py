@@ -62,8 +62,9 @@ RESTART_BACKOFF_S = (0.5, 30.0)  # the first restart's delay, doubling up to the
 @contextlib.contextmanager
 def _signals_held() -> Iterator[None]:
     """Ctrl-C and SIGTERM wait until the block ends: a server started in it (its own
-    session, not killed with the launcher) is in `Launcher.servers`, which stop()
-    reaches, before the KeyboardInterrupt can be raised."""
+    session, so the terminal's Ctrl-C does not reach it) is in `Launcher.servers`,
+    which stop() reaches, before the KeyboardInterrupt can be raised. The server itself
+    starts with the mask cleared (`own_session_dying_with_parent`)."""
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
         yield
@@ -117,7 +118,11 @@ class Child:
     def start(self, env: dict[str, str]) -> None:
         with open(self.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
             self.process = subprocess.Popen(
-                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=own_session_dying_with_parent
+                self.cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=own_session_dying_with_parent,
             )
 
 
