@@ -155,6 +155,10 @@ class GatewayConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     default_completion_max_tokens: int = 16  # /v1/completions default (OpenAI's)
     max_request_bytes: int = 4_000_000  # bytes of JSON body at most
     api_keys: list[str] = []  # when set, /v1/* requires "Authorization: Bearer <one of them>"
+    # Seconds an idle client connection stays open. Longer than clients keep theirs idle
+    # (httpx and the openai SDK 5 s, aiohttp 15 s; a load balancer often 60 s): a server
+    # that closes first races the client's reuse, and that request fails with a reset.
+    keep_alive_s: int = 75
 
 
 class EstimatorConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -417,6 +421,8 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
         for name, preset in self.presets.items():
             if preset.lambda_ < 0 or preset.delta < 0:
                 raise ConfigError(f"preset {name!r}: lambda and delta must be >= 0")
+        if not self.gateway.keep_alive_s > 0:
+            raise ConfigError("[gateway] keep_alive_s must be > 0")
         if self.worker.max_inline_step_tokens < 0:
             raise ConfigError("[worker] max_inline_step_tokens must be >= 0")
         if not self.worker.max_inline_step_ms >= 0:

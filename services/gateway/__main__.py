@@ -10,6 +10,8 @@ import uvicorn
 from shared.config import ConfigError, load_cluster
 from shared.logging import configure_logging
 
+STARTUP_FAILURE = 3  # uvicorn's status for a server that never started
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -30,20 +32,15 @@ def main(argv: list[str] | None = None) -> int:
         log.error("bad_config", error=str(exc))
         return 2
     from services.gateway.app import create_app
+    from services.gateway.server import server_config
 
     app = create_app(cfg)
     log.info("gateway_listening", url=f"http://{cluster.gateway.host}:{cluster.gateway.port}/v1")
-    uvicorn.run(
-        app,
-        host=cluster.gateway.host,
-        port=cluster.gateway.port,
-        loop="uvloop",
-        http="httptools",
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=10,
-    )
-    return 0
+    server = uvicorn.Server(server_config(app, cluster.gateway))
+    server.run()
+    # uvicorn logged why (the port is taken, the bus or store is unreachable); its own
+    # `uvicorn.run` exits with this status too
+    return 0 if server.started else STARTUP_FAILURE
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from services.estimator.service import EstimatorService
 from services.gateway.app import create_app
 from services.gateway.config import GatewayServiceConfig
+from services.gateway.server import server_config
 from services.gateway.service import GatewayService
 from services.launcher.servers import free_port, start_nats, start_redis
 from services.worker.config import WorkerServiceConfig
@@ -215,17 +216,7 @@ async def start_stack(
     estimator = EstimatorService(cluster)
     tasks.append(asyncio.create_task(estimator.run()))
     app = create_app(GatewayServiceConfig.from_cluster(cluster, "gw-test"))
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=cluster.gateway.port,
-            log_level="warning",
-            access_log=False,
-            lifespan="on",
-            timeout_graceful_shutdown=5,
-        )
-    )
+    server = uvicorn.Server(server_config(app, cluster.gateway))
     tasks.append(asyncio.create_task(server.serve()))
     for _ in range(600):
         if server.started:

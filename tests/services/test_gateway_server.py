@@ -1,0 +1,87 @@
+"""The gateway's HTTP server (services/gateway/server.py): the cluster file's keep-alive
+closes idle client connections, and `python -m services.gateway` fails with uvicorn's
+startup status when it cannot serve."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import uvicorn
+from msgspec import structs
+
+from services.gateway.app import create_app
+from services.gateway.config import GatewayServiceConfig
+from services.gateway.server import server_config
+from shared.config import parse_cluster
+from tests.services.conftest import tiny_cluster_text
+
+REPO = Path(__file__).resolve().parents[2]
+HEALTH = b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n"
+
+
+async def read_response(reader: asyncio.StreamReader) -> bytes:
+    """One HTTP/1.1 response with a Content-Length body: its status line."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    await reader.readexactly(length)
+    return head.split(b"\r\n", 1)[0]
+
+
+async def test_an_idle_connection_is_kept_for_keep_alive_s_then_closed(
+    nats_url: str, redis_url: str
+) -> None:
+    cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
+    cluster = structs.replace(cluster, gateway=structs.replace(cluster.gateway, keep_alive_s=1))
+    app = create_app(GatewayServiceConfig.from_cluster(cluster, "gw-keepalive"))
+    server = uvicorn.Server(server_config(app, cluster.gateway))
+    serving = asyncio.create_task(server.serve())
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            await asyncio.sleep(0.05)
+        assert server.started
+        reader, writer = await asyncio.open_connection("127.0.0.1", cluster.gateway.port)
+        # no worker: /health answers 503, on a connection that stays open
+        writer.write(HEALTH)
+        assert b" 503 " in await read_response(reader)
+        await asyncio.sleep(0.4)  # idle for less than keep_alive_s: reused
+        writer.write(HEALTH)
+        assert b" 503 " in await read_response(reader)
+        idle_from = time.monotonic()
+        assert await asyncio.wait_for(reader.read(1), timeout=5.0) == b""  # the server closed it
+        idle_s = time.monotonic() - idle_from
+        assert idle_s >= 0.8, f"closed after {idle_s:.2f} s idle, before keep_alive_s = 1"
+        writer.close()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, timeout=30)
+
+
+def test_a_gateway_that_cannot_bind_exits_with_uvicorns_startup_status(
+    nats_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cluster_file = tmp_path / "cluster.toml"
+        cluster_file.write_text(tiny_cluster_text(nats_url, redis_url, port=port))
+        proc = subprocess.run(
+            [sys.executable, "-m", "services.gateway", "--cluster", str(cluster_file)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "address already in use" in proc.stderr.lower(), proc.stderr[-2000:]
