@@ -208,7 +208,7 @@ class WorkerConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # prompt tokens and is the first after an idle wait (the TTFT path skips two thread
     # hand-offs) or follows a step of at most max_inline_step_ms; 0: always a thread.
     max_inline_step_tokens: int = 256
-    max_inline_step_ms: float = 5.0  # 0: only the first step after an idle wait
+    max_inline_step_ms: float = 20.0  # 0: only the first step after an idle wait
     # Weight of the newest iteration in the snapshot's batch_time_speed (measured /
     # modeled batch time lately, services/estimator/sfs/speed.py); 0: always 1.
     batch_time_speed_alpha: float = 0.2

@@ -47,7 +47,7 @@ class WorkerServiceConfig:
     # worker's TTFT, a fast model's decode); a long step runs in a thread so the loop
     # stays free to take the inbox and publish (docs/services.md, worker).
     max_inline_step_tokens: int = 256
-    max_inline_step_ms: float = 5.0
+    max_inline_step_ms: float = 20.0
     batch_time_speed_alpha: float = 0.2  # the snapshot's batch_time_speed EWMA; 0: off
 
     @classmethod
