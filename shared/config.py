@@ -421,6 +421,8 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
         for name, preset in self.presets.items():
             if preset.lambda_ < 0 or preset.delta < 0:
                 raise ConfigError(f"preset {name!r}: lambda and delta must be >= 0")
+        if not self.gateway.event_timeout_s > 0:
+            raise ConfigError("[gateway] event_timeout_s must be > 0")
         if not self.gateway.keep_alive_s > 0:
             raise ConfigError("[gateway] keep_alive_s must be > 0")
         if self.worker.max_inline_step_tokens < 0:

@@ -74,6 +74,7 @@ class GatewayService:
         self.num_in_flight = 0
         self._tokenizers: dict[str, Any] = {}
         self._refresh_task: asyncio.Task[None] | None = None
+        self._silence_task: asyncio.Task[None] | None = None
         self._closing = False  # close() began: the refresh loop ends
         self._background: set[asyncio.Task[Any]] = set()
         self._fitted: dict[str, str] = {}  # instance -> feature set of its MAPE gauge
@@ -112,10 +113,13 @@ class GatewayService:
                 log.warning("tokenizer_unavailable", model=model, error=exc.message)
         await self._refresh_workers()
         self._refresh_task = asyncio.create_task(self._refresh_loop(), name="registry-refresh")
+        self._silence_task = asyncio.create_task(self._watch_silence(), name="silence-watch")
         log.info("gateway_ready", gateway_id=self.cfg.gateway_id, live_workers=len(self.workers))
 
     async def close(self) -> None:
         self._closing = True
+        if self._silence_task is not None:
+            self._silence_task.cancel()
         if self._refresh_task is not None:
             self._refresh_task.cancel()
             await asyncio.wait([self._refresh_task], timeout=2.0)
@@ -170,6 +174,16 @@ class GatewayService:
                 failures.failed(error=str(exc))
             else:
                 failures.ok()
+
+    async def _watch_silence(self) -> None:
+        """Fail the requests whose worker sent nothing for event_timeout_s (504): looked
+        at four times per timeout, at most once a second, so one fails at most a quarter
+        of the timeout (or 1 s) late."""
+        timeout_s = self.settings.event_timeout_s
+        period_s = min(1.0, timeout_s / 4)
+        while not self._closing:
+            await asyncio.sleep(period_s)
+            self.streams.mark_silent(timeout_s, time.monotonic())
 
     def _drop_request_gauges(self, instance_id: str) -> None:
         for state in ("running", "waiting"):
