@@ -265,6 +265,11 @@ class ModelConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
         str, float
     ] = {}  # judged quality per task name, in [0, 1]; "default" for any task
     sim: dict[str, str | float | int] = {}  # SimEngineConfig fields other than the limits
+    # Sampling for requests that send no temperature / top_p: the model card's
+    # recommendation, as vLLM and SGLang take a model's generation_config.json (unset:
+    # OpenAI's 1.0). A small model sampled at 1.0 often answers nonsense.
+    default_temperature: float | None = None
+    default_top_p: float | None = None
 
     def __post_init__(self) -> None:
         # What every worker would refuse at start: said when the file is read, once.
@@ -272,6 +277,12 @@ class ModelConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
             why := fp16_weights_refusal(self.dtype, self.device)
         ):
             raise ValueError(why)
+        if self.default_temperature is not None and not 0 <= self.default_temperature <= 2:
+            raise ValueError(
+                f"default_temperature must be in [0, 2], got {self.default_temperature}"
+            )
+        if self.default_top_p is not None and not 0 < self.default_top_p <= 1:
+            raise ValueError(f"default_top_p must be in (0, 1], got {self.default_top_p}")
 
     def accuracy(self, task: str | None) -> float:
         """Judged quality for `task` (its own entry, else "default", else 0)."""
@@ -367,6 +378,21 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
             # A token-level request always enters on the preset's first model.
             return [preset.models[0]] if preset.is_token_level else list(preset.models)
         return [model] if model in self.models else []
+
+    def sampling_defaults(self, model: str) -> tuple[float, float]:
+        """(temperature, top_p) for a request to `model` that sends neither: the model's
+        defaults; for a preset, those all its models share (OpenAI's 1.0 where they
+        differ or are unset, since the model that answers is chosen later)."""
+        names = self.presets[model].models if model in self.presets else [model]
+        entries = [self.models[m] for m in names if m in self.models]
+        temperatures = {e.default_temperature for e in entries}
+        top_ps = {e.default_top_p for e in entries}
+        temperature = temperatures.pop() if len(temperatures) == 1 else None
+        top_p = top_ps.pop() if len(top_ps) == 1 else None
+        return (
+            1.0 if temperature is None else temperature,
+            1.0 if top_p is None else top_p,
+        )
 
     def token_presets(self) -> dict[str, PresetConfig]:
         """The presets that route per token."""

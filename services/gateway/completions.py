@@ -140,7 +140,7 @@ def prepare(
         requested = (
             room if is_chat else min(service.settings.default_completion_max_tokens, max(room, 1))
         )
-    params = _sampling_params(body, requested)
+    params = _sampling_params(body, requested, service.cluster.sampling_defaults(body.model))
     try:
         params.validate()
     except InvalidParam as exc:
@@ -244,13 +244,17 @@ def _logprobs_k(body: ChatCompletionRequest | CompletionRequest) -> int | None:
 
 
 def _sampling_params(
-    body: ChatCompletionRequest | CompletionRequest, max_tokens: int
+    body: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    defaults: tuple[float, float],
 ) -> SamplingParams:
+    """The request's sampling; `defaults` (temperature, top_p) fill what it leaves out
+    (ClusterConfig.sampling_defaults)."""
     logprobs = _logprobs_k(body)
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
+        temperature=defaults[0] if body.temperature is None else body.temperature,
+        top_p=defaults[1] if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
         seed=body.seed,
         frequency_penalty=body.frequency_penalty or 0.0,

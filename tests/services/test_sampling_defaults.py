@@ -1,0 +1,122 @@
+"""Sampling defaults from the cluster file: `[models.X] default_temperature / default_top_p`
+fill what a request leaves out (a preset uses the values its models share), and a real
+stack serves a request without a temperature with the model's."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from services.gateway.completions import _sampling_params
+from services.gateway.protocol import CHAT_DECODER
+from shared.config import ConfigError, parse_cluster
+from tests.services.conftest import start_stack, tiny_cluster_text
+
+MODELS = """
+[models.a]
+default_temperature = 0.2
+default_top_p = 0.9
+
+[models.b]
+default_temperature = 0.2
+default_top_p = 0.9
+
+[models.c]
+default_temperature = 0.7
+
+[models.d]
+
+[[instances]]
+model = "a"
+
+[[instances]]
+model = "b"
+
+[[instances]]
+model = "c"
+
+[[instances]]
+model = "d"
+
+[presets.same]
+models = ["a", "b"]
+
+[presets.mixed]
+models = ["a", "c"]
+"""
+
+
+def test_a_model_gives_its_defaults_and_a_preset_those_its_models_share() -> None:
+    cluster = parse_cluster(MODELS)
+    assert cluster.sampling_defaults("a") == (0.2, 0.9)
+    assert cluster.sampling_defaults("c") == (0.7, 1.0)  # top_p unset: OpenAI's 1.0
+    assert cluster.sampling_defaults("d") == (1.0, 1.0)
+    assert cluster.sampling_defaults("same") == (0.2, 0.9)
+    # the models disagree and the one that answers is chosen later: OpenAI's defaults
+    assert cluster.sampling_defaults("mixed") == (1.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ("default_temperature = -0.1", "default_temperature"),
+        ("default_temperature = 2.5", "default_temperature"),
+        ("default_top_p = 0.0", "default_top_p"),
+        ("default_top_p = 1.5", "default_top_p"),
+    ],
+)
+def test_out_of_range_defaults_are_refused_naming_the_field(line: str, field: str) -> None:
+    text = MODELS.replace("[models.d]\n", f"[models.d]\n{line}\n", 1)
+    with pytest.raises(ConfigError, match=field):
+        parse_cluster(text)
+
+
+def test_what_the_request_sends_wins_over_the_defaults() -> None:
+    def params(extra: str) -> tuple[float, float]:
+        raw = f'{{"model": "a", "messages": [{{"role": "user", "content": "hi"}}]{extra}}}'
+        p = _sampling_params(CHAT_DECODER.decode(raw.encode()), 8, (0.2, 0.9))
+        return p.temperature, p.top_p
+
+    assert params("") == (0.2, 0.9)
+    assert params(', "temperature": 1.0') == (1.0, 0.9)
+    assert params(', "temperature": 0, "top_p": 1.0') == (0.0, 1.0)  # 0 is sent, not absent
+
+
+async def test_a_request_without_temperature_samples_at_the_models_default(
+    nats_url: str, redis_url: str
+) -> None:
+    # default 0: greedy, so every answer without a temperature is the greedy answer
+    text = tiny_cluster_text(nats_url, redis_url).replace(
+        '[models.random-tiny]\ndtype = "float32"\n',
+        '[models.random-tiny]\ndtype = "float32"\ndefault_temperature = 0.0\n',
+        1,
+    )
+    cluster = parse_cluster(text)
+    assert cluster.sampling_defaults("random-tiny") == (0.0, 1.0)
+    stack = await start_stack(cluster, num_workers=1)
+    try:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+
+            async def answer(extra: dict[str, float]) -> list[int]:
+                body = {
+                    "model": "random-tiny",
+                    "prompt": "the quick brown fox",
+                    "max_tokens": 12,
+                    "ignore_eos": True,
+                    "logprobs": 0,
+                    **extra,
+                }
+                resp = await client.post("/v1/completions", json=body)
+                assert resp.status_code == 200, resp.text
+                return [
+                    round(lp, 4) for lp in resp.json()["choices"][0]["logprobs"]["token_logprobs"]
+                ]
+
+            greedy = await answer({"temperature": 0.0})
+            assert await answer({}) == greedy
+            assert await answer({}) == greedy
+            # at 1.0 a random-tiny model (a near-uniform distribution) leaves the greedy path
+            sampled = [await answer({"temperature": 1.0, "seed": s}) for s in range(3)]
+            assert any(s != greedy for s in sampled)
+    finally:
+        await stack.stop()
