@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import signal
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -18,19 +19,43 @@ class StoppableService(Protocol):
     def run(self) -> Awaitable[None]: ...
 
 
-def run_service(service: StoppableService, name: str) -> int:
-    """Run service on uvloop until it returns; signals begin its graceful stop.
+def freeze_heap() -> None:
+    """Put every object alive now (imported modules, a loaded model, long-lived state)
+    out of the cyclic garbage collector's reach; later collections walk only newer ones.
+
+    Why: a worker holds ~350k objects after start-up, and one full collection of them
+    took ~0.4 s on a slow 2-core host: a stall of the loop, and of any step, at a random
+    moment of serving. The last collection, at exit, kept a stopped worker alive 2.2 s
+    (0.4 s frozen). vLLM freezes its engine's heap after start-up the same way. Only for
+    a process's own entry point: frozen objects that later die in a reference cycle are
+    never freed, which a test process starting stack after stack would pile up."""
+    gc.collect()
+    gc.freeze()
+
+
+def run_service(service: StoppableService, name: str, ready: asyncio.Event | None = None) -> int:
+    """Run service on uvloop until it returns; signals begin its graceful stop. The heap
+    is frozen (freeze_heap) once `ready` is set, or at once without one.
 
     Returns the process exit code: 0 after a clean stop, 1 if the service failed
     (logged with its traceback; compose or the launcher restarts the process).
     """
     log = get_logger(component=name)
 
+    async def freeze_when_ready() -> None:
+        if ready is not None:
+            await ready.wait()
+        freeze_heap()
+
     async def run() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, service.request_stop)
-        await service.run()
+        freezing = asyncio.create_task(freeze_when_ready(), name="freeze-heap")
+        try:
+            await service.run()
+        finally:
+            freezing.cancel()
 
     try:
         import uvloop
@@ -42,7 +67,7 @@ def run_service(service: StoppableService, name: str) -> int:
     return 0
 
 
-__all__ = ["StoppableService", "cluster_service_main", "run_service"]
+__all__ = ["StoppableService", "cluster_service_main", "freeze_heap", "run_service"]
 
 
 def cluster_service_main(

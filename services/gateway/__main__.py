@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.gateway.app import create_app
     from services.gateway.server import server_config
 
-    app = create_app(cfg)
+    app = create_app(cfg, freeze_heap_when_started=True)
     log.info("gateway_listening", url=f"http://{cluster.gateway.host}:{cluster.gateway.port}/v1")
     server = uvicorn.Server(server_config(app, cluster.gateway))
     server.run()

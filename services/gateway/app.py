@@ -17,14 +17,19 @@ from services.gateway.asgi import CompletionRoutes, authorize, error_response
 from services.gateway.config import GatewayServiceConfig
 from services.gateway.protocol import error_body
 from services.gateway.service import GatewayError, GatewayService
+from shared.runtime import freeze_heap
 
 
-def create_app(cfg: GatewayServiceConfig) -> FastAPI:
+def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False) -> FastAPI:
+    """The app; `freeze_heap_when_started` (the gateway's own process only:
+    shared.runtime.freeze_heap says why) freezes the heap once the service started."""
     service = GatewayService(cfg)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await service.start()
+        if freeze_heap_when_started:
+            freeze_heap()
         try:
             yield
         finally:
