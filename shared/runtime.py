@@ -35,7 +35,8 @@ def freeze_heap() -> None:
 
 def run_service(service: StoppableService, name: str, ready: asyncio.Event | None = None) -> int:
     """Run service on uvloop until it returns; signals begin its graceful stop. The heap
-    is frozen (freeze_heap) once `ready` is set, or at once without one.
+    is frozen (freeze_heap) once `ready` is set (best before the service can be sent
+    work: the collection stalls the process once), or at once without one.
 
     Returns the process exit code: 0 after a clean stop, 1 if the service failed
     (logged with its traceback; compose or the launcher restarts the process).

@@ -6,11 +6,10 @@ import argparse
 import sys
 
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
 
 from shared.config import ConfigError, load_cluster
 from shared.logging import configure_logging
-
-STARTUP_FAILURE = 3  # uvicorn's status for a server that never started
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("gateway_listening", url=f"http://{cluster.gateway.host}:{cluster.gateway.port}/v1")
     server = uvicorn.Server(server_config(app, cluster.gateway))
     server.run()
-    # uvicorn logged why (the port is taken, the bus or store is unreachable); its own
-    # `uvicorn.run` exits with this status too
+    # uvicorn (>= 0.53) exits with STARTUP_FAILURE itself when it cannot bind or the
+    # start-up fails, having logged why; this covers a server stopped before it started
     return 0 if server.started else STARTUP_FAILURE
 
 

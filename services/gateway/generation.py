@@ -72,7 +72,10 @@ class Generation:
         """The worker's next event; ClientDisconnected if the client left first, a 504
         GatewayError if the worker fell silent for `event_timeout_s` (the service's
         silence watch queues that)."""
-        event = await self.stream.events.get()
+        return self._checked(await self.stream.events.get())
+
+    def _checked(self, event: StreamEvent) -> GatewayEvent:
+        """The worker's event itself, or the exception a sentinel stands for."""
         if isinstance(event, ClientGone):
             raise ClientDisconnected
         if isinstance(event, WorkerSilent):
@@ -91,13 +94,11 @@ class Generation:
         """
         held: StreamEvent | None = first  # taken from the queue, not yet handled
         while True:
-            event = held if held is not None else await self.next_event()
+            event = self._checked(held) if held is not None else await self.next_event()
             held = None
             if isinstance(event, RequestFailed):
                 self.is_engine_done = True
                 raise failure(event)
-            if isinstance(event, WorkerSilent):
-                raise silence()
             assert isinstance(event, TokenDelta)
             text, ids, lps, tops = self._take(event)
             # Merge what is already queued, up to the end of the answer or a failure

@@ -180,7 +180,7 @@ class GatewayService:
         at four times per timeout, at most once a second, so one fails at most a quarter
         of the timeout (or 1 s) late."""
         timeout_s = self.settings.event_timeout_s
-        period_s = min(1.0, timeout_s / 4)
+        period_s = min(1.0, max(0.01, timeout_s / 4))  # never a spin, however built
         while not self._closing:
             await asyncio.sleep(period_s)
             self.streams.mark_silent(timeout_s, time.monotonic())
@@ -362,7 +362,11 @@ class GatewayService:
             owner=self.owner_token,
         )
         stream.submitted_at = time.perf_counter()
-        await self.bus.publish(reply.inbox, msg)
+        try:
+            await self.bus.publish(reply.inbox, msg)
+        except BaseException:  # never sent: nothing will answer, nobody will close it
+            self.streams.close(request_id)
+            raise
         self._unshown.add(reply.instance_id, request_id)
         return stream
 

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(0.001)
     service = WorkerService(cfg)
 
-    return run_service(service, "worker", ready=service.ready)
+    return run_service(service, "worker", ready=service.loaded)
 
 
 if __name__ == "__main__":

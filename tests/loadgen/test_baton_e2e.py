@@ -165,7 +165,7 @@ async def test_azure_trace_replay_against_baton(baton_stack: Stack, tmp_path: Pa
     assert result["achieved_to_scheduled"] == pytest.approx(
         result["achieved_rate"] / result["scheduled_rate"]
     )
-    assert result["mean_schedule_lag_ms"] >= 0
+    assert result["achieved_rate"] <= 1.05 * result["scheduled_rate"]  # never ahead of it
 
     # SLOs: the paper's rule from loadgen's own length estimate
     assert result["num_with_slo"] == NUM_REQUESTS

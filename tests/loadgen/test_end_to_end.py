@@ -112,6 +112,7 @@ def test_azure_replay_time_compressed(server: tuple[str, FastAPI], tmp_path: Pat
     assert result["achieved_to_scheduled"] == pytest.approx(
         result["achieved_rate"] / result["scheduled_rate"]
     )
+    assert result["achieved_rate"] <= 1.05 * result["scheduled_rate"]  # never ahead of it
     assert result["total_output_tokens"] == 200 * 5
     assert 0 < result["mean_ttft_ms"] < result["mean_e2el_ms"] < 1000
     assert 0 < result["mean_tpot_ms"] < 100 and 0 < result["mean_itl_ms"] < 100

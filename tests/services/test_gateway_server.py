@@ -11,13 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import uvicorn
 from msgspec import structs
 
 from services.gateway.app import create_app
 from services.gateway.config import GatewayServiceConfig
 from services.gateway.server import server_config
-from shared.config import parse_cluster
+from shared.config import ConfigError, parse_cluster
 from tests.services.conftest import tiny_cluster_text
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,3 +86,17 @@ def test_a_gateway_that_cannot_bind_exits_with_uvicorns_startup_status(
         )
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "address already in use" in proc.stderr.lower(), proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("max_in_flight = 32", "keep_alive_s = 0"),
+        ("event_timeout_s = 60.0", "event_timeout_s = 0.0"),
+    ],
+)
+def test_a_gateway_timeout_of_zero_is_refused(old: str, new: str) -> None:
+    text = tiny_cluster_text("nats://127.0.0.1:4222", "redis://127.0.0.1:6379/0")
+    assert old in text
+    with pytest.raises(ConfigError, match=new.split()[0]):
+        parse_cluster(text.replace(old, f"{old}\n{new}" if "keep" in new else new, 1))

@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from tests.services.conftest import tiny_cluster_text
+
 REPO = Path(__file__).resolve().parents[2]
 
 SERVICE = textwrap.dedent(
@@ -64,3 +66,41 @@ def test_the_heap_is_frozen_once_the_service_is_ready() -> None:
 def test_a_service_without_a_ready_event_is_frozen_as_it_starts() -> None:
     out = run_probe("none")
     assert out["before ready"][0] > 1000
+
+
+GATEWAY = textwrap.dedent(
+    """
+    import asyncio, gc, sys
+    from services.gateway.app import create_app
+    from services.gateway.config import GatewayServiceConfig
+    from shared.config import load_cluster
+
+    async def main():
+        cfg = GatewayServiceConfig.from_cluster(load_cluster(sys.argv[1]), "gw-freeze")
+        app = create_app(cfg, freeze_heap_when_started=sys.argv[2] == "freeze")
+        async with app.router.lifespan_context(app):
+            print(gc.get_freeze_count(), flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_the_gateway_process_freezes_its_heap_once_started(
+    nats_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    cluster_file = tmp_path / "cluster.toml"
+    cluster_file.write_text(tiny_cluster_text(nats_url, redis_url))
+    frozen = {}
+    for mode in ("freeze", "in-process"):
+        proc = subprocess.run(
+            [sys.executable, "-c", GATEWAY, str(cluster_file), mode],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        frozen[mode] = int(proc.stdout.split()[-1])
+    assert frozen["freeze"] > 1000
+    assert frozen["in-process"] == 0  # create_app's default, as the tests' stacks use it
