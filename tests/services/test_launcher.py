@@ -99,6 +99,14 @@ def launched(tmp_path: Path, repo_root: Path) -> Iterator[subprocess.Popen[str]]
                 proc.wait()
 
 
+def exit_and_rest(proc: subprocess.Popen[str], timeout_s: float = 30) -> tuple[int, str]:
+    """Its exit status and what it printed after read_until_serving (and its services'
+    logs are in tmp_path/logs): what a failing assertion on the status should show."""
+    code = proc.wait(timeout_s)
+    assert proc.stdout is not None
+    return code, proc.stdout.read()
+
+
 def read_until_serving(proc: subprocess.Popen[str]) -> str:
     """Its output up to "serving" (or an error, or 50 lines)."""
     lines = []
@@ -358,7 +366,9 @@ def test_launcher_starts_once_a_stopped_deployments_registrations_expire(
         assert "killed-0" in out and "waiting" in out, out
         assert "serving the OpenAI API" in out, out
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
+        code, rest = exit_and_rest(proc)
+        logs = {p.name: p.read_text()[-1500:] for p in (tmp_path / "logs").glob("*.log")}
+        assert code == 0, f"{out}{rest}\n{logs}"
 
 
 def test_launcher_help() -> None:
