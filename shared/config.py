@@ -30,6 +30,7 @@ from typing import Literal
 import msgspec
 
 from shared import subjects
+from shared.sampling import InvalidParam, SamplingParams
 
 DEFAULT_CLUSTER_FILE = "configs/local.toml"
 
@@ -277,12 +278,14 @@ class ModelConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
             why := fp16_weights_refusal(self.dtype, self.device)
         ):
             raise ValueError(why)
-        if self.default_temperature is not None and not 0 <= self.default_temperature <= 2:
-            raise ValueError(
-                f"default_temperature must be in [0, 2], got {self.default_temperature}"
-            )
-        if self.default_top_p is not None and not 0 < self.default_top_p <= 1:
-            raise ValueError(f"default_top_p must be in (0, 1], got {self.default_top_p}")
+        try:  # the ranges a request's own values must meet
+            SamplingParams(
+                max_tokens=1,
+                temperature=1.0 if self.default_temperature is None else self.default_temperature,
+                top_p=1.0 if self.default_top_p is None else self.default_top_p,
+            ).validate()
+        except InvalidParam as exc:
+            raise ValueError(f"default_{exc.param}: {exc}") from None
 
     def accuracy(self, task: str | None) -> float:
         """Judged quality for `task` (its own entry, else "default", else 0)."""
