@@ -140,7 +140,7 @@ def prepare(
         requested = (
             room if is_chat else min(service.settings.default_completion_max_tokens, max(room, 1))
         )
-    params = _sampling_params(body, requested, service.cluster.sampling_defaults(body.model))
+    params = _sampling_params(body, requested, service.sampling_defaults[body.model])
     try:
         params.validate()
     except InvalidParam as exc:

@@ -73,6 +73,12 @@ class GatewayService:
         self.workers: dict[str, WorkerInfo] = {}  # live instances, refreshed from Redis
         self.num_in_flight = 0
         self._tokenizers: dict[str, Any] = {}
+        # (temperature, top_p) for requests that send neither, per model and preset name:
+        # fixed by the cluster file, so worked out once rather than per request
+        self.sampling_defaults = {
+            name: self.cluster.sampling_defaults(name)
+            for name in (*self.cluster.models, *self.cluster.presets)
+        }
         self._refresh_task: asyncio.Task[None] | None = None
         self._silence_task: asyncio.Task[None] | None = None
         self._closing = False  # close() began: the refresh loop ends
