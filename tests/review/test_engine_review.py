@@ -397,6 +397,15 @@ def test_top_p_top_k_support_matches_vllm() -> None:
     assert draws(logits, top_k=2, top_p=0.6) == {0}  # 0.5/0.8 = 0.625 >= 0.6
 
 
+def test_top_p_below_float32_range_keeps_the_most_likely_token() -> None:
+    """top_p = 1e-320 is valid (in (0, 1]) but rounds to 0 against float32 masses: the
+    most likely token must survive, not an empty distribution that fails the step
+    (and with it every request on the worker)."""
+    logits = torch.tensor([0.2, 0.5, 0.3]).log().tolist()
+    assert draws(logits, n=50, top_p=1e-320) == {1}
+    assert draws(logits, n=50, top_p=1e-45) == {1}
+
+
 def test_penalties_use_output_tokens_only_and_openai_formula() -> None:
     params = SamplingParams(
         temperature=0.0, frequency_penalty=0.5, presence_penalty=1.0, max_tokens=4

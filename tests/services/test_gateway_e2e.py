@@ -471,6 +471,20 @@ async def test_an_out_of_range_sampling_field_is_named_in_the_error(
     assert err["param"] == param and err["message"].startswith(param)
 
 
+@pytest.mark.parametrize("extra", [{"top_p": 1e-320}, {"temperature": 1e-300}])
+async def test_extreme_but_valid_sampling_values_are_served(
+    stack: Stack, extra: dict[str, object]
+) -> None:
+    """In range, yet below float32's smallest value: found by fuzzing the API, a top_p of
+    1e-320 once emptied the sampling distribution and failed the worker's step."""
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        for _ in range(2):  # and the worker still serves the next one
+            body = {**CHAT, **extra, "max_tokens": 3}
+            resp = await client.post("/v1/chat/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["usage"]["completion_tokens"] >= 1
+
+
 async def test_other_methods_on_a_completion_route_get_405(stack: Stack) -> None:
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
         resp = await client.get("/v1/chat/completions")

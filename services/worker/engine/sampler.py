@@ -112,8 +112,11 @@ def _sample_row(row: torch.Tensor, state: SamplingState) -> int:
     if p.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         cum = torch.cumsum(sorted_probs, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (always the first token).
+        # Keep the smallest prefix whose mass reaches top_p, and always the first token:
+        # a top_p below float32's smallest value (1e-320 is valid input) rounds to 0 in
+        # the comparison, which would otherwise drop every token and fail the step.
         drop = (cum - sorted_probs) >= p.top_p
+        drop[0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=state.generator).item())
