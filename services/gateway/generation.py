@@ -28,11 +28,13 @@ def silence() -> GatewayError:
 
 
 def failure(event: RequestFailed) -> GatewayError:
-    return GatewayError(
-        event.status,
-        event.message,
-        "invalid_request_error" if event.status < 500 else "service_unavailable",
-    )
+    if event.status < 500:
+        kind = "invalid_request_error"
+    elif event.status == 500:
+        kind = "server_error"  # the worker's model failed on the request's batch
+    else:
+        kind = "service_unavailable"
+    return GatewayError(event.status, event.message, kind)
 
 
 class Generation:

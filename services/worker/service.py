@@ -23,6 +23,12 @@ keep a fast model in the thread). Any other step
 runs in the thread, so a busy loop keeps taking the inbox and publishing while
 it computes.
 
+A step that raises fails only the requests this worker holds: each owner gets a 500
+and the engine frees their KV on the next step, and the worker serves on (a model
+reload and a restart would cost seconds and fail them all the same). Past
+`MAX_CONSECUTIVE_STEP_FAILURES` failed steps in a row the engine is taken as broken
+and the error ends the process, for its supervisor to restart.
+
 SIGTERM (or `request_stop`) drains: stop taking new requests, let running ones
 finish within `drain_timeout_s`, abort the rest with a failure event,
 deregister, exit.
@@ -68,6 +74,9 @@ EXPIRY_CHECK_S = 0.5  # how often parked token-routing requests are checked for 
 # are aborted (`_abort_orphans`)
 ORPHAN_GRACE_TTLS = 2.0
 RELAY_QUERY_TIMEOUT_S = 1.0  # a relay that does not answer within this is taken as gone
+# failed steps in a row after which the worker exits rather than fail requests forever
+# (one bad batch is contained; an engine that fails every step is broken: restart it)
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 EngineFactory = Callable[[WorkerServiceConfig], Any]
 
@@ -105,6 +114,8 @@ class WorkerService:
         self._gone_since: dict[str, float] = {}  # gateway id -> monotonic time seen gone
         self._num_steps = 0
         self.num_inline_steps = 0  # of them, run on the event loop (short steps)
+        self.num_failed_steps = 0  # steps that raised (their requests failed with a 500)
+        self._consecutive_step_failures = 0
         self._write_failures = RetryLog(log, "snapshot_write_failed")  # Redis outages
         # Prompt tokens admitted since the last step: the size of an inline step's prefill.
         self._num_new_prompt_tokens = 0
@@ -290,11 +301,17 @@ class WorkerService:
                 continue
             # 2. step (off the event loop, unless it is short: see the module docstring)
             t_step = time.perf_counter()
-            if not has_peer_work and self._steps_inline(is_after_idle):
-                outputs, self._last_step_s = _timed(engine.step)  # blocks the loop briefly
-                self.num_inline_steps += 1
-            else:
-                outputs, self._last_step_s = await asyncio.to_thread(_timed, engine.step)
+            try:
+                if not has_peer_work and self._steps_inline(is_after_idle):
+                    outputs, self._last_step_s = _timed(engine.step)  # blocks the loop briefly
+                    self.num_inline_steps += 1
+                else:
+                    outputs, self._last_step_s = await asyncio.to_thread(_timed, engine.step)
+            except Exception as exc:
+                await self._fail_step(exc)  # raises once the engine looks broken
+                is_after_idle = has_peer_work = False
+                continue
+            self._consecutive_step_failures = 0
             is_after_idle = has_peer_work = False
             self._num_new_prompt_tokens = 0
             self._num_steps += 1
@@ -632,6 +649,37 @@ class WorkerService:
         except Exception as exc:  # routers still notice when the registration expires
             log.warning("drain_register_failed", error=repr(exc))
         return time.monotonic() + self.cfg.drain_timeout_s
+
+    async def _fail_step(self, exc: Exception) -> None:
+        """A step raised: fail every request this worker holds with a 500 and free their
+        KV (the engine applies the aborts at the start of the next step), then serve on;
+        re-raise once `MAX_CONSECUTIVE_STEP_FAILURES` steps in a row have failed.
+
+        Which request broke the batch is unknown, so all of them go: the step may have
+        left any of them half advanced. Token-routing guests (copies a peer owns) are
+        not this worker's to answer; their origins' silence checks drop them."""
+        self.num_failed_steps += 1
+        self._consecutive_step_failures += 1
+        self._last_step_s = float("inf")  # the next step (the aborts) runs in the thread
+        log.error(
+            "step_failed",
+            error=f"{type(exc).__name__}: {exc}",
+            num_failed_requests=len(self._owners),
+            consecutive=self._consecutive_step_failures,
+            exc_info=exc,
+        )
+        if self._consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise RuntimeError(
+                f"{self._consecutive_step_failures} engine steps in a row failed; "
+                "the worker exits for its supervisor to restart it"
+            ) from exc
+        reason = f"the model failed on this request's batch ({type(exc).__name__}: {exc})"
+        failures: list[tuple[str, GatewayEvent]] = []
+        for request_id, owner in self._owners.items():
+            self._engine.abort_request(request_id)
+            failures.append((owner.reply_to, RequestFailed(request_id, 500, reason)))
+        self._owners.clear()
+        await self._publish(failures)
 
     def _abort_all(self, reason: str) -> list[tuple[str, GatewayEvent]]:
         """Drain timed out: abort what still runs; return the failures to send its gateways."""
