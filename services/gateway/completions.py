@@ -103,6 +103,8 @@ def prepare(
         raise bad_request(f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # msgspec's depth guard: no request nests this deep
+        raise bad_request("the body's JSON nests too deeply", code="invalid_json") from None
     if body.n != 1:
         raise bad_request("only n=1 is supported", "n")
     refuse_unsupported(body)
