@@ -521,6 +521,12 @@ def run_stack(args: argparse.Namespace, work: Path) -> tuple[list, str, str]:  #
                 return procs, base, nats.url
         except httpx.HTTPError:
             pass
+        for name, proc in zip(("estimator", "worker", "gateway"), procs[2:], strict=True):
+            if proc.poll() is not None:  # e.g. a cluster setting the worker refuses
+                for p in procs:
+                    stop_process_group(p, 15)
+                tail = (work / f"services.{name}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"the {name} exited ({proc.returncode}) at start:\n{tail}")
         time.sleep(0.2)
     raise RuntimeError(f"the stack did not become ready; logs in {work}")
 

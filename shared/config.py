@@ -31,6 +31,7 @@ import msgspec
 
 from shared import subjects
 from shared.sampling import InvalidParam, SamplingParams
+from shared.scheduling.scheduler import SchedulerConfig
 
 DEFAULT_CLUSTER_FILE = "configs/local.toml"
 
@@ -429,6 +430,18 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
                 raise ConfigError(f"instance serves unknown model {inst.model!r}")
             if inst.replicas < 0:
                 raise ConfigError(f"replicas must be >= 0 for {inst.model!r}")
+            if inst.threads < 1:
+                raise ConfigError(f"threads must be >= 1 for {inst.model!r}")
+            try:  # the engine's own check, here rather than in every worker after loading
+                SchedulerConfig(
+                    max_num_seqs=inst.max_num_seqs,
+                    max_num_batched_tokens=inst.max_num_batched_tokens,
+                    block_size=inst.block_size,
+                    num_kv_blocks=inst.num_kv_blocks,
+                    max_model_len=inst.max_model_len,
+                )
+            except ValueError as exc:
+                raise ConfigError(f"[[instances]] of {inst.model!r}: {exc}") from None
         owner: dict[str, str] = {}  # instance id -> the model whose replica it is
         for inst in self.instances:
             for iid in self.replica_ids(inst):

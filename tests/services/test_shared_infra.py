@@ -77,6 +77,14 @@ def test_cluster_errors_are_clear() -> None:
         parse_cluster('[models.a]\ndtype = "fp8"\n', environ={})
     with pytest.raises(ConfigError, match="weight_dtype"):
         parse_cluster('[models.a]\nweight_dtype = "int4"\n', environ={})
+    # the engine's limits, checked when the file is read (not by each worker after loading)
+    small_kv = '[models.a]\n[[instances]]\nmodel = "a"\nnum_kv_blocks = 8\n'
+    with pytest.raises(ConfigError, match="max_model_len=2048 needs more KV than num_kv_blocks=8"):
+        parse_cluster(small_kv, environ={})
+    with pytest.raises(ConfigError, match="scheduler limits must be positive"):
+        parse_cluster('[models.a]\n[[instances]]\nmodel = "a"\nmax_num_seqs = 0\n', environ={})
+    with pytest.raises(ConfigError, match="threads must be >= 1"):
+        parse_cluster('[models.a]\n[[instances]]\nmodel = "a"\nthreads = 0\n', environ={})
 
 
 def test_dtype_environment_overrides_every_model() -> None:
