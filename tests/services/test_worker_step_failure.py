@@ -16,13 +16,13 @@ import pytest
 
 from services.worker.config import WorkerServiceConfig, create_engine
 from services.worker.service import MAX_CONSECUTIVE_STEP_FAILURES, WorkerService
-from shared import subjects
 from shared.bus import Bus
 from shared.config import parse_cluster
-from shared.messages.gateway import DELTA_BATCH_DECODER, DeltaBatch, RequestFailed, TokenDelta
+from shared.messages.gateway import DeltaBatch, RequestFailed, TokenDelta
 from shared.messages.worker import SubmitRequest
 from shared.sampling import SamplingParams
 from tests.services.conftest import kill, tiny_cluster_text
+from tests.services.test_worker_inline_step import Client
 
 
 class FailingSteps:
@@ -53,18 +53,14 @@ class FailingSteps:
         return engine
 
 
-class Gateway:
-    """Plays the gateway: submits over the bus and collects each request's events."""
+class Gateway(Client):
+    """Plays the gateway: submits over the bus and collects each request's events,
+    failures included."""
 
     def __init__(self, bus: Bus, namespace: str) -> None:
-        self.bus = bus
-        self.inbox = subjects.gateway_inbox(namespace, f"gw{uuid.uuid4().hex[:6]}")
+        super().__init__(bus, namespace)
         self.events: dict[str, list[TokenDelta | RequestFailed]] = {}
         self.done: dict[str, asyncio.Event] = {}
-
-    async def start(self) -> None:
-        await self.bus.subscribe(self.inbox, DELTA_BATCH_DECODER, self._on_batch)
-        await self.bus.flush()
 
     async def _on_batch(self, batch: DeltaBatch) -> None:
         for event in batch.events:
