@@ -674,19 +674,19 @@ class WorkerService:
                 "the worker exits for its supervisor to restart it"
             ) from exc
         reason = f"the model failed on this request's batch ({type(exc).__name__}: {exc})"
-        failures: list[tuple[str, GatewayEvent]] = []
-        for request_id, owner in self._owners.items():
-            self._engine.abort_request(request_id)
-            failures.append((owner.reply_to, RequestFailed(request_id, 500, reason)))
-        self._owners.clear()
-        await self._publish(failures)
+        await self._publish(self._fail_all(500, reason))
 
     def _abort_all(self, reason: str) -> list[tuple[str, GatewayEvent]]:
         """Drain timed out: abort what still runs; return the failures to send its gateways."""
         log.warning("drain_timeout", num_aborted=len(self._owners))
+        return self._fail_all(503, reason)
+
+    def _fail_all(self, status: int, reason: str) -> list[tuple[str, GatewayEvent]]:
+        """Abort every request this worker holds (their KV is freed at the next step);
+        return the failures to send their gateways."""
         failures: list[tuple[str, GatewayEvent]] = []
         for request_id, owner in self._owners.items():
             self._engine.abort_request(request_id)
-            failures.append((owner.reply_to, RequestFailed(request_id, 503, reason)))
+            failures.append((owner.reply_to, RequestFailed(request_id, status, reason)))
         self._owners.clear()
         return failures
