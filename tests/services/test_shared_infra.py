@@ -155,7 +155,7 @@ async def test_snapshot_write_is_atomic_and_staleness_is_visible(redis_url: str)
 async def test_snapshot_reads_survive_a_dropped_connection_and_a_cancelled_read(
     redis_url: str,
 ) -> None:
-    """The hot-read connection (store._HotReads): a connection the server dropped is
+    """The hot-read connection (store._Lane): a connection the server dropped is
     reopened for the same call; a read cancelled between its request and the reply
     closes the connection, so the next read never takes the stale reply."""
     store = Store(redis_url, "hot")
@@ -196,6 +196,26 @@ async def test_snapshot_reads_survive_a_dropped_connection_and_a_cancelled_read(
         store.hot._timeout_s = 5.0  # this one waits out the rest of the pause
         both = await store.read_snapshots(["b", "a"])
         assert [(k, v.data if v else None) for k, v in both.items()] == [("b", b"b"), ("a", b"a")]
+    finally:
+        await store.close()
+
+
+async def test_an_error_reply_leaves_a_lane_in_step(redis_url: str) -> None:
+    """store._Lane: an error reply read whole keeps the connection; one that leaves
+    replies of its exchange unread closes it, so no later call reads them."""
+    store = Store(redis_url, "lane")
+    await store.connect()
+    try:
+        lane = store.hot
+        await store.redis.set("lane:str", b"v")
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            await lane.command("HGETALL", "lane:str")
+        assert lane._conn.is_connected
+        assert await lane.command("GET", "lane:str") == b"v"
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            await lane.execute(("mixed",), [("HGETALL", "lane:str"), ("GET", "lane:str")])
+        assert not lane._conn.is_connected
+        assert await lane.command("GET", "lane:str") == b"v"
     finally:
         await store.close()
 
