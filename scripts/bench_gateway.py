@@ -24,6 +24,13 @@ it; also for the other client) and the load average; JSON to --out:
 With --breakdown a passive NATS subscriber also splits the gateway TTFT at the
 two bus crossings (http->submit, worker, delta->sse; p50 of each).
 
+With two CPUs or more the worker runs on a CPU of its own and every other process
+of the run (this one, with the client) on the rest, as the cluster file's `cpus`
+settings pin a deployment; the in-process engine runs on the worker's CPU (while
+the worker idles), so both sides' engines compute on the same core (--cpus none:
+the OS places everything; on 2 cores that costs the gateway path ~20% of its token
+rate, see docs/performance.md).
+
 The client runs on the machine under test, so its CPU is taken from the
 services it measures: by default it is aiohttp on uvloop (what vLLM's and SGLang's
 serving benchmarks use), whose HTTP floor here is half httpx's (the openai SDK's
@@ -46,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +68,7 @@ sys.path.insert(0, str(REPO))
 
 from services.launcher.servers import free_port, start_nats, start_redis, stop_process_group  # noqa: E402
 from shared.model_store import load_tokenizer  # noqa: E402
+from shared.runtime import compact_cpus  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 PROMPTS = [
@@ -78,11 +86,14 @@ CLUSTER = """
 namespace = "bench"
 nats_url = "{nats}"
 redis_url = "{redis}"
+server_cpus = {rest_cpus}
 [gateway]
 port = {port}
 max_in_flight = 1024
+cpus = {rest_cpus}
 [estimator]
 policy = "shortest-queue"
+cpus = {rest_cpus}
 [models.{model}]
 dtype = "{dtype}"
 [[instances]]
@@ -92,6 +103,7 @@ max_num_seqs = {max_num_seqs}
 max_num_batched_tokens = 512
 num_kv_blocks = {num_kv_blocks}
 max_model_len = 1024
+cpus = {worker_cpus}
 """
 
 
@@ -110,9 +122,11 @@ def chat_ids(tok: object, i: int) -> list[int]:
 
 
 class EngineSide:
-    """The baseline: an LLMEngine driven directly in this process."""
+    """The baseline: an LLMEngine driven directly in this process, on the worker's CPUs
+    when the run pins them (the same core for both sides' engines)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
+        self.cpus: list[int] = args.worker_cpus
         from services.worker.engine.config import EngineConfig
         from services.worker.engine.engine import LLMEngine
 
@@ -133,7 +147,28 @@ class EngineSide:
         self.engine.add_request(f"r{self.num_requests}", chat_ids(self.tok, i), params)
         self.num_requests += 1
 
+    @contextlib.contextmanager
+    def _on_cpus(self) -> Iterator[None]:
+        """Run this thread (the engine runs in it: one torch thread) on the worker's CPUs."""
+        if not self.cpus:
+            yield
+            return
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, self.cpus)
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, before)
+
     def ttft_s(self, i: int, max_tokens: int) -> float:
+        with self._on_cpus():
+            return self._ttft_s(i, max_tokens)
+
+    def streams(self, num: int, max_tokens: int) -> tuple[int, float]:
+        with self._on_cpus():
+            return self._streams(num, max_tokens)
+
+    def _ttft_s(self, i: int, max_tokens: int) -> float:
         t0 = time.perf_counter()
         self._add(i, max_tokens)
         first = 0.0
@@ -143,7 +178,7 @@ class EngineSide:
                     first = time.perf_counter() - t0
         return first
 
-    def streams(self, num: int, max_tokens: int) -> tuple[int, float]:
+    def _streams(self, num: int, max_tokens: int) -> tuple[int, float]:
         t0 = time.perf_counter()
         for i in range(num):
             self._add(i, max_tokens)
@@ -470,9 +505,22 @@ async def run_measure(
     return measured, None if observer is None or not observer.rows else observer.summary()
 
 
+def cpu_layout(mode: str) -> tuple[list[int], list[int]]:
+    """(the worker's CPUs, everyone else's) for --cpus; ([], []): no pinning.
+
+    auto, with two CPUs or more: the worker on the last one alone (and the in-process
+    engine when it runs: EngineSide), the gateway, the estimator, NATS, Redis and this
+    process (the client, the anchors' servers) on the others, as a deployment that
+    pins its workers runs them (shared.runtime.pin_cpus)."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if mode == "none" or len(allowed) < 2:
+        return [], []
+    return allowed[-1:], allowed[:-1]
+
+
 def run_stack(args: argparse.Namespace, work: Path) -> tuple[list, str, str]:  # type: ignore[type-arg]
-    nats = start_nats("127.0.0.1", None, work / "nats")
-    redis = start_redis("127.0.0.1", None)
+    nats = start_nats("127.0.0.1", None, work / "nats", cpus=args.rest_cpus)
+    redis = start_redis("127.0.0.1", None, cpus=args.rest_cpus)
     port = free_port()
     text = CLUSTER.format(
         nats=nats.url,
@@ -482,6 +530,8 @@ def run_stack(args: argparse.Namespace, work: Path) -> tuple[list, str, str]:  #
         dtype=args.dtype,
         max_num_seqs=max(16, args.streams),
         num_kv_blocks=args.num_kv_blocks,
+        worker_cpus=args.worker_cpus,
+        rest_cpus=args.rest_cpus,
     )
     text = text.replace(
         "[estimator]", '[presets.bench-model]\nmodels = ["' + args.model + '"]\n[estimator]'
@@ -569,6 +619,13 @@ def main() -> int:
         default="aiohttp",
         help="the benchmark's HTTP client (default aiohttp; httpx: the openai SDK's)",
     )
+    parser.add_argument(
+        "--cpus",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto (default, with 2+ CPUs): the worker pinned to a CPU of its own, every "
+        "other process of the run to the rest; none: the OS places them",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write JSON here")
     parser.add_argument(
         "--worker",
@@ -578,8 +635,17 @@ def main() -> int:
         help="a [worker] setting of the cluster file (TOML value), e.g. max_inline_step_ms=0",
     )
     args = parser.parse_args()
+    args.worker_cpus, args.rest_cpus = cpu_layout(args.cpus)
+    layout = "not pinned"
+    if args.worker_cpus:
+        os.sched_setaffinity(0, args.rest_cpus)  # this process; its children inherit it
+        layout = (
+            f"worker (and the in-process engine) on CPU {compact_cpus(args.worker_cpus)}, "
+            f"everything else on CPU {compact_cpus(args.rest_cpus)}"
+        )
 
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
+        print(f"CPUs: {layout}", flush=True)
         print("starting nats, redis, estimator, worker, gateway ...", flush=True)
         procs, base, nats_url = run_stack(args, Path(tmp))
         try:
@@ -598,6 +664,7 @@ def main() -> int:
         "client": args.client,
         "streams": args.streams,
         "worker_settings": args.worker,
+        "cpus": layout,
         "new_tokens": args.new_tokens,
         "idle_ms_before_ttft_request": args.idle_ms,
         "engine": engine,
@@ -649,6 +716,7 @@ def main() -> int:
         "server that answers at once; p50 by client: "
         + ", ".join(f"{k} {v:.2f}" for k, v in result["http_floor_ttft_ms_p50_by_client"].items())
     )
+    print(f"CPUs: {layout}")
     if breakdown is not None:
         print(
             "gateway TTFT p50 split (ms): "

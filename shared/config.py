@@ -16,6 +16,11 @@ never at import time.
     [models.<name>]     engine, dtype, weight_dtype, device, tokenizer, price_*_per_mtok
     [[instances]]       model, replicas, max_num_seqs, max_model_len, ...
     [presets.<name>]    models, policy
+
+Every service section ([gateway], [estimator], [batcher], [relay]) and every
+[[instances]] entry takes `cpus`, the CPU ids its processes may run on (empty: any),
+and the top-level `server_cpus` those of the NATS and Redis servers the launcher
+starts (shared.runtime.pin_cpus says why and what was measured).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -61,6 +66,8 @@ EngineKind = Literal["torch", "sim"]
 # its requests is at a peer, as lockstep serving does); std_serving = no pending
 # resume (every hand-over is a new request on the receiver, the sender frees its KV).
 TokenMode = Literal["baton", "eager_async", "barrier", "std_serving"]
+# CPU ids a process may run on (os.sched_setaffinity); an empty list: any CPU.
+Cpus = list[Annotated[int, msgspec.Meta(ge=0)]]
 
 
 class ConfigError(ValueError):
@@ -161,6 +168,7 @@ class GatewayConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     # (httpx and the openai SDK 5 s, aiohttp 15 s; a load balancer often 60 s): a server
     # that closes first races the client's reuse, and that request fails with a reset.
     keep_alive_s: int = 75
+    cpus: Cpus = []  # CPU ids the gateway process runs on (empty: any)
 
 
 class EstimatorConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -198,6 +206,7 @@ class EstimatorConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields
     # speed says much about the next few iterations, little about those a second away
     # (docs/sfs.md, "Recent speed"); 0 = ignore it.
     speed_horizon_s: float = 0.3
+    cpus: Cpus = []  # CPU ids the estimator process runs on (empty: any)
 
 
 class WorkerConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -233,6 +242,7 @@ class BatcherConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     # Experiments: publish this (B_entry, B_large) for every N instead of the chain's
     # choice (clamped to the deadlock bound per N); empty = the chain decides.
     fixed_b: list[int] = []
+    cpus: Cpus = []  # CPU ids the batcher process runs on (empty: any)
 
 
 def fp16_weights_refusal(dtype: str, device: str) -> str | None:
@@ -312,6 +322,10 @@ class InstanceConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=
     max_model_len: int = 2048  # tokens, prompt + output
     threads: int = 1  # torch threads
     seed: int = 0  # engine RNG seed
+    # CPU ids each replica's worker process (its torch threads too) runs on; empty: any.
+    # A worker beside the gateway on few cores serves faster on a core of its own
+    # (docs/performance.md).
+    cpus: Cpus = []
 
 
 class PresetConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -346,6 +360,7 @@ class RelayConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     guest_idle_s: float = 300.0
     registry_refresh_s: float = 0.5  # how often the relay re-reads live workers and loads
     stats_interval_s: float = 1.0  # workers send RoutingStats to the batcher this often
+    cpus: Cpus = []  # CPU ids the relay process runs on (empty: any)
 
 
 class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -354,6 +369,7 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     namespace: str = "baton"
     nats_url: str = "nats://127.0.0.1:4222"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    server_cpus: Cpus = []  # CPU ids of the NATS and Redis servers the launcher starts
     gateway: GatewayConfig = GatewayConfig()
     estimator: EstimatorConfig = EstimatorConfig()
     worker: WorkerConfig = WorkerConfig()
@@ -398,6 +414,18 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
             1.0 if top_p is None else top_p,
         )
 
+    def cpu_settings(self) -> list[tuple[str, list[int]]]:
+        """(where, cpus) of every process the cluster file pins, for one check up front."""
+        sections: list[tuple[str, list[int]]] = [
+            ("server_cpus", self.server_cpus),
+            ("[gateway]", self.gateway.cpus),
+            ("[estimator]", self.estimator.cpus),
+            ("[batcher]", self.batcher.cpus),
+            ("[relay]", self.relay.cpus),
+        ]
+        sections += [(f"[[instances]] of {i.model!r}", i.cpus) for i in self.instances]
+        return [(where, cpus) for where, cpus in sections if cpus]
+
     def token_presets(self) -> dict[str, PresetConfig]:
         """The presets that route per token."""
         return {n: p for n, p in self.presets.items() if p.is_token_level}
@@ -432,6 +460,13 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
                 raise ConfigError(f"replicas must be >= 0 for {inst.model!r}")
             if inst.threads < 1:
                 raise ConfigError(f"threads must be >= 1 for {inst.model!r}")
+            if inst.cpus and inst.threads > len(set(inst.cpus)):
+                # torch's OpenMP threads on fewer cores than threads wait on each other
+                # (measured here: ~30x slower steps with a busy neighbour)
+                raise ConfigError(
+                    f"[[instances]] of {inst.model!r}: threads = {inst.threads} but cpus "
+                    f"{inst.cpus} gives it {len(set(inst.cpus))}: use at most one thread per CPU"
+                )
             try:  # the engine's own check, here rather than in every worker after loading
                 SchedulerConfig(
                     max_num_seqs=inst.max_num_seqs,

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
+import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Iterable
+from pathlib import Path
 from typing import Protocol
 
 from shared.config import ClusterConfig, ConfigError, load_cluster
@@ -31,6 +34,92 @@ def freeze_heap() -> None:
     never freed, which a test process starting stack after stack would pile up."""
     gc.collect()
     gc.freeze()
+
+
+def compact_cpus(cpus: Iterable[int]) -> str:
+    """CPU ids as ranges, as the kernel lists them: {0, 1, 2, 5} -> "0-2,5"."""
+    ids = sorted(set(cpus))
+    runs: list[str] = []
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        runs.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(runs)
+
+
+def _parse_cpu_list(text: str) -> set[int]:
+    """The kernel's CPU list format ("0-2,5") as ids."""
+    ids: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            low, _, high = part.partition("-")
+            ids.update(range(int(low), int(high or low) + 1))
+    return ids
+
+
+def usable_cpus() -> set[int]:
+    """The CPUs a process here may be pinned to: the container's cpuset where there is
+    one, else the online CPUs. Not this process's own mask: a service may pin itself
+    to CPUs its launcher (say, a benchmark pinned elsewhere) does not run on."""
+    for path in (
+        "/sys/fs/cgroup/cpuset.cpus.effective",  # cgroup v2
+        "/sys/fs/cgroup/cpuset/cpuset.effective_cpus",  # cgroup v1
+        "/sys/devices/system/cpu/online",
+    ):
+        try:
+            ids = _parse_cpu_list(Path(path).read_text())
+        except (OSError, ValueError):
+            continue
+        if ids:
+            return ids
+    return set(range(os.cpu_count() or 1))
+
+
+def check_cpus(cpus: Collection[int], where: str) -> None:
+    """ConfigError unless every CPU in `cpus` is one a process here may run on."""
+    if not cpus:
+        return
+    usable = usable_cpus()
+    missing = set(cpus) - usable
+    if missing:
+        raise ConfigError(
+            f"{where} cpus = {sorted(cpus)}: CPU {compact_cpus(missing)} is not available "
+            f"here (CPUs {compact_cpus(usable)} are)"
+        )
+
+
+def pin_cpus(cpus: Collection[int], where: str) -> None:
+    """Keep this process, every thread it has and every thread it starts later (torch's
+    pool, `asyncio.to_thread`'s), on `cpus`; nothing when `cpus` is empty. ConfigError
+    when a CPU is not available here; a warning where the OS has no CPU affinity.
+
+    Why: on a 2-core host a worker beside the gateway, NATS, Redis and the client
+    streamed random-tiny at 5,200-6,200 tok/s left to the scheduler and 7,500-8,100
+    tok/s on a core of its own, the rest on the other (docs/performance.md, twentieth
+    session): the scheduler moved it and woke the others on its core mid-step."""
+    if not cpus:
+        return
+    if not hasattr(os, "sched_setaffinity"):
+        get_logger(component="runtime").warning(
+            "cpus_ignored", where=where, reason="no CPU affinity on this platform"
+        )
+        return
+    check_cpus(cpus, where)
+    # sched_setaffinity(0) sets the calling thread's mask only: set every thread's
+    # (threads started later inherit their starter's)
+    try:
+        thread_ids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        thread_ids = [0]
+    try:
+        for tid in thread_ids:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setaffinity(tid, cpus)
+    except OSError as exc:  # EINVAL: none of them usable after all (a cpuset changed)
+        raise ConfigError(f"{where} cpus = {sorted(cpus)}: {exc.strerror}") from None
 
 
 def run_service(service: StoppableService, name: str, ready: asyncio.Event | None = None) -> int:
@@ -68,7 +157,16 @@ def run_service(service: StoppableService, name: str, ready: asyncio.Event | Non
     return 0
 
 
-__all__ = ["StoppableService", "cluster_service_main", "freeze_heap", "run_service"]
+__all__ = [
+    "StoppableService",
+    "check_cpus",
+    "cluster_service_main",
+    "compact_cpus",
+    "freeze_heap",
+    "pin_cpus",
+    "run_service",
+    "usable_cpus",
+]
 
 
 def cluster_service_main(

@@ -10,6 +10,7 @@ from uvicorn.config import STARTUP_FAILURE
 
 from shared.config import ConfigError, load_cluster
 from shared.logging import configure_logging
+from shared.runtime import pin_cpus
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster = load_cluster(args.cluster)
         cfg = GatewayServiceConfig.from_cluster(cluster, args.gateway_id)
+        pin_cpus(cluster.gateway.cpus, "[gateway]")
     except ConfigError as exc:
         log.error("bad_config", error=str(exc))
         return 2

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from shared.config import DEFAULT_CLUSTER_FILE, ConfigError, Env, load_cluster
+from shared.runtime import check_cpus
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.cluster or Env.CLUSTER.get() or DEFAULT_CLUSTER_FILE)
     try:
         cluster = load_cluster(path)
+        for where, cpus in cluster.cpu_settings():  # refused here, before anything starts
+            check_cpus(cpus, where)
     except ConfigError as exc:
         print(f"baton: {exc}", file=sys.stderr)
         return 2

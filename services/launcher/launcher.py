@@ -183,7 +183,10 @@ class Launcher:
         else:
             log_path = self.log_dir / "nats.log"
             server = self._start_server(
-                lambda: start_nats(host, port, self.log_dir / ".nats", log_path), log_path
+                lambda: start_nats(
+                    host, port, self.log_dir / ".nats", log_path, self.cluster.server_cpus
+                ),
+                log_path,
             )
             self.nats_url = server.url
             self.say(f"started nats-server (JetStream) at {server.url}")
@@ -195,7 +198,9 @@ class Launcher:
             self.redis_url = self.cluster.redis_url
         else:
             log_path = self.log_dir / "redis.log"
-            self._start_server(lambda: start_redis(host, port, log_path), log_path)
+            self._start_server(
+                lambda: start_redis(host, port, log_path, self.cluster.server_cpus), log_path
+            )
             self.redis_url = self.cluster.redis_url
             self.say(f"started redis-server at {self.redis_url}")
 

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -128,10 +129,17 @@ def stop_process_group(process: subprocess.Popen[bytes], timeout_s: float) -> No
         process.wait(5.0)
 
 
-def _popen_logged(cmd: list[str], log_path: Path | None) -> subprocess.Popen[bytes]:
+def _popen_logged(
+    cmd: list[str], log_path: Path | None, cpus: Collection[int] = ()
+) -> subprocess.Popen[bytes]:
     """Start `cmd` in its own session, dying with this process, output appended to
-    `log_path` (or discarded)."""
-    setup = own_session_dying_with_parent
+    `log_path` (or discarded), on `cpus` (empty: any CPU)."""
+
+    def setup() -> None:
+        own_session_dying_with_parent()
+        if cpus:  # before exec: the server's threads all start from this one
+            os.sched_setaffinity(0, cpus)
+
     if log_path is None:
         return subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=setup
@@ -141,7 +149,11 @@ def _popen_logged(cmd: list[str], log_path: Path | None) -> subprocess.Popen[byt
 
 
 def start_nats(
-    host: str, port: int | None, work_dir: Path, log_path: Path | None = None
+    host: str,
+    port: int | None,
+    work_dir: Path,
+    log_path: Path | None = None,
+    cpus: Collection[int] = (),
 ) -> ServerProcess:
     """nats-server with JetStream; port None picks a free one (read back from the ports file)."""
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -159,7 +171,7 @@ def start_nats(
         "--ports_file_dir",
         str(ports_dir),
     ]
-    proc = _popen_logged(cmd, log_path)
+    proc = _popen_logged(cmd, log_path, cpus)
     ports_file = ports_dir / f"nats-server_{proc.pid}.ports"
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -178,7 +190,9 @@ def start_nats(
     raise ServerError("nats-server did not start within 10 s")
 
 
-def start_redis(host: str, port: int | None, log_path: Path | None = None) -> ServerProcess:
+def start_redis(
+    host: str, port: int | None, log_path: Path | None = None, cpus: Collection[int] = ()
+) -> ServerProcess:
     """redis-server with no persistence; port None picks a free one."""
     port = port if port is not None else free_port(host)
     cmd = [
@@ -194,7 +208,7 @@ def start_redis(host: str, port: int | None, log_path: Path | None = None) -> Se
         "--protected-mode",
         "no",
     ]
-    proc = _popen_logged(cmd, log_path)
+    proc = _popen_logged(cmd, log_path, cpus)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -8,7 +8,7 @@ import sys
 
 from shared.config import ConfigError, Env, load_cluster
 from shared.logging import configure_logging
-from shared.runtime import run_service
+from shared.runtime import pin_cpus, run_service
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +27,10 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or Env.MODEL.get()
         if not model:
             raise ConfigError("no model given: pass --model or set BATON_MODEL")
-        os.environ.setdefault("OMP_NUM_THREADS", str(cluster.instance_for(model).threads))
+        instance = cluster.instance_for(model)
+        os.environ.setdefault("OMP_NUM_THREADS", str(instance.threads))
+        # before torch loads: its threads then start on these CPUs
+        pin_cpus(instance.cpus, f"[[instances]] of {model!r}")
         from services.worker.config import WorkerServiceConfig
         from services.worker.service import WorkerService
 

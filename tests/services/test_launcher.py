@@ -437,3 +437,52 @@ def test_a_killed_launcher_leaves_no_process_behind(tmp_path: Path, repo_root: P
         proc.kill()
         proc.wait()
         assert_no_orphans(kids, timeout_s=15)
+
+
+def thread_cpus(pid: int) -> set[str]:
+    """Cpus_allowed_list of every thread of `pid` (the kernel's format: "0", "0-1")."""
+    masks = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            status = (task / "status").read_text()
+            masks.add(status.split("Cpus_allowed_list:")[1].split()[0])
+    return masks
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to tell masks apart")
+def test_launcher_pins_what_the_cluster_file_pins(tmp_path: Path, repo_root: Path) -> None:
+    """`cpus` and `server_cpus`: each worker (all its threads, torch's too) on its CPU, the
+    gateway, the estimator and the servers the launcher starts on theirs; it serves."""
+    first, last = min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0))
+    port = write_own_servers_cluster(tmp_path)
+    path = tmp_path / "cluster.toml"
+    text = path.read_text()
+    text = re.sub(r"^(redis_url = .*)$", rf"\1\nserver_cpus = [{first}]", text, flags=re.M)
+    for section in ("[gateway]", "[estimator]"):
+        text = text.replace(section, f"{section}\ncpus = [{first}]")
+    text = text.replace("[[instances]]", f"[[instances]]\ncpus = [{last}]")
+    path.write_text(text)
+    with launched(tmp_path, repo_root) as proc:
+        out = read_until_serving(proc)
+        assert f"http://127.0.0.1:{port}/v1" in out, out
+        served(port, {"model": "random-tiny", "prompt": "Hi", "max_tokens": 3})
+        for needles in (("nats-server",), ("redis-server",), ("services.gateway",)):
+            assert thread_cpus(service_pid(proc.pid, *needles)) == {str(first)}, needles
+        assert thread_cpus(service_pid(proc.pid, "services.estimator")) == {str(first)}
+        for iid in ("random-tiny-0", "random-tiny-1"):
+            worker = service_pid(proc.pid, "services.worker", iid)
+            assert thread_cpus(worker) == {str(last)}, iid
+
+
+def test_launcher_refuses_cpus_this_machine_lacks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Checked before anything starts, the setting named."""
+    from services.launcher.__main__ import main
+
+    beyond = max(os.sched_getaffinity(0)) + 64
+    path = tmp_path / "cluster.toml"
+    path.write_text(f'[models.a]\n[[instances]]\nmodel = "a"\ncpus = [{beyond}]\n')
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"[[instances]] of 'a' cpus = [{beyond}]: CPU {beyond} is not available" in err
