@@ -215,6 +215,10 @@ class WorkerConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     drain_timeout_s: float = 10.0  # seconds SIGTERM waits for in-flight requests
     snapshot_ttl_s: float = 30.0  # seconds a snapshot key lives without being rewritten
     max_batch_samples: int = 10_000  # samples kept per instance in Redis
+    # At most one snapshot write per this many ms: iterations that end sooner are folded
+    # into the next write, which always carries the newest state (readers refresh every
+    # 20 ms); 0: a write after every iteration, one in flight at a time.
+    snapshot_interval_ms: float = 5.0
     # A step runs on the event loop (not in a thread) when it admits at most this many
     # prompt tokens and is the first after an idle wait (the TTFT path skips two thread
     # hand-offs) or follows a step of at most max_inline_step_ms; 0: always a thread.
@@ -506,6 +510,8 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
             raise ConfigError("[worker] max_inline_step_tokens must be >= 0")
         if not self.worker.max_inline_step_ms >= 0:
             raise ConfigError("[worker] max_inline_step_ms must be >= 0")
+        if not 0 <= self.worker.snapshot_interval_ms <= 1000:
+            raise ConfigError("[worker] snapshot_interval_ms must be in [0, 1000]")
         if not 0.0 <= self.worker.batch_time_speed_alpha <= 1.0:
             raise ConfigError("[worker] batch_time_speed_alpha must be in [0, 1]")
         if self.estimator.lambda_ < 0 or self.estimator.delta < 0:

@@ -37,6 +37,9 @@ class WorkerServiceConfig:
     drain_timeout_s: float
     snapshot_ttl_s: float
     max_batch_samples: int
+    # At most one snapshot write per this long (the newest state always written; 0: one
+    # after every iteration, one in flight at a time)
+    snapshot_interval_s: float = 0.005
     # The token-level presets this model takes part in (services/worker/routing/).
     token_presets: dict[str, PresetConfig] = field(default_factory=dict)
     relay: RelayConfig = field(default_factory=lambda: RelayConfig())
@@ -75,6 +78,7 @@ class WorkerServiceConfig:
             drain_timeout_s=cluster.worker.drain_timeout_s,
             snapshot_ttl_s=cluster.worker.snapshot_ttl_s,
             max_batch_samples=cluster.worker.max_batch_samples,
+            snapshot_interval_s=cluster.worker.snapshot_interval_ms / 1000,
             max_inline_step_tokens=cluster.worker.max_inline_step_tokens,
             max_inline_step_ms=cluster.worker.max_inline_step_ms,
             batch_time_speed_alpha=cluster.worker.batch_time_speed_alpha,

@@ -133,6 +133,7 @@ class WorkerService:
         self._is_draining = False
         self._record_task: asyncio.Task[None] | None = None  # the snapshot writer, if running
         self._record_pending = False  # a step ended since the writer took its snapshot
+        self._last_write_s = float("-inf")  # monotonic time the writer last took one
         self._unsent_samples: list[BatchSample] = []  # not yet written (at most
         # max_batch_samples: Redis keeps no more, so a stalled write drops the oldest)
         self._heartbeat_task: asyncio.Task[None] | None = None
@@ -496,10 +497,14 @@ class WorkerService:
     def _record(self, *, samples: bool) -> None:
         """Have the snapshot (and the steps' new batch samples) written in the background.
 
-        One write runs at a time. Steps that end while it runs are folded into the next
-        write, which takes the newest snapshot and every sample since: when steps
-        outpace Redis (a fast model), fewer and fuller writes instead of a queue of
-        stale ones, and no encoding of snapshots nobody will read."""
+        One write runs at a time, at most one per `snapshot_interval_s`. Steps that end
+        while it runs or waits are folded into the next write, which takes the newest
+        snapshot and every sample since: when steps outpace the interval (a fast model),
+        fewer and fuller writes instead of a queue of stale ones, and no encoding of
+        snapshots nobody will read. Each write costs the worker's core ~0.1 ms (the
+        encoding, the Redis command, two syscalls): after every 1.5 ms decode step of
+        random-tiny that was ~5% of the gateway path's token rate (docs/performance.md,
+        twentieth session), while the estimator reads snapshots every 20 ms."""
         if samples:
             new = self._engine.pop_batch_samples()
             if self._speed is not None and self._calibrated is not None:
@@ -512,6 +517,10 @@ class WorkerService:
 
     async def _write_records(self) -> None:
         while self._record_pending:
+            wait_s = self._last_write_s + self.cfg.snapshot_interval_s - time.monotonic()
+            if wait_s > 0 and not self._closing:
+                await asyncio.sleep(wait_s)  # steps ending meanwhile join this write
+            self._last_write_s = time.monotonic()
             self._record_pending = False
             snapshot = self._engine.snapshot()
             cal = self.calibration

@@ -97,13 +97,15 @@ class Client:
             if event.finish_reason is not None:
                 self.finished[event.request_id].set()
 
-    async def generate(self, worker: WorkerService, num_prompt_tokens: int) -> None:
+    async def generate(
+        self, worker: WorkerService, num_prompt_tokens: int, max_tokens: int = MAX_TOKENS
+    ) -> None:
         request_id = uuid.uuid4().hex
         self.finished[request_id] = asyncio.Event()
         msg = SubmitRequest(
             request_id=request_id,
             prompt_token_ids=list(range(1, num_prompt_tokens + 1)),
-            params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+            params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
             reply_to=self.inbox,
             arrival_time_s=0.0,
         )
@@ -118,14 +120,17 @@ async def running_worker(
     max_inline_step_tokens: int,
     max_inline_step_ms: float = 0.0,
     threads: StepThreads | None = None,
+    **settings: Any,
 ) -> AsyncIterator[tuple[WorkerService, StepThreads, Client]]:
-    """A real worker (random-tiny) with the given caps, and a client on the bus.
-    max_inline_step_ms 0 (the default here): only first steps after an idle wait."""
+    """A real worker (random-tiny) with the given caps (and other WorkerServiceConfig
+    `settings`), and a client on the bus. max_inline_step_ms 0 (the default here): only
+    first steps after an idle wait."""
     cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
     cfg = dataclasses.replace(
         WorkerServiceConfig.from_cluster(cluster, "random-tiny", "inline"),
         max_inline_step_tokens=max_inline_step_tokens,
         max_inline_step_ms=max_inline_step_ms,
+        **settings,
     )
     threads = StepThreads() if threads is None else threads
     worker = WorkerService(cfg, engine_factory=threads)
