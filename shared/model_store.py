@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -110,6 +111,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str | None]:
+        """An incremental decoder: step(token id) -> the text it completes, or None
+        while the text would end inside a multi-byte character."""
+        from tokenizers.decoders import DecodeStream
+
+        stream, tok = DecodeStream(skip_special_tokens=skip_special_tokens), self._tok
+        return lambda token_id: stream.step(tok, token_id)
 
     def render_chat(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True

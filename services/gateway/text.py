@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 
@@ -9,6 +10,8 @@ class Tokenizer(Protocol):
     eos_token_id: int
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str | None]: ...
 
 
 class OutputAssembler:
@@ -57,10 +60,16 @@ class OutputAssembler:
 class IncrementalDetokenizer:
     """Decodes a growing token list without ever splitting a multi-byte character.
 
-    Text is released only once decoding no longer ends in U+FFFD (an incomplete
-    UTF-8 sequence); a short window of earlier tokens is re-decoded so byte-level
-    merges across token boundaries come out right.
+    The tokenizer's decode stream (`tokenizers`' DecodeStream) does it: per token it
+    re-decodes a short window of earlier ones, so byte-level merges across token
+    boundaries come out right, and it holds text back while it ends in an incomplete
+    UTF-8 sequence. One call per token, ~0.6 us, against ~2 us for the two plain
+    decodes per token this class made before (SmolLM2's tokenizer, 2026-12-03).
     """
+
+    # earlier tokens re-decoded with the held-back ones at the end (a merge reaches
+    # back at most a few tokens)
+    _FLUSH_CONTEXT = 8
 
     def __init__(
         self, tokenizer: Tokenizer, skip_ids: set[int], keep_special: bool = False
@@ -68,9 +77,9 @@ class IncrementalDetokenizer:
         self._tok = tokenizer
         self._skip = skip_ids
         self._keep_special = keep_special
+        self._step = tokenizer.decode_stream(skip_special_tokens=not keep_special)
         self._ids: list[int] = []
-        self._prefix_offset = 0
-        self._read_offset = 0
+        self._num_released = 0  # tokens whose text has been returned
 
     def decode(self, ids: list[int]) -> str:
         """Plain decode, keeping special tokens when asked (logprobs' token texts too)."""
@@ -79,20 +88,27 @@ class IncrementalDetokenizer:
         return self._tok.decode(ids)
 
     def add(self, token_ids: list[int]) -> str:
-        self._ids.extend(t for t in token_ids if t not in self._skip)
-        prefix = self.decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self.decode(self._ids[self._prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
-            return full[len(prefix) :]
-        return ""
+        pieces = []
+        for t in token_ids:
+            if t in self._skip:
+                continue
+            self._ids.append(t)
+            piece = self._step(t)
+            if piece is not None:
+                pieces.append(piece)
+                self._num_released = len(self._ids)
+        return "".join(pieces)
 
     def flush(self) -> str:
-        """Whatever is still held back (at the end of the answer)."""
-        prefix = self.decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self.decode(self._ids[self._prefix_offset :])
-        self._prefix_offset = self._read_offset = len(self._ids)
+        """Whatever is still held back (at the end of the answer: an incomplete character
+        comes out as U+FFFD, as a plain decode of the whole answer gives it)."""
+        held = len(self._ids) - self._num_released
+        if held == 0:
+            return ""
+        start = max(0, self._num_released - self._FLUSH_CONTEXT)
+        prefix = self.decode(self._ids[start : self._num_released])
+        full = self.decode(self._ids[start:])
+        self._num_released = len(self._ids)
         return full[len(prefix) :] if len(full) > len(prefix) else ""
 
 

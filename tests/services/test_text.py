@@ -68,3 +68,27 @@ def test_text_stream_stops_before_the_stop_string() -> None:
     texts = [stream.add(i, [t], None)[0] for i, t in enumerate(ids)]
     assert "".join(texts) + stream.finish() == "one two "
     assert stream.is_stopped
+
+
+def test_an_answer_cut_inside_a_character_ends_as_a_plain_decode_does() -> None:
+    """max_tokens can end an answer between the bytes of one character: held back while
+    streaming, it comes out at the end as the replacement character a plain decode of
+    the whole answer gives, after the text before it."""
+    tok = load_tokenizer("smollm2-135m")
+    ids = tok.encode("ok 🎉")
+    cut = ids[:-1]  # the emoji spans several byte tokens: drop its last one
+    assert tok.decode(cut).endswith("\ufffd")
+    detok = IncrementalDetokenizer(tok, skip_ids=set())
+    streamed = "".join(detok.add([t]) for t in cut)
+    assert "\ufffd" not in streamed
+    assert streamed + detok.flush() == tok.decode(cut)
+    assert detok.flush() == ""  # nothing twice
+
+
+def test_chunked_deltas_decode_as_single_tokens_do() -> None:
+    tok = load_tokenizer("smollm2-135m")
+    ids = tok.encode(TEXT * 3)
+    one, chunked = IncrementalDetokenizer(tok, set()), IncrementalDetokenizer(tok, set())
+    by_one = "".join(one.add([t]) for t in ids) + one.flush()
+    by_chunk = "".join(chunked.add(ids[i : i + 3]) for i in range(0, len(ids), 3))
+    assert by_one == by_chunk + chunked.flush() == TEXT * 3
