@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -70,6 +72,19 @@ max_model_len = 256
 models = ["random-tiny"]
 policy = "round-robin"
 """
+
+
+def run_service_process(
+    module: str, cluster_file: Path, timeout_s: float = 120.0
+) -> subprocess.CompletedProcess[str]:
+    """`python -m services.<module> --cluster FILE` run to its exit, output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", f"services.{module}", "--cluster", str(cluster_file)],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
 
 def tiny_cluster_text(

@@ -14,6 +14,7 @@ import pytest
 
 from shared.config import ConfigError, parse_cluster
 from shared.runtime import _parse_cpu_list, check_cpus, compact_cpus, usable_cpus
+from tests.services.conftest import run_service_process
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(
@@ -94,13 +95,7 @@ def test_a_service_refuses_cpus_it_cannot_have(tmp_path: Path) -> None:
     beyond = max(usable_cpus()) + 1
     path = tmp_path / "cluster.toml"
     path.write_text(f"[estimator]\ncpus = [{beyond}]\n")
-    out = subprocess.run(
-        [sys.executable, "-m", "services.estimator", "--cluster", str(path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = run_service_process("estimator", path, timeout_s=60)
     logged = out.stdout + out.stderr
     assert out.returncode == 2, logged
     assert f"[estimator] cpus = [{beyond}]: CPU {beyond} is not available" in logged

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,9 +17,8 @@ from services.gateway.app import create_app
 from services.gateway.config import GatewayServiceConfig
 from services.gateway.server import server_config
 from shared.config import ConfigError, parse_cluster
-from tests.services.conftest import tiny_cluster_text
+from tests.services.conftest import run_service_process, tiny_cluster_text
 
-REPO = Path(__file__).resolve().parents[2]
 HEALTH = b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n"
 
 
@@ -77,13 +74,7 @@ def test_a_gateway_that_cannot_bind_exits_with_uvicorns_startup_status(
         port = taken.getsockname()[1]
         cluster_file = tmp_path / "cluster.toml"
         cluster_file.write_text(tiny_cluster_text(nats_url, redis_url, port=port))
-        proc = subprocess.run(
-            [sys.executable, "-m", "services.gateway", "--cluster", str(cluster_file)],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        proc = run_service_process("gateway", cluster_file)
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "address already in use" in proc.stderr.lower(), proc.stderr[-2000:]
 
