@@ -406,7 +406,8 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     def sampling_defaults(self, model: str) -> tuple[float, float]:
         """(temperature, top_p) for a request to `model` that sends neither: the model's
         defaults; for a preset, those all its models share (OpenAI's 1.0 where they
-        differ or are unset, since the model that answers is chosen later)."""
+        differ or are unset): what the request is checked with before routing, after
+        which the gateway takes the routed model's own (completions.routed_defaults)."""
         names = self.presets[model].models if model in self.presets else [model]
         entries = [self.models[m] for m in names if m in self.models]
         temperatures = {e.default_temperature for e in entries}

@@ -267,6 +267,24 @@ def _sampling_params(
     )
 
 
+def routed_defaults(service: GatewayService, p: Prepared, model: str | None) -> SamplingParams:
+    """The request's sampling with what it left out taken from the model routing chose.
+
+    A preset's models may recommend different temperatures: until routing, the request
+    holds the values they share (OpenAI's 1.0 where they differ); the answering model's
+    own are what its operator set for it. A request naming a real model keeps its
+    params unchanged (the same defaults)."""
+    body, params = p.body, p.params
+    if model is None or model == body.model or None not in (body.temperature, body.top_p):
+        return params
+    temperature, top_p = service.sampling_defaults.get(model, (params.temperature, params.top_p))
+    return msgspec.structs.replace(
+        params,
+        temperature=params.temperature if body.temperature is not None else temperature,
+        top_p=params.top_p if body.top_p is not None else top_p,
+    )
+
+
 async def watch_disconnect(receive: Receive, stream: RequestStream) -> None:
     """Wait for the client's http.disconnect (the body is read already, so `receive` has
     nothing else to give) and wake the handler waiting on the stream's queue."""
@@ -312,7 +330,7 @@ async def handle(
             reply,
             p.request_id,
             p.prompt_token_ids,
-            p.params,
+            routed_defaults(service, p, reply.model),
             p.arrival_time_s,
             preset=p.body.model if preset is not None and preset.is_token_level else None,
         )

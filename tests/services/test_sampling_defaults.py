@@ -120,3 +120,47 @@ async def test_a_request_without_temperature_samples_at_the_models_default(
             assert any(s != greedy for s in sampled)
     finally:
         await stack.stop()
+
+
+async def test_a_preset_request_samples_at_the_routed_models_defaults(
+    nats_url: str, redis_url: str
+) -> None:
+    """The preset's models disagree (greedy 0.0 vs unset): a request that sends no
+    temperature gets the one of the model routing picked, not a compromise."""
+    text = tiny_cluster_text(nats_url, redis_url).replace(
+        '[models.random-tiny]\ndtype = "float32"\n',
+        '[models.random-tiny]\ndtype = "float32"\ndefault_temperature = 0.0\n'
+        '[models.random-tiny-b]\ndtype = "float32"\n'
+        '[[instances]]\nmodel = "random-tiny-b"\nmax_num_seqs = 8\nnum_kv_blocks = 64\n'
+        "max_model_len = 256\n",
+        1,
+    )
+    text += '[presets.mixed]\nmodels = ["random-tiny", "random-tiny-b"]\npolicy = "round-robin"\n'
+    cluster = parse_cluster(text)
+    assert cluster.sampling_defaults("mixed") == (1.0, 1.0)  # before routing: no common value
+    stack = await start_stack(cluster, num_workers=2, models=["random-tiny", "random-tiny-b"])
+    try:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+
+            async def answer(model: str, extra: dict[str, float]) -> tuple[str, list[float]]:
+                body = {
+                    "model": model,
+                    "prompt": "the quick brown fox",
+                    "max_tokens": 12,
+                    "ignore_eos": True,
+                    "logprobs": 0,
+                    **extra,
+                }
+                resp = await client.post("/v1/completions", json=body)
+                assert resp.status_code == 200, resp.text
+                out = resp.json()
+                lps = out["choices"][0]["logprobs"]["token_logprobs"]
+                return out["model"], [round(lp, 4) for lp in lps]
+
+            greedy = (await answer("random-tiny", {"temperature": 0.0}))[1]
+            answered = [await answer("mixed", {"seed": s}) for s in range(6)]
+            by_tiny = [lps for model, lps in answered if model == "random-tiny"]
+            assert len(by_tiny) == 3  # round-robin: every other request
+            assert all(lps == greedy for lps in by_tiny)  # at 1.0 they leave the greedy path
+    finally:
+        await stack.stop()
