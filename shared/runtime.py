@@ -96,10 +96,12 @@ def pin_cpus(cpus: Collection[int], where: str) -> None:
     pool, `asyncio.to_thread`'s), on `cpus`; nothing when `cpus` is empty. ConfigError
     when a CPU is not available here; a warning where the OS has no CPU affinity.
 
-    Why: on a 2-core host a worker beside the gateway, NATS, Redis and the client
-    streamed random-tiny at 5,200-6,200 tok/s left to the scheduler and 7,500-8,100
-    tok/s on a core of its own, the rest on the other (docs/performance.md, twentieth
-    session): the scheduler moved it and woke the others on its core mid-step."""
+    Why: on a 2-core host the scheduler moved a busy worker between the cores and
+    woke the gateway, NATS and the client on its core mid-step. A worker on a core of
+    its own, the rest on the other, streamed random-tiny at 7,466 / 8,120 tok/s against
+    5,189 / 6,219 unpinned (one probe); alternated benchmark runs gave ~0.05 more of
+    the engine's token rate and ~0.3 ms more TTFT, the first token's hops sharing one
+    core (docs/performance.md, twentieth session)."""
     if not cpus:
         return
     if not hasattr(os, "sched_setaffinity"):

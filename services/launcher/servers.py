@@ -137,8 +137,8 @@ def _popen_logged(
 
     def setup() -> None:
         own_session_dying_with_parent()
-        if cpus:  # before exec: the server's threads all start from this one
-            os.sched_setaffinity(0, cpus)
+        if cpus and hasattr(os, "sched_setaffinity"):  # before exec: the server's
+            os.sched_setaffinity(0, cpus)  # threads all start from this one
 
     if log_path is None:
         return subprocess.Popen(
