@@ -46,6 +46,24 @@ models = ["a", "c"]
 """
 
 
+async def answered(
+    client: httpx.AsyncClient, model: str, extra: dict[str, float]
+) -> tuple[str, list[float]]:
+    """(the model that answered, its 12 tokens' logprobs, rounded) for a fixed prompt."""
+    body = {
+        "model": model,
+        "prompt": "the quick brown fox",
+        "max_tokens": 12,
+        "ignore_eos": True,
+        "logprobs": 0,
+        **extra,
+    }
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    return out["model"], [round(lp, 4) for lp in out["choices"][0]["logprobs"]["token_logprobs"]]
+
+
 def test_a_model_gives_its_defaults_and_a_preset_those_its_models_share() -> None:
     cluster = parse_cluster(MODELS)
     assert cluster.sampling_defaults("a") == (0.2, 0.9)
@@ -97,20 +115,8 @@ async def test_a_request_without_temperature_samples_at_the_models_default(
     try:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
 
-            async def answer(extra: dict[str, float]) -> list[int]:
-                body = {
-                    "model": "random-tiny",
-                    "prompt": "the quick brown fox",
-                    "max_tokens": 12,
-                    "ignore_eos": True,
-                    "logprobs": 0,
-                    **extra,
-                }
-                resp = await client.post("/v1/completions", json=body)
-                assert resp.status_code == 200, resp.text
-                return [
-                    round(lp, 4) for lp in resp.json()["choices"][0]["logprobs"]["token_logprobs"]
-                ]
+            async def answer(extra: dict[str, float]) -> list[float]:
+                return (await answered(client, "random-tiny", extra))[1]
 
             greedy = await answer({"temperature": 0.0})
             assert await answer({}) == greedy
@@ -141,25 +147,9 @@ async def test_a_preset_request_samples_at_the_routed_models_defaults(
     stack = await start_stack(cluster, num_workers=2, models=["random-tiny", "random-tiny-b"])
     try:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
-
-            async def answer(model: str, extra: dict[str, float]) -> tuple[str, list[float]]:
-                body = {
-                    "model": model,
-                    "prompt": "the quick brown fox",
-                    "max_tokens": 12,
-                    "ignore_eos": True,
-                    "logprobs": 0,
-                    **extra,
-                }
-                resp = await client.post("/v1/completions", json=body)
-                assert resp.status_code == 200, resp.text
-                out = resp.json()
-                lps = out["choices"][0]["logprobs"]["token_logprobs"]
-                return out["model"], [round(lp, 4) for lp in lps]
-
-            greedy = (await answer("random-tiny", {"temperature": 0.0}))[1]
-            answered = [await answer("mixed", {"seed": s}) for s in range(6)]
-            by_tiny = [lps for model, lps in answered if model == "random-tiny"]
+            greedy = (await answered(client, "random-tiny", {"temperature": 0.0}))[1]
+            answers = [await answered(client, "mixed", {"seed": s}) for s in range(6)]
+            by_tiny = [lps for model, lps in answers if model == "random-tiny"]
             assert len(by_tiny) == 3  # round-robin: every other request
             assert all(lps == greedy for lps in by_tiny)  # at 1.0 they leave the greedy path
     finally:
