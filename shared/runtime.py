@@ -120,8 +120,14 @@ def pin_cpus(cpus: Collection[int], where: str) -> None:
         for tid in thread_ids:
             with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
                 os.sched_setaffinity(tid, cpus)
-    except OSError as exc:  # EINVAL: none of them usable after all (a cpuset changed)
+    except OSError as exc:  # EINVAL: none of them usable (a cpuset usable_cpus missed)
         raise ConfigError(f"{where} cpus = {sorted(cpus)}: {exc.strerror}") from None
+    granted = os.sched_getaffinity(0)
+    if granted != set(cpus):  # the kernel kept only the cpuset's part of the mask
+        raise ConfigError(
+            f"{where} cpus = {sorted(cpus)}: this process may run on CPUs "
+            f"{compact_cpus(granted)} of them only"
+        )
 
 
 def run_service(service: StoppableService, name: str, ready: asyncio.Event | None = None) -> int:
