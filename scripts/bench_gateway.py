@@ -28,8 +28,9 @@ With two CPUs or more the worker runs on a CPU of its own and every other proces
 of the run (this one, with the client) on the rest, as the cluster file's `cpus`
 settings pin a deployment; the in-process engine runs on the worker's CPU (while
 the worker idles), so both sides' engines compute on the same core (--cpus none:
-the OS places everything; on 2 cores that costs the gateway path ~20% of its token
-rate, see docs/performance.md).
+the OS places everything; on 2 cores, alternated runs of the two gave the pinned
+layout ~0.05 more of the engine's token rate and ~0.3 ms more added TTFT, see
+docs/performance.md).
 
 The client runs on the machine under test, so its CPU is taken from the
 services it measures: by default it is aiohttp on uvloop (what vLLM's and SGLang's

@@ -68,6 +68,9 @@ EngineKind = Literal["torch", "sim"]
 TokenMode = Literal["baton", "eager_async", "barrier", "std_serving"]
 # CPU ids a process may run on (os.sched_setaffinity); an empty list: any CPU.
 Cpus = list[Annotated[int, msgspec.Meta(ge=0)]]
+# The services whose own section takes `cpus` (ClusterConfig.service_cpus); workers
+# take theirs from their [[instances]] entry.
+SERVICES_WITH_CPUS = ("gateway", "estimator", "batcher", "relay")
 
 
 class ConfigError(ValueError):
@@ -419,15 +422,20 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
             1.0 if top_p is None else top_p,
         )
 
+    def service_cpus(self, service: str) -> list[int]:
+        """`cpus` of a service's own section: gateway, estimator, batcher or relay."""
+        sections: dict[str, GatewayConfig | EstimatorConfig | BatcherConfig | RelayConfig] = {
+            "gateway": self.gateway,
+            "estimator": self.estimator,
+            "batcher": self.batcher,
+            "relay": self.relay,
+        }
+        return sections[service].cpus
+
     def cpu_settings(self) -> list[tuple[str, list[int]]]:
         """(where, cpus) of every process the cluster file pins, for one check up front."""
-        sections: list[tuple[str, list[int]]] = [
-            ("server_cpus", self.server_cpus),
-            ("[gateway]", self.gateway.cpus),
-            ("[estimator]", self.estimator.cpus),
-            ("[batcher]", self.batcher.cpus),
-            ("[relay]", self.relay.cpus),
-        ]
+        sections = [("server_cpus", self.server_cpus)]
+        sections += [(f"[{s}]", self.service_cpus(s)) for s in SERVICES_WITH_CPUS]
         sections += [(f"[[instances]] of {i.model!r}", i.cpus) for i in self.instances]
         return [(where, cpus) for where, cpus in sections if cpus]
 

@@ -183,9 +183,10 @@ def cluster_service_main(
     build: Callable[[ClusterConfig], StoppableService],
     argv: list[str] | None = None,
 ) -> int:
-    """`python -m services.<name> [--cluster FILE]`: parse, load the cluster file, build
-    the service and run it. Exit 2 for a bad cluster file or settings the service
-    refuses (ValueError from `build`)."""
+    """`python -m services.<name> [--cluster FILE]`: parse, load the cluster file, pin
+    the process to the section's `cpus`, build the service and run it. Exit 2 for a bad
+    cluster file, CPUs it cannot have or settings the service refuses (ValueError from
+    `build`)."""
     parser = argparse.ArgumentParser(prog=f"python -m services.{name}", description=description)
     parser.add_argument(
         "--cluster", help="cluster file (default $BATON_CLUSTER or configs/local.toml)"
@@ -193,7 +194,9 @@ def cluster_service_main(
     args = parser.parse_args(argv)
     log = configure_logging(name)
     try:
-        service = build(load_cluster(args.cluster))
+        cluster = load_cluster(args.cluster)
+        pin_cpus(cluster.service_cpus(name), f"[{name}]")
+        service = build(cluster)
     except (ConfigError, ValueError) as exc:
         log.error("bad_config", error=str(exc))
         return 2

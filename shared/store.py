@@ -14,10 +14,10 @@ part 4, inside every decision: they go over a connection of their own with the
 commands packed once per instance list (`_Lane`), which skips the pool's
 per-command work (13 snapshots, paired: 239 -> 173 us; with the ledger hashes 462 ->
 298 us), and under one deadline per exchange instead of redis-py's timeout per send
-and per reply (a further 22-36 us). A worker's snapshot writes (one per engine step,
-hundreds a second for a fast model, on the core that runs the steps) take a lane of
-their own too: 84-100 -> 53-64 us of CPU per write against redis-py's registered
-script (a 400-byte snapshot, this host, 2026-12-03).
+and per reply (a further 22-36 us). A worker's snapshot writes (up to one per engine
+step, `[worker] snapshot_interval_ms` apart, on the core that runs the steps) take a
+lane of their own too: 84-100 -> 44-64 us of CPU per write against redis-py's
+registered script (5,000 sequential writes of a 400-byte snapshot, 2026-12-03).
 """
 
 from __future__ import annotations

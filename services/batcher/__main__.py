@@ -7,13 +7,12 @@ import os
 import sys
 
 from shared.config import ClusterConfig
-from shared.runtime import StoppableService, cluster_service_main, pin_cpus
+from shared.runtime import StoppableService, cluster_service_main
 
 
 def build(cluster: ClusterConfig) -> StoppableService:
     from services.batcher.service import BatcherService
 
-    pin_cpus(cluster.batcher.cpus, "[batcher]")
     # The chain is CPU-heavy (seconds per recompute) and never on a request's path:
     # the batcher process yields the cores to the workers.
     with contextlib.suppress(OSError):

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster = load_cluster(args.cluster)
         cfg = GatewayServiceConfig.from_cluster(cluster, args.gateway_id)
-        pin_cpus(cluster.gateway.cpus, "[gateway]")
+        pin_cpus(cluster.service_cpus("gateway"), "[gateway]")
     except ConfigError as exc:
         log.error("bad_config", error=str(exc))
         return 2

@@ -5,13 +5,12 @@ from __future__ import annotations
 import sys
 
 from shared.config import ClusterConfig
-from shared.runtime import StoppableService, cluster_service_main, pin_cpus
+from shared.runtime import StoppableService, cluster_service_main
 
 
 def build(cluster: ClusterConfig) -> StoppableService:
     from services.relay.service import RelayService
 
-    pin_cpus(cluster.relay.cpus, "[relay]")
     return RelayService(cluster)
 
 

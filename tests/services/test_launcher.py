@@ -439,13 +439,12 @@ def test_a_killed_launcher_leaves_no_process_behind(tmp_path: Path, repo_root: P
         assert_no_orphans(kids, timeout_s=15)
 
 
-def thread_cpus(pid: int) -> set[str]:
-    """Cpus_allowed_list of every thread of `pid` (the kernel's format: "0", "0-1")."""
+def thread_cpus(pid: int) -> set[frozenset[int]]:
+    """The CPU masks of the threads of `pid` (one element: every thread has the same)."""
     masks = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            status = (task / "status").read_text()
-            masks.add(status.split("Cpus_allowed_list:")[1].split()[0])
+            masks.add(frozenset(os.sched_getaffinity(int(task.name))))
     return masks
 
 
@@ -466,12 +465,16 @@ def test_launcher_pins_what_the_cluster_file_pins(tmp_path: Path, repo_root: Pat
         out = read_until_serving(proc)
         assert f"http://127.0.0.1:{port}/v1" in out, out
         served(port, {"model": "random-tiny", "prompt": "Hi", "max_tokens": 3})
-        for needles in (("nats-server",), ("redis-server",), ("services.gateway",)):
-            assert thread_cpus(service_pid(proc.pid, *needles)) == {str(first)}, needles
-        assert thread_cpus(service_pid(proc.pid, "services.estimator")) == {str(first)}
+        for needles in (
+            ("nats-server",),
+            ("redis-server",),
+            ("services.gateway",),
+            ("services.estimator",),
+        ):
+            assert thread_cpus(service_pid(proc.pid, *needles)) == {frozenset([first])}, needles
         for iid in ("random-tiny-0", "random-tiny-1"):
             worker = service_pid(proc.pid, "services.worker", iid)
-            assert thread_cpus(worker) == {str(last)}, iid
+            assert thread_cpus(worker) == {frozenset([last])}, iid
 
 
 def test_launcher_refuses_cpus_this_machine_lacks(
