@@ -408,18 +408,15 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
 
     def sampling_defaults(self, model: str) -> tuple[float, float]:
         """(temperature, top_p) for a request to `model` that sends neither: the model's
-        defaults; for a preset, those all its models share (OpenAI's 1.0 where they
-        differ or are unset): what the request is checked with before routing, after
-        which the gateway takes the routed model's own (completions.routed_defaults)."""
-        names = self.presets[model].models if model in self.presets else [model]
-        entries = [self.models[m] for m in names if m in self.models]
-        temperatures = {e.default_temperature for e in entries}
-        top_ps = {e.default_top_p for e in entries}
-        temperature = temperatures.pop() if len(temperatures) == 1 else None
-        top_p = top_ps.pop() if len(top_ps) == 1 else None
+        defaults, OpenAI's 1.0 where unset. A preset's request is checked with its first
+        model's; once routing has picked the model that answers, the gateway takes that
+        one's (completions.routed_defaults)."""
+        entry = self.models.get(self.presets[model].models[0] if model in self.presets else model)
+        if entry is None:
+            return 1.0, 1.0
         return (
-            1.0 if temperature is None else temperature,
-            1.0 if top_p is None else top_p,
+            1.0 if entry.default_temperature is None else entry.default_temperature,
+            1.0 if entry.default_top_p is None else entry.default_top_p,
         )
 
     def service_cpus(self, service: str) -> list[int]:

@@ -268,21 +268,18 @@ def _sampling_params(
 
 
 def routed_defaults(service: GatewayService, p: Prepared, model: str | None) -> SamplingParams:
-    """The request's sampling with what it left out taken from the model routing chose.
-
-    A preset's models may recommend different temperatures: until routing, the request
-    holds the values they share (OpenAI's 1.0 where they differ); the answering model's
-    own are what its operator set for it. A request naming a real model keeps its
-    params unchanged (the same defaults)."""
+    """The request's sampling with what it left out taken from the model routing chose:
+    a preset's models may recommend different values, and until routing the request
+    holds its first model's (ClusterConfig.sampling_defaults)."""
     body, params = p.body, p.params
-    if model is None or model == body.model or None not in (body.temperature, body.top_p):
+    defaults = None if model is None else service.sampling_defaults.get(model)
+    if defaults is None or None not in (body.temperature, body.top_p):
         return params
-    temperature, top_p = service.sampling_defaults.get(model, (params.temperature, params.top_p))
-    return msgspec.structs.replace(
-        params,
-        temperature=params.temperature if body.temperature is not None else temperature,
-        top_p=params.top_p if body.top_p is not None else top_p,
-    )
+    temperature = params.temperature if body.temperature is not None else defaults[0]
+    top_p = params.top_p if body.top_p is not None else defaults[1]
+    if (temperature, top_p) == (params.temperature, params.top_p):
+        return params  # a real model, or the preset's first: nothing to change
+    return msgspec.structs.replace(params, temperature=temperature, top_p=top_p)
 
 
 async def watch_disconnect(receive: Receive, stream: RequestStream) -> None:

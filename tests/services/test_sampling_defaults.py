@@ -1,6 +1,6 @@
 """Sampling defaults from the cluster file: `[models.X] default_temperature / default_top_p`
-fill what a request leaves out (a preset uses the values its models share), and a real
-stack serves a request without a temperature with the model's."""
+fill what a request leaves out (for a preset, those of the model routing picks), and a
+real stack serves a request without a temperature with the model's."""
 
 from __future__ import annotations
 
@@ -64,14 +64,14 @@ async def answered(
     return out["model"], [round(lp, 4) for lp in out["choices"][0]["logprobs"]["token_logprobs"]]
 
 
-def test_a_model_gives_its_defaults_and_a_preset_those_its_models_share() -> None:
+def test_a_model_gives_its_defaults_and_a_preset_its_first_models() -> None:
     cluster = parse_cluster(MODELS)
     assert cluster.sampling_defaults("a") == (0.2, 0.9)
     assert cluster.sampling_defaults("c") == (0.7, 1.0)  # top_p unset: OpenAI's 1.0
     assert cluster.sampling_defaults("d") == (1.0, 1.0)
+    # a preset: its first model's, until routing picks the one that answers (below)
     assert cluster.sampling_defaults("same") == (0.2, 0.9)
-    # the models disagree and the one that answers is chosen later: OpenAI's defaults
-    assert cluster.sampling_defaults("mixed") == (1.0, 1.0)
+    assert cluster.sampling_defaults("mixed") == (0.2, 0.9)
 
 
 @pytest.mark.parametrize(
@@ -131,8 +131,9 @@ async def test_a_request_without_temperature_samples_at_the_models_default(
 async def test_a_preset_request_samples_at_the_routed_models_defaults(
     nats_url: str, redis_url: str
 ) -> None:
-    """The preset's models disagree (greedy 0.0 vs unset): a request that sends no
-    temperature gets the one of the model routing picked, not a compromise."""
+    """The preset's models disagree (unset, so 1.0, vs greedy 0.0): a request that sends
+    no temperature samples at the one of the model routing picked, whichever comes first
+    in the preset (the values the request is checked with before routing)."""
     text = tiny_cluster_text(nats_url, redis_url).replace(
         '[models.random-tiny]\ndtype = "float32"\n',
         '[models.random-tiny]\ndtype = "float32"\ndefault_temperature = 0.0\n'
@@ -141,16 +142,23 @@ async def test_a_preset_request_samples_at_the_routed_models_defaults(
         "max_model_len = 256\n",
         1,
     )
-    text += '[presets.mixed]\nmodels = ["random-tiny", "random-tiny-b"]\npolicy = "round-robin"\n'
+    text += '[presets.mixed]\nmodels = ["random-tiny-b", "random-tiny"]\npolicy = "round-robin"\n'
     cluster = parse_cluster(text)
-    assert cluster.sampling_defaults("mixed") == (1.0, 1.0)  # before routing: no common value
+    assert cluster.sampling_defaults("mixed") == (1.0, 1.0)  # before routing: the first's
     stack = await start_stack(cluster, num_workers=2, models=["random-tiny", "random-tiny-b"])
     try:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
-            greedy = (await answered(client, "random-tiny", {"temperature": 0.0}))[1]
+            greedy = {
+                m: (await answered(client, m, {"temperature": 0.0}))[1]
+                for m in ("random-tiny", "random-tiny-b")
+            }
             answers = [await answered(client, "mixed", {"seed": s}) for s in range(6)]
             by_tiny = [lps for model, lps in answers if model == "random-tiny"]
-            assert len(by_tiny) == 3  # round-robin: every other request
-            assert all(lps == greedy for lps in by_tiny)  # at 1.0 they leave the greedy path
+            by_b = [lps for model, lps in answers if model == "random-tiny-b"]
+            assert len(by_tiny) == len(by_b) == 3  # round-robin: every other request
+            # random-tiny's default 0: greedy (at the placeholder 1.0 it would leave the
+            # greedy path, a near-uniform distribution); random-tiny-b's 1.0 samples
+            assert all(lps == greedy["random-tiny"] for lps in by_tiny)
+            assert any(lps != greedy["random-tiny-b"] for lps in by_b)
     finally:
         await stack.stop()
