@@ -22,7 +22,11 @@ it; also for the other client) and the load average; JSON to --out:
   {"added_ttft_ms_p50": ..., "added_ttft_ms_p99": ..., "stream_tok_s_ratio": ..., ...}
 
 With --breakdown a passive NATS subscriber also splits the gateway TTFT at the
-two bus crossings (http->submit, worker, delta->sse; p50 of each).
+two bus crossings (http->submit, worker, delta->sse; p50 of each), and each side's
+throughput rounds are taken apart from the engines' batch samples (the in-process
+engine's own, the worker's from Redis): steps per round, compute per step, the gap
+between steps (time spent outside engine.step), the lead before the first step and
+the tail after the last, so the tok/s ratio shows where it goes.
 
 With two CPUs or more the worker runs on a CPU of its own and every other process
 of the run (this one, with the client) on the rest, as the cluster file's `cpus`
@@ -56,12 +60,13 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import aiohttp
 import httpx
+import msgspec
 import uvloop
 
 REPO = Path(__file__).resolve().parent.parent
@@ -251,6 +256,88 @@ class PathObserver:
             await self._nc.close()  # type: ignore[attr-defined]
 
 
+class RoundAnatomy:
+    """--breakdown: one side's throughput rounds taken apart from its batch samples.
+
+    A BatchSample stamps each engine iteration (wall_time_s at its start, duration_s of
+    schedule + forward + sample), on the same clock (time.time) as the round's start
+    and end here, so a round of `wall` seconds splits into
+      lead    round start -> first step (adding the requests; through the gateway also
+              HTTP, tokenization and the bus)
+      steps   the iterations' own compute (how many, and the mean per step)
+      gaps    between one iteration's end and the next one's start (the engine's
+              bookkeeping outside the timed part; in the worker also publishing the
+              deltas, the snapshot writes, the event loop)
+      tail    last step's end -> the client has every token
+    """
+
+    FIELDS = ("lead_ms", "steps", "step_ms", "gap_us_p50", "gaps_ms", "tail_ms", "wall_ms")
+
+    def __init__(self) -> None:
+        self.rounds: list[dict[str, float]] = []
+
+    def add(self, samples: list[Any], t0: float, t1: float) -> None:
+        steps = sorted(
+            (b for b in samples if t0 <= b.wall_time_s <= t1), key=lambda b: b.wall_time_s
+        )
+        if not steps:
+            return
+        ends = [b.wall_time_s + b.duration_s for b in steps]
+        gaps = [nxt.wall_time_s - end for nxt, end in zip(steps[1:], ends, strict=False)]
+        self.rounds.append(
+            {
+                "lead_ms": 1e3 * (steps[0].wall_time_s - t0),
+                "steps": len(steps),
+                "step_ms": 1e3 * sum(b.duration_s for b in steps) / len(steps),
+                "gap_us_p50": 1e6 * percentile(gaps, 0.5) if gaps else 0.0,
+                "gaps_ms": 1e3 * sum(gaps),
+                "tail_ms": 1e3 * (t1 - ends[-1]),
+                "wall_ms": 1e3 * (t1 - t0),
+            }
+        )
+
+    def summary(self) -> dict[str, float]:
+        """Each field's mean over the rounds."""
+        n = len(self.rounds)
+        return {f: sum(r[f] for r in self.rounds) / n for f in self.FIELDS} if n else {}
+
+
+class RoundBreakdown:
+    """--breakdown: both sides' RoundAnatomy, fed after every throughput round."""
+
+    # the worker writes its samples with its snapshot, at most snapshot_interval_ms
+    # (5 by default) after the step: wait this long before reading a round's last ones
+    SAMPLES_SETTLE_S = 0.1
+
+    def __init__(self, redis_url: str) -> None:
+        self.redis_url = redis_url
+        self.sides = {"engine": RoundAnatomy(), "gateway": RoundAnatomy()}
+
+    async def record(self, side: str, engine: EngineSide, t0: float, t1: float) -> None:
+        if side == "engine":
+            samples = engine.engine.pop_batch_samples()
+        else:
+            await asyncio.sleep(self.SAMPLES_SETTLE_S)
+            samples = await self._worker_samples()
+        self.sides[side].add(samples, t0, t1)
+
+    async def _worker_samples(self, count: int = 2000) -> list[Any]:
+        """The bench worker's newest `count` batch samples, from Redis."""
+        from shared.scheduling.snapshot import BatchSample
+        from shared.store import Store
+
+        store = Store(self.redis_url, "bench")
+        await store.connect()
+        try:
+            decoder = msgspec.msgpack.Decoder(BatchSample)
+            return [decoder.decode(raw) for raw in await store.read_samples("bench-0", count)]
+        finally:
+            await store.close()
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {side: anatomy.summary() for side, anatomy in self.sides.items()}
+
+
 CLIENTS = ("aiohttp", "httpx")
 CLIENT_ERRORS = (OSError, aiohttp.ClientError, httpx.HTTPError)
 
@@ -344,7 +431,11 @@ async def gateway_streams(client: Client, num: int, max_tokens: int) -> tuple[in
 
 
 async def measure(
-    args: argparse.Namespace, engine: EngineSide, base_url: str, observer: PathObserver | None
+    args: argparse.Namespace,
+    engine: EngineSide,
+    base_url: str,
+    observer: PathObserver | None,
+    rounds: RoundBreakdown | None = None,
 ) -> dict[str, dict[str, float]]:
     """Alternate the two paths round by round, so background load drifts hit both alike."""
     ttft: dict[str, list[float]] = {"engine": [], "gateway": []}
@@ -376,10 +467,13 @@ async def measure(
                 warm["engine"].append(engine.ttft_s(i, args.ttft_tokens))
                 warm["gateway"].append((await stream_one(client, i, args.ttft_tokens))[0])
             for side in ("engine", "gateway") if r % 2 == 0 else ("gateway", "engine"):
+                t_start = time.time()  # the batch samples' clock
                 if side == "engine":
                     n, w = engine.streams(args.streams, args.new_tokens)
                 else:
                     n, w = await gateway_streams(client, args.streams, args.new_tokens)
+                if rounds is not None:
+                    await rounds.record(side, engine, t_start, time.time())
                 tokens[side] += n
                 wall[side] += w
             print(f"  round {r + 1}/{args.rounds} done", flush=True)
@@ -497,17 +591,22 @@ async def nats_rtt_ms(nats_url: str, count: int = 200) -> list[float]:
 
 
 async def run_measure(
-    args: argparse.Namespace, engine: EngineSide, base_url: str, nats_url: str
-) -> tuple[dict[str, dict[str, float]], dict[str, float] | None]:
-    observer = PathObserver() if args.breakdown else None
-    if observer is not None:
-        await observer.start(nats_url)
+    args: argparse.Namespace, engine: EngineSide, stack: Stack
+) -> tuple[dict[str, dict[str, float]], dict[str, Any] | None]:
+    """The measurements, and with --breakdown their split: {"ttft": PathObserver's,
+    "rounds": RoundBreakdown's}."""
+    if not args.breakdown:
+        return await measure(args, engine, stack.base_url, None), None
+    observer, rounds = PathObserver(), RoundBreakdown(stack.redis_url)
+    await observer.start(stack.nats_url)
     try:
-        measured = await measure(args, engine, base_url, observer)
+        measured = await measure(args, engine, stack.base_url, observer, rounds)
     finally:
-        if observer is not None:
-            await observer.close()
-    return measured, None if observer is None or not observer.rows else observer.summary()
+        await observer.close()
+    return measured, {
+        "ttft": observer.summary() if observer.rows else {},
+        "rounds": rounds.summary(),
+    }
 
 
 def cpu_layout(mode: str) -> tuple[list[int], list[int]]:
@@ -523,7 +622,16 @@ def cpu_layout(mode: str) -> tuple[list[int], list[int]]:
     return allowed[-1:], allowed[:-1]
 
 
-def run_stack(args: argparse.Namespace, work: Path) -> tuple[list, str, str]:  # type: ignore[type-arg]
+class Stack(NamedTuple):
+    """The services run_stack started."""
+
+    procs: list[subprocess.Popen[bytes]]  # NATS, Redis, estimator, worker, gateway
+    base_url: str  # the gateway's
+    nats_url: str
+    redis_url: str
+
+
+def run_stack(args: argparse.Namespace, work: Path) -> Stack:
     nats = start_nats("127.0.0.1", None, work / "nats", cpus=args.rest_cpus)
     redis = start_redis("127.0.0.1", None, cpus=args.rest_cpus)
     port = free_port()
@@ -573,7 +681,7 @@ def run_stack(args: argparse.Namespace, work: Path) -> tuple[list, str, str]:  #
     while time.monotonic() < deadline:
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return procs, base, nats.url
+                return Stack(procs, base, nats.url, redis.url)
         except httpx.HTTPError:
             pass
         for name, proc in zip(("estimator", "worker", "gateway"), procs[2:], strict=True):
@@ -658,15 +766,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-gateway-") as tmp:
         print(f"CPUs: {layout}", flush=True)
         print("starting nats, redis, estimator, worker, gateway ...", flush=True)
-        procs, base, nats_url = run_stack(args, Path(tmp))
+        stack = run_stack(args, Path(tmp))
         try:
             print(f"loading {args.model} ({args.dtype}) in process too ...", flush=True)
-            measured, breakdown = uvloop.run(run_measure(args, EngineSide(args), base, nats_url))
+            measured, breakdown = uvloop.run(run_measure(args, EngineSide(args), stack))
             engine, gateway = measured["engine"], measured["gateway"]
-            rtts = uvloop.run(nats_rtt_ms(nats_url))
+            rtts = uvloop.run(nats_rtt_ms(stack.nats_url))
             floors = uvloop.run(http_floor_ms(args))
         finally:
-            for p in reversed(procs):
+            for p in reversed(stack.procs):
                 stop_process_group(p, 15)
     floor = floors[args.client]
     result = {
@@ -697,7 +805,8 @@ def main() -> int:
         "load_average_1m": os.getloadavg()[0],
     }
     if breakdown is not None:
-        result["gateway_ttft_breakdown"] = breakdown
+        result["gateway_ttft_breakdown"] = breakdown["ttft"]
+        result["round_breakdown"] = breakdown["rounds"]
     print(f"\n{'':24}{'engine':>12}{'gateway':>12}{'added/ratio':>14}")
     print(
         f"{'TTFT p50 (ms)':24}{engine['ttft_ms_p50']:12.2f}{gateway['ttft_ms_p50']:12.2f}"
@@ -731,13 +840,38 @@ def main() -> int:
     if breakdown is not None:
         print(
             "gateway TTFT p50 split (ms): "
-            + ", ".join(f"{k.removesuffix('_ms_p50')} {v:.2f}" for k, v in breakdown.items())
+            + ", ".join(
+                f"{k.removesuffix('_ms_p50')} {v:.2f}" for k, v in breakdown["ttft"].items()
+            )
         )
+        print_round_breakdown(breakdown["rounds"])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
         print(f"\nwrote {args.out}")
     return 0
+
+
+def print_round_breakdown(sides: dict[str, dict[str, float]]) -> None:
+    """RoundBreakdown's means per throughput round, the two sides side by side."""
+    if not all(sides.values()):
+        print("throughput rounds: no batch samples in the rounds' windows")
+        return
+    rows = (
+        ("lead before the 1st step (ms)", "lead_ms", ".2f"),
+        ("steps", "steps", ".1f"),
+        ("compute per step (ms)", "step_ms", ".3f"),
+        ("gap between steps p50 (us)", "gap_us_p50", ".0f"),
+        ("gaps in all (ms)", "gaps_ms", ".1f"),
+        ("tail after the last step (ms)", "tail_ms", ".2f"),
+        ("round (ms)", "wall_ms", ".1f"),
+    )
+    print(
+        f"{'throughput round, mean (batch samples)':34}{'engine':>12}{'gateway':>12}{'added':>14}"
+    )
+    for label, key, fmt in rows:
+        e, g = sides["engine"][key], sides["gateway"][key]
+        print(f"  {label:32}{e:12{fmt}}{g:12{fmt}}{g - e:+14{fmt}}")
 
 
 if __name__ == "__main__":

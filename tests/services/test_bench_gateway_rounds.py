@@ -1,0 +1,85 @@
+"""`bench_gateway.py --breakdown`'s throughput-round anatomy: a round split from batch
+samples (lead, steps, gaps, tail), and the worker's samples read back from Redis where
+the worker writes them (Store.write_snapshot, the bench's namespace and instance id)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from shared import keys
+from shared.scheduling.snapshot import BatchSample
+from shared.store import Store
+from tests.scripts import load_script
+
+bench = load_script("bench_gateway")
+
+
+def sample(start_s: float, duration_s: float) -> BatchSample:
+    return BatchSample(
+        wall_time_s=start_s,
+        duration_s=duration_s,
+        num_prefill_tokens=0,
+        num_decode_tokens=16,
+        chunk_sizes=[],
+        context_lens=[40] * 16,
+        num_running=16,
+        num_waiting=0,
+    )
+
+
+# a round from t0 = 100 s to 100.009 s: three 2 ms steps starting 1 ms, 3.5 ms and
+# 6.5 ms in (gaps 0.5 and 1.0 ms), the client done 0.5 ms after the last one; one step
+# before the round and one after it belong to other rounds
+ROUND = [sample(100.0 + s, 0.002) for s in (0.001, 0.0035, 0.0065)]
+OTHERS = [sample(99.99, 0.002), sample(100.02, 0.002)]
+
+
+def test_a_round_splits_into_lead_steps_gaps_and_tail() -> None:
+    anatomy = bench.RoundAnatomy()
+    anatomy.add(list(reversed(ROUND)) + OTHERS, 100.0, 100.009)  # any order
+    got = anatomy.summary()
+    assert got["steps"] == 3
+    assert got["lead_ms"] == pytest.approx(1.0)
+    assert got["step_ms"] == pytest.approx(2.0)
+    assert got["gap_us_p50"] == pytest.approx(750.0)  # between 500 and 1000
+    assert got["gaps_ms"] == pytest.approx(1.5)
+    assert got["tail_ms"] == pytest.approx(0.5)
+    assert got["wall_ms"] == pytest.approx(9.0)
+
+
+def test_the_summary_is_the_mean_of_the_rounds_and_empty_windows_are_skipped() -> None:
+    anatomy = bench.RoundAnatomy()
+    anatomy.add(ROUND, 100.0, 100.009)
+    anatomy.add([sample(200.004, 0.004)], 200.0, 200.010)  # one step: no gap
+    anatomy.add(ROUND, 300.0, 300.010)  # no sample in the window: not a round
+    got = anatomy.summary()
+    assert got["steps"] == pytest.approx(2.0)
+    assert got["lead_ms"] == pytest.approx(2.5)
+    assert got["step_ms"] == pytest.approx(3.0)
+    assert got["gaps_ms"] == pytest.approx(0.75)
+    assert bench.RoundAnatomy().summary() == {}
+
+
+async def test_the_worker_side_reads_the_samples_the_worker_wrote(redis_url: str) -> None:
+    store = Store(redis_url, "bench")
+    await store.connect()
+    try:
+        await store.write_snapshot(
+            "bench-0",
+            1,
+            b"\x90",
+            ttl_s=10,
+            samples=[msgspec.msgpack.encode(s) for s in ROUND + OTHERS],
+        )
+        rounds = bench.RoundBreakdown(redis_url)
+        await rounds.record("gateway", None, 100.0, 100.009)
+        got = rounds.summary()
+        assert got["gateway"]["steps"] == 3
+        assert got["gateway"]["tail_ms"] == pytest.approx(0.5)
+        assert got["engine"] == {}
+    finally:
+        await store.redis.delete(
+            keys.batch_samples("bench", "bench-0"), keys.snapshot("bench", "bench-0")
+        )
+        await store.close()
