@@ -14,7 +14,10 @@ round by round (throughput), so a change in background load hits both alike.
 Each TTFT request follows an idle gap (--idle-ms, 50 by default: both sides start
 cold, as at low load); the same requests are then also sent back to back (warm
 processes, as under steady load) and reported beside them.
-Prints the added TTFT p50/p99 and the tokens/s ratio, and as anchors the bare
+Prints the added TTFT p50/p99 and the tokens/s ratio (all rounds' tokens over all
+their time, and beside it the median of each gateway round against the engine round
+next to it, with their spread: a slow phase of the host that hit one side's rounds
+shows there), and as anchors the bare
 NATS request/reply time between two processes, the HTTP floor (the same client
 against a server that answers at once: what HTTP alone adds, no gateway behind
 it; also for the other client) and the load average; JSON to --out:
@@ -436,13 +439,14 @@ async def measure(
     base_url: str,
     observer: PathObserver | None,
     rounds: RoundBreakdown | None = None,
-) -> dict[str, dict[str, float]]:
+) -> dict[str, dict[str, Any]]:
     """Alternate the two paths round by round, so background load drifts hit both alike."""
     ttft: dict[str, list[float]] = {"engine": [], "gateway": []}
     # the same requests back to back (no idle gap): warm processes, as under steady load
     warm: dict[str, list[float]] = {"engine": [], "gateway": []}
     tokens = {"engine": 0, "gateway": 0}
     wall = {"engine": 0.0, "gateway": 0.0}
+    round_rates: dict[str, list[float]] = {"engine": [], "gateway": []}  # tok/s per round
     async with Client(args.client, base_url, args.streams + 4) as client:
         for i in range(3):  # warm-up both
             engine.ttft_s(i, args.ttft_tokens)
@@ -476,6 +480,7 @@ async def measure(
                     await rounds.record(side, engine, t_start, time.time())
                 tokens[side] += n
                 wall[side] += w
+                round_rates[side].append(n / w)
             print(f"  round {r + 1}/{args.rounds} done", flush=True)
     return {
         side: {
@@ -484,6 +489,7 @@ async def measure(
             "ttft_ms_p99_back_to_back": 1e3 * percentile(warm[side], 0.99),
             "ttft_ms_p99": 1e3 * percentile(ttft[side], 0.99),
             "tok_s": tokens[side] / wall[side],
+            "round_tok_s": round_rates[side],
             "num_tokens": tokens[side],
             "wall_s": wall[side],
         }
@@ -592,7 +598,7 @@ async def nats_rtt_ms(nats_url: str, count: int = 200) -> list[float]:
 
 async def run_measure(
     args: argparse.Namespace, engine: EngineSide, stack: Stack
-) -> tuple[dict[str, dict[str, float]], dict[str, Any] | None]:
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
     """The measurements, and with --breakdown their split: {"ttft": PathObserver's,
     "rounds": RoundBreakdown's}."""
     if not args.breakdown:
@@ -791,6 +797,11 @@ def main() -> int:
         "added_ttft_ms_p50": gateway["ttft_ms_p50"] - engine["ttft_ms_p50"],
         "added_ttft_ms_p99": gateway["ttft_ms_p99"] - engine["ttft_ms_p99"],
         "stream_tok_s_ratio": gateway["tok_s"] / engine["tok_s"],
+        # each gateway round against the engine round next to it (they alternate): a
+        # slow phase of the host that hits one side's rounds shows as a spread here
+        "stream_tok_s_ratio_by_round": [
+            g / e for g, e in zip(gateway["round_tok_s"], engine["round_tok_s"], strict=True)
+        ],
         "added_ttft_ms_p50_back_to_back": gateway["ttft_ms_p50_back_to_back"]
         - engine["ttft_ms_p50_back_to_back"],
         "added_ttft_ms_p99_back_to_back": gateway["ttft_ms_p99_back_to_back"]
@@ -824,6 +835,11 @@ def main() -> int:
     print(
         f"{f'tok/s @ {args.streams} streams':24}{engine['tok_s']:12.1f}{gateway['tok_s']:12.1f}"
         f"{result['stream_tok_s_ratio']:14.3f}   target >= 0.90"
+    )
+    by_round = result["stream_tok_s_ratio_by_round"]
+    print(
+        f"{'  per round pair':24}{'':24}{percentile(by_round, 0.5):14.3f}   median; "
+        f"{min(by_round):.3f}-{max(by_round):.3f} over {len(by_round)} pairs"
     )
     print(
         f"{'NATS RTT (ms), anchor':24}{'':12}{result['nats_rtt_ms_p50']:12.2f}"
