@@ -58,6 +58,7 @@ from build_models import (
 )
 
 from services.worker.engine.delta import read_delta
+from services.worker.engine.hf_twin import cache_kwarg
 
 
 @dataclass
@@ -117,17 +118,16 @@ def decode_ms(
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 40000, (batch, context), generator=g)
     caches = [DynamicCache() for _ in models]
+    kwarg = cache_kwarg(models[0])
     nxt = [
-        m(input_ids=ids, past_key_values=c, use_cache=True).logits[:, -1:].argmax(-1)
+        m(input_ids=ids, use_cache=True, **{kwarg: c}).logits[:, -1:].argmax(-1)
         for m, c in zip(models, caches, strict=True)
     ]
     times: list[list[float]] = [[] for _ in models]
     for i in range(warmup + steps):
         for k, (m, c) in enumerate(zip(models, caches, strict=True)):
             t = time.perf_counter()
-            nxt[k] = (
-                m(input_ids=nxt[k], past_key_values=c, use_cache=True).logits[:, -1:].argmax(-1)
-            )
+            nxt[k] = m(input_ids=nxt[k], use_cache=True, **{kwarg: c}).logits[:, -1:].argmax(-1)
             if i >= warmup:
                 times[k].append((time.perf_counter() - t) * 1000)
     return [statistics.median(t) for t in times]

@@ -20,13 +20,16 @@ def hf_twin(model: torch.nn.Module) -> torch.nn.Module:
 
 def hf_greedy(hf: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
     """HF's own forward with its KV cache, argmax each step, EOS not special."""
+    from services.worker.engine.hf_twin import cache_kwarg, returned_cache
+
     out: list[int] = []
+    kwarg = cache_kwarg(hf)
     with torch.inference_mode():
         res = hf(torch.tensor([prompt]), use_cache=True)
         for _ in range(max_new_tokens):
             tok = int(res.logits[0, -1].argmax())
             out.append(tok)
-            res = hf(torch.tensor([[tok]]), past_key_values=res.past_key_values, use_cache=True)
+            res = hf(torch.tensor([[tok]]), use_cache=True, **{kwarg: returned_cache(res)})
     return out
 
 

@@ -3,6 +3,9 @@ tests and the anchor in engine benchmarks. Needs the `transformers` package (dev
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import torch
 
 from services.worker.engine.model import CausalLM
@@ -25,3 +28,15 @@ def build_hf_twin(model: CausalLM, dtype: torch.dtype = torch.float32) -> torch.
     if cfg.tie_word_embeddings:
         hf.tie_weights()
     return hf.eval()
+
+
+def cache_kwarg(hf: torch.nn.Module) -> str:
+    """The forward() keyword that takes the KV cache: `cache` in transformers 5.x, where
+    `past_key_values` is deprecated (removed in 5.40), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+
+
+def returned_cache(output: Any) -> Any:
+    """The KV cache a forward() returned, under either name (see `cache_kwarg`)."""
+    fields = getattr(type(output), "__dataclass_fields__", {})
+    return output.cache if "cache" in fields else output.past_key_values
