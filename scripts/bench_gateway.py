@@ -316,8 +316,11 @@ class RoundBreakdown:
         self.redis_url = redis_url
         self.sides = {"engine": RoundAnatomy(), "gateway": RoundAnatomy()}
 
-    async def record(self, side: str, engine: EngineSide, t0: float, t1: float) -> None:
+    async def record(self, side: str, engine: EngineSide | None, t0: float, t1: float) -> None:
+        """Add the round [t0, t1] of `side` ("engine": the in-process engine's samples,
+        popped from `engine`; "gateway": the worker's, from Redis)."""
         if side == "engine":
+            assert engine is not None
             samples = engine.engine.pop_batch_samples()
         else:
             await asyncio.sleep(self.SAMPLES_SETTLE_S)
