@@ -420,14 +420,12 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
         )
 
     def service_cpus(self, service: str) -> list[int]:
-        """`cpus` of a service's own section: gateway, estimator, batcher or relay."""
-        sections: dict[str, GatewayConfig | EstimatorConfig | BatcherConfig | RelayConfig] = {
-            "gateway": self.gateway,
-            "estimator": self.estimator,
-            "batcher": self.batcher,
-            "relay": self.relay,
-        }
-        return sections[service].cpus
+        """`cpus` of a service's own section (one of SERVICES_WITH_CPUS)."""
+        if service not in SERVICES_WITH_CPUS:
+            raise KeyError(f"[{service}] takes no cpus")
+        section: GatewayConfig | EstimatorConfig | BatcherConfig | RelayConfig
+        section = getattr(self, service)
+        return section.cpus
 
     def cpu_settings(self) -> list[tuple[str, list[int]]]:
         """(where, cpus) of every process the cluster file pins, for one check up front."""

@@ -16,11 +16,16 @@ from shared.config import (
     ModelConfig,
     PresetConfig,
     RelayConfig,
+    WorkerConfig,
     require_token,
 )
 
 if TYPE_CHECKING:
     from services.worker.engine.config import EngineConfig
+
+
+# The cluster file's [worker] defaults, for a config built without one (tests)
+_WORKER_DEFAULTS = WorkerConfig()
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,7 @@ class WorkerServiceConfig:
     max_batch_samples: int
     # At most one snapshot write per this long (the newest state always written; 0: one
     # after every iteration, one in flight at a time)
-    snapshot_interval_s: float = 0.005
+    snapshot_interval_s: float = _WORKER_DEFAULTS.snapshot_interval_ms / 1000
     # The token-level presets this model takes part in (services/worker/routing/).
     token_presets: dict[str, PresetConfig] = field(default_factory=dict)
     relay: RelayConfig = field(default_factory=lambda: RelayConfig())
@@ -49,9 +54,10 @@ class WorkerServiceConfig:
     # two thread hand-offs where they cost more than the loop's overlapped I/O (a quiet
     # worker's TTFT, a fast model's decode); a long step runs in a thread so the loop
     # stays free to take the inbox and publish (docs/services.md, worker).
-    max_inline_step_tokens: int = 256
-    max_inline_step_ms: float = 20.0
-    batch_time_speed_alpha: float = 0.2  # the snapshot's batch_time_speed EWMA; 0: off
+    max_inline_step_tokens: int = _WORKER_DEFAULTS.max_inline_step_tokens
+    max_inline_step_ms: float = _WORKER_DEFAULTS.max_inline_step_ms
+    # the snapshot's batch_time_speed EWMA; 0: off
+    batch_time_speed_alpha: float = _WORKER_DEFAULTS.batch_time_speed_alpha
 
     @classmethod
     def from_cluster(
