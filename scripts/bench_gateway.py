@@ -306,39 +306,31 @@ class RoundAnatomy:
 
 
 class RoundBreakdown:
-    """--breakdown: both sides' RoundAnatomy, fed after every throughput round."""
+    """--breakdown: both sides' RoundAnatomy, fed after every throughput round; the
+    worker's samples are read over `store` (connected by the caller, for the run)."""
 
     # the worker writes its samples with its snapshot, at most snapshot_interval_ms
     # (5 by default) after the step: wait this long before reading a round's last ones
     SAMPLES_SETTLE_S = 0.1
 
-    def __init__(self, redis_url: str) -> None:
-        self.redis_url = redis_url
+    def __init__(self, store: Any) -> None:  # shared.store.Store, namespace "bench"
+        from shared.scheduling.snapshot import BatchSample
+
+        self.store = store
         self.sides = {"engine": RoundAnatomy(), "gateway": RoundAnatomy()}
+        self._decoder = msgspec.msgpack.Decoder(BatchSample)
 
     async def record(self, side: str, engine: EngineSide | None, t0: float, t1: float) -> None:
         """Add the round [t0, t1] of `side` ("engine": the in-process engine's samples,
-        popped from `engine`; "gateway": the worker's, from Redis)."""
+        popped from `engine`; "gateway": the worker's newest, from Redis)."""
         if side == "engine":
             assert engine is not None
             samples = engine.engine.pop_batch_samples()
         else:
             await asyncio.sleep(self.SAMPLES_SETTLE_S)
-            samples = await self._worker_samples()
+            raw = await self.store.read_samples("bench-0", 2000)
+            samples = [self._decoder.decode(b) for b in raw]
         self.sides[side].add(samples, t0, t1)
-
-    async def _worker_samples(self, count: int = 2000) -> list[Any]:
-        """The bench worker's newest `count` batch samples, from Redis."""
-        from shared.scheduling.snapshot import BatchSample
-        from shared.store import Store
-
-        store = Store(self.redis_url, "bench")
-        await store.connect()
-        try:
-            decoder = msgspec.msgpack.Decoder(BatchSample)
-            return [decoder.decode(raw) for raw in await store.read_samples("bench-0", count)]
-        finally:
-            await store.close()
 
     def summary(self) -> dict[str, dict[str, float]]:
         return {side: anatomy.summary() for side, anatomy in self.sides.items()}
@@ -606,12 +598,17 @@ async def run_measure(
     "rounds": RoundBreakdown's}."""
     if not args.breakdown:
         return await measure(args, engine, stack.base_url, None), None
-    observer, rounds = PathObserver(), RoundBreakdown(stack.redis_url)
+    from shared.store import Store
+
+    observer, store = PathObserver(), Store(stack.redis_url, "bench")
+    rounds = RoundBreakdown(store)
     await observer.start(stack.nats_url)
+    await store.connect()
     try:
         measured = await measure(args, engine, stack.base_url, observer, rounds)
     finally:
         await observer.close()
+        await store.close()
     return measured, {
         "ttft": observer.summary() if observer.rows else {},
         "rounds": rounds.summary(),

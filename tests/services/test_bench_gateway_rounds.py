@@ -72,7 +72,7 @@ async def test_the_worker_side_reads_the_samples_the_worker_wrote(redis_url: str
             ttl_s=10,
             samples=[msgspec.msgpack.encode(s) for s in ROUND + OTHERS],
         )
-        rounds = bench.RoundBreakdown(redis_url)
+        rounds = bench.RoundBreakdown(store)
         await rounds.record("gateway", None, 100.0, 100.009)
         got = rounds.summary()
         assert got["gateway"]["steps"] == 3
