@@ -25,7 +25,9 @@ it; also for the other client) and the load average; JSON to --out:
   {"added_ttft_ms_p50": ..., "added_ttft_ms_p99": ..., "stream_tok_s_ratio": ..., ...}
 
 With --breakdown a passive NATS subscriber also splits the gateway TTFT at the
-two bus crossings (http->submit, worker, delta->sse; p50 of each), and each side's
+two bus crossings (http->submit, worker, delta->sse; p50 of each: only for requests
+that cross NATS, so with `--worker link=false`; by default they take the gateway's
+direct link to the worker, shared/link.py), and each side's
 throughput rounds are taken apart from the engines' batch samples (the in-process
 engine's own, the worker's from Redis): steps per round, compute per step, the gap
 between steps (time spent outside engine.step), the lead before the first step and
@@ -854,11 +856,13 @@ def main() -> int:
     )
     print(f"CPUs: {layout}")
     if breakdown is not None:
+        split = breakdown["ttft"]
         print(
             "gateway TTFT p50 split (ms): "
-            + ", ".join(
-                f"{k.removesuffix('_ms_p50')} {v:.2f}" for k, v in breakdown["ttft"].items()
-            )
+            + ", ".join(f"{k.removesuffix('_ms_p50')} {v:.2f}" for k, v in split.items())
+            if split
+            else "gateway TTFT split: none (it times the NATS crossings; requests took the "
+            "direct link: --worker link=false sends them over NATS)"
         )
         print_round_breakdown(breakdown["rounds"])
     if args.out:

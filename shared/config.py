@@ -126,6 +126,9 @@ class Env:
     DEVICE = EnvVar("BATON_DEVICE", "engine device for every model: cpu | cuda")
     THREADS = EnvVar("BATON_THREADS", "torch threads per worker process")
     INSTANCE_ID = EnvVar("BATON_INSTANCE_ID", "worker instance id (default: model-host-pid)")
+    LINK_HOST = EnvVar(
+        "BATON_LINK_HOST", "where a worker's direct link listens ([worker] link_host; 0.0.0.0: all)"
+    )
     MODEL = EnvVar("BATON_MODEL", "model a worker serves (when not given on the command line)")
     GATEWAY_ID = EnvVar("BATON_GATEWAY_ID", "gateway id (default: host-pid)")
     API_KEY = EnvVar(
@@ -230,6 +233,14 @@ class WorkerConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # Weight of the newest iteration in the snapshot's batch_time_speed (measured /
     # modeled batch time lately, services/estimator/sfs/speed.py); 0: always 1.
     batch_time_speed_alpha: float = 0.2
+    # Gateways send a worker its requests, and take their tokens back, over one direct
+    # TCP link per worker (shared/link.py: one hop, no NATS server between); false:
+    # everything over NATS. A request goes over NATS whenever its worker's link is down.
+    link: bool = True
+    link_host: str = "127.0.0.1"  # where a worker's link listens ("0.0.0.0": everywhere)
+    link_port: int = 0  # 0: a free port (each worker of a host its own)
+    # the host gateways dial; "": link_host, or this host's address when that is 0.0.0.0
+    link_advertise_host: str = ""
 
 
 class BatcherConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -545,6 +556,10 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
             raise ConfigError(f"[relay] guest_idle_s must be > 0, got {r.guest_idle_s}")
         if not 0 < self.gateway.port < 65536:
             raise ConfigError(f"gateway port out of range: {self.gateway.port}")
+        if not 0 <= self.worker.link_port < 65536:
+            raise ConfigError(
+                f"[worker] link_port out of range (0: a free port): {self.worker.link_port}"
+            )
 
 
 def parse_cluster(text: str, environ: Mapping[str, str] | None = None) -> ClusterConfig:
@@ -589,6 +604,8 @@ def _apply_env(raw: dict, environ: Mapping[str, str] | None) -> None:
         gateway["port"] = port
     if (api_key := Env.API_KEY.get(environ)) is not None:
         gateway["api_keys"] = [*gateway.get("api_keys", []), api_key]
+    if (link_host := Env.LINK_HOST.get(environ)) is not None:
+        raw.setdefault("worker", {})["link_host"] = link_host
     for model in raw.get("models", {}).values():
         if (dtype := Env.DTYPE.get(environ)) is not None:
             model["dtype"] = dtype

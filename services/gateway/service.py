@@ -14,11 +14,14 @@ import uuid
 from typing import Any
 
 from services.gateway.config import GatewayServiceConfig
+from services.gateway.links import WorkerLinks
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.streams import RequestStream, StreamManager
 from shared import subjects
 from shared.bus import Bus, is_no_responders
+from shared.link import FrameLink
 from shared.logging import RetryLog, get_logger
+from shared.messages import encode
 from shared.messages.estimator import (
     ROUTE_REPLY_DECODER,
     RequestDoneEvent,
@@ -104,6 +107,8 @@ class GatewayService:
             self.cluster.worker.heartbeat_ttl_s, 3 * self.settings.registry_refresh_s
         )
         self._liveness_failures = RetryLog(log, "gateway_register_failed")
+        # direct links to the workers that offer one (requests and their tokens)
+        self.links = WorkerLinks(ns, self.owner_token, self.streams.dispatch, self._link_lost)
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -131,6 +136,7 @@ class GatewayService:
             await asyncio.wait([self._refresh_task], timeout=2.0)
         if self._background:
             await asyncio.wait(self._background, timeout=2.0)
+        await self.links.close()
         with contextlib.suppress(Exception):  # best effort: it expires anyway
             await asyncio.wait_for(self.store.deregister_gateway(self.owner_token), 2.0)
         await self.bus.close()
@@ -191,6 +197,13 @@ class GatewayService:
             await asyncio.sleep(period_s)
             self.streams.mark_silent(timeout_s, time.monotonic())
 
+    def _link_lost(self, link: FrameLink) -> None:
+        num = self.streams.fail_link(
+            link, f"lost the connection to worker {link.name} while it served the request"
+        )
+        if num:
+            log.warning("worker_link_lost", instance_id=link.name, num_failed=num)
+
     def _drop_request_gauges(self, instance_id: str) -> None:
         for state in ("running", "waiting"):
             with contextlib.suppress(KeyError):
@@ -217,6 +230,7 @@ class GatewayService:
                 with contextlib.suppress(KeyError):
                     self.metrics.batch_time_fit_mape.remove(gone, fitted)
         self.workers = live
+        self.links.sync(live)
         self._snapshots.keep_only(live)
         self.metrics.live_workers.set(sum(not w.is_draining for w in live.values()))
         snapshots = self._snapshots.decode(await self.store.read_snapshots(list(live)))
@@ -368,11 +382,15 @@ class GatewayService:
             owner=self.owner_token,
         )
         stream.submitted_at = time.perf_counter()
-        try:
-            await self.bus.publish(reply.inbox, msg)
-        except BaseException:  # never sent: nothing will answer, nobody will close it
-            self.streams.close(request_id)
-            raise
+        link = self.links.get(reply.instance_id)
+        if link is not None and link.send(encode(msg)):
+            stream.link = link  # its tokens come back on it, its abort goes on it
+        else:
+            try:
+                await self.bus.publish(reply.inbox, msg)
+            except BaseException:  # never sent: nothing will answer, nobody will close it
+                self.streams.close(request_id)
+                raise
         self._unshown.add(reply.instance_id, request_id)
         return stream
 
@@ -381,7 +399,9 @@ class GatewayService:
         self.streams.close(stream.request_id)
         self._unshown.discard(stream.instance_id, stream.request_id)
         inbox = self.workers.get(stream.instance_id)
-        if aborted and inbox is not None:
+        if aborted and stream.link is not None:  # where it went (a closed link: aborted there)
+            stream.link.send(encode(AbortRequest(request_id=stream.request_id)))
+        elif aborted and inbox is not None:
             self._spawn(self.bus.publish(inbox.inbox, AbortRequest(request_id=stream.request_id)))
         done = RequestDoneEvent(
             request_id=stream.request_id,

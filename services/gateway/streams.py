@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.messages.gateway import DeltaBatch, GatewayEvent, RequestFailed
 
@@ -37,6 +38,8 @@ class RequestStream:
     predicted_ttft_ms: float | None = None
     submitted_at: float | None = None
     first_token_at: float | None = None
+    # the direct link (shared/link.FrameLink) it was submitted on; None: over NATS
+    link: Any = None
 
     def ttft_ms(self) -> float | None:
         """Submit -> first token at this gateway, ms (None before the first)."""
@@ -68,6 +71,10 @@ class StreamManager:
         self._streams.pop(request_id, None)
 
     async def on_batch(self, batch: DeltaBatch) -> None:
+        """The NATS inbox's handler: `dispatch`."""
+        self.dispatch(batch)
+
+    def dispatch(self, batch: DeltaBatch) -> None:
         """Dispatch one worker iteration's events (events of closed streams are dropped)."""
         now = time.monotonic()
         for event in batch.events:
@@ -90,6 +97,16 @@ class StreamManager:
                 stream.last_event_at = now  # queued once: the handler ends the stream
                 silent += 1
         return silent
+
+    def fail_link(self, link: object, message: str) -> int:
+        """A direct link closed: fail every stream submitted on it (its worker aborts
+        them on its side). Returns how many."""
+        failed = 0
+        for stream in self._streams.values():
+            if stream.link is link:
+                stream.events.put_nowait(RequestFailed(stream.request_id, 503, message))
+                failed += 1
+        return failed
 
     def fail_instance(self, instance_id: str, message: str) -> int:
         """A worker is gone: fail every stream it was serving. Returns how many."""

@@ -58,6 +58,11 @@ class WorkerServiceConfig:
     max_inline_step_ms: float = _WORKER_DEFAULTS.max_inline_step_ms
     # the snapshot's batch_time_speed EWMA; 0: off
     batch_time_speed_alpha: float = _WORKER_DEFAULTS.batch_time_speed_alpha
+    # the direct link gateways dial (shared/link.py); link = False: NATS only
+    link: bool = _WORKER_DEFAULTS.link
+    link_host: str = _WORKER_DEFAULTS.link_host
+    link_port: int = _WORKER_DEFAULTS.link_port
+    link_advertise_host: str = _WORKER_DEFAULTS.link_advertise_host
 
     @classmethod
     def from_cluster(
@@ -88,6 +93,10 @@ class WorkerServiceConfig:
             max_inline_step_tokens=cluster.worker.max_inline_step_tokens,
             max_inline_step_ms=cluster.worker.max_inline_step_ms,
             batch_time_speed_alpha=cluster.worker.batch_time_speed_alpha,
+            link=cluster.worker.link,
+            link_host=cluster.worker.link_host,
+            link_port=cluster.worker.link_port,
+            link_advertise_host=cluster.worker.link_advertise_host,
             token_presets={n: p for n, p in cluster.token_presets().items() if model in p.models},
             relay=cluster.relay,
         )

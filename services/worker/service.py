@@ -1,11 +1,12 @@
 """The worker service: one engine, driven by a loop of numbered steps.
 
-    inbox (NATS callback) --> deque --+
+    inbox (NATS callback, or a gateway's direct link) --> deque --+
                                       v
     loop:  1. take inbox     add_request / abort_request (errors -> RequestFailed)
            2. step           engine.step() in a thread (the event loop stays free), or
                              inline when it is short (below)
-           3. publish        one DeltaBatch per owning gateway
+           3. publish        one DeltaBatch per owning gateway, on the link its
+                             requests came on (shared/link.py), else over NATS
            4. record         snapshot + batch samples -> Redis (overlaps the next step;
                              one write at a time, the newest snapshot each)
 
@@ -47,10 +48,12 @@ import msgspec
 from services.estimator.sfs.batch_time import BatchTimeModel
 from services.estimator.sfs.speed import RecentSpeed
 from services.worker.config import WorkerServiceConfig, create_engine
+from services.worker.links import GatewayLinks
 from services.worker.routing.link import RoutingLink
 from services.worker.routing.runtime import Outbox, TokenRouting
 from shared import subjects
 from shared.bus import Bus, is_no_responders
+from shared.link import FrameLink
 from shared.logging import RetryLog, get_logger
 from shared.messages import encode
 from shared.messages.gateway import DeltaBatch, GatewayEvent, RequestFailed, TokenDelta
@@ -86,6 +89,15 @@ class Owner(NamedTuple):
 
     reply_to: str  # the owning gateway's inbox subject
     gateway: str  # its liveness token (SubmitRequest.owner; `_abort_orphans`); "": unchecked
+    link: FrameLink | None = None  # the direct link it came on: its answers go there
+
+    @property
+    def dest(self) -> Dest:
+        return self.reply_to if self.link is None else self.link
+
+
+# Where a gateway event goes: a direct link, or a NATS subject (the gateway's inbox).
+Dest = str | FrameLink
 
 
 def _timed(step: Callable[[], list[Any]]) -> tuple[list[Any], float]:
@@ -107,7 +119,9 @@ class WorkerService:
         self._engine: Any = None
         self._bus = Bus(cfg.nats_url, name=f"worker-{cfg.instance_id}")
         self._store = Store(cfg.redis_url, cfg.namespace)
-        self._inbox: deque[WorkerInbound] = deque()
+        # what came in, with the direct link it came on (None: over NATS)
+        self._inbox: deque[tuple[WorkerInbound, FrameLink | None]] = deque()
+        self._links: GatewayLinks | None = None  # gateways' direct links (cfg.link)
         self._wakeup = asyncio.Event()
         self._stop = asyncio.Event()
         self._owners: dict[str, Owner] = {}  # request id -> its owning gateway
@@ -115,6 +129,7 @@ class WorkerService:
         self._num_steps = 0
         self.num_inline_steps = 0  # of them, run on the event loop (short steps)
         self.num_failed_steps = 0  # steps that raised (their requests failed with a 500)
+        self.num_link_requests = 0  # requests admitted from a direct link (not NATS)
         self._consecutive_step_failures = 0
         self._write_failures = RetryLog(log, "snapshot_write_failed")  # Redis outages
         # Prompt tokens admitted since the last step: the size of an inline step's prefill.
@@ -185,6 +200,17 @@ class WorkerService:
         await self._bus.connect()
         await self._store.connect()
         await self._bus.subscribe(self.inbox_subject, WORKER_INBOUND_DECODER, self._on_inbound)
+        if self.cfg.link:
+            self._links = GatewayLinks(
+                self.cfg.namespace,
+                self.cfg.instance_id,
+                self._started_at_s,
+                self._on_link_inbound,
+                self._on_link_lost,
+            )
+            await self._links.start(
+                self.cfg.link_host, self.cfg.link_port, self.cfg.link_advertise_host
+            )
         if self.cfg.token_presets:
             await self._start_routing()
         await self._bus.flush()
@@ -254,6 +280,8 @@ class WorkerService:
                 await asyncio.wait_for(self._store.deregister(self.cfg.instance_id), 2.0)
             except Exception as exc:
                 log.warning("deregister_failed", error=str(exc))
+        if self._links is not None:  # after the drain: the last deltas are written first
+            await self._links.close()
         await self._bus.close()
         await self._store.close()
         log.info(
@@ -408,22 +436,22 @@ class WorkerService:
         sched = self._engine.scheduler
         return [r.request_id for r in sched.running] + [r.request_id for r in sched.waiting]
 
-    def _take_inbox(self) -> list[tuple[str, GatewayEvent]]:
+    def _take_inbox(self) -> list[tuple[Dest, GatewayEvent]]:
         """Hand new requests and aborts to the engine; return the rejections to send."""
-        failures: list[tuple[str, GatewayEvent]] = []
+        failures: list[tuple[Dest, GatewayEvent]] = []
         while self._inbox:
-            msg = self._inbox.popleft()
+            msg, link = self._inbox.popleft()
             match msg:
                 case SubmitRequest():
-                    failure = self._admit(msg)
+                    failure = self._admit(msg, link)
                     if failure is not None:
-                        failures.append((msg.reply_to, failure))
+                        failures.append((msg.reply_to if link is None else link, failure))
                 case AbortRequest():
                     if msg.request_id in self._owners:
                         self._engine.abort_request(msg.request_id)
         return failures
 
-    def _admit(self, msg: SubmitRequest) -> RequestFailed | None:
+    def _admit(self, msg: SubmitRequest, link: FrameLink | None) -> RequestFailed | None:
         if self._is_draining:
             return RequestFailed(msg.request_id, 503, "the worker is shutting down; retry")
         if msg.request_id in self._owners:
@@ -454,19 +482,22 @@ class WorkerService:
             log.info("request_rejected", request_id=msg.request_id, error=str(exc))
             return RequestFailed(msg.request_id, 400, str(exc))
         # an owner that is not a valid key part is never checked (as none)
-        self._owners[msg.request_id] = Owner(msg.reply_to, msg.owner if is_token(msg.owner) else "")
+        self._owners[msg.request_id] = Owner(
+            msg.reply_to, msg.owner if is_token(msg.owner) else "", link
+        )
         self._num_new_prompt_tokens += len(msg.prompt_token_ids)
+        self.num_link_requests += link is not None
         if msg.preset is not None and self.routing is not None:
             self.routing.add_origin(msg.request_id, msg.preset, msg.prompt_token_ids, msg.params)
         return None
 
-    def _deltas(self, outputs: list[Any]) -> list[tuple[str, GatewayEvent]]:
-        events: list[tuple[str, GatewayEvent]] = []
+    def _deltas(self, outputs: list[Any]) -> list[tuple[Dest, GatewayEvent]]:
+        events: list[tuple[Dest, GatewayEvent]] = []
         for out in outputs:
             owner = self._owners.get(out.request_id)
             if owner is None:
                 continue
-            reply_to = owner.reply_to
+            dest = owner.dest
             counts = None
             if out.finished:
                 del self._owners[out.request_id]
@@ -483,16 +514,21 @@ class WorkerService:
                 counts,
                 out.new_top_logprobs if out.new_top_logprobs and out.new_top_logprobs[0] else None,
             )
-            events.append((reply_to, delta))
+            events.append((dest, delta))
         return events
 
-    async def _publish(self, events: list[tuple[str, GatewayEvent]]) -> None:
-        by_gateway: dict[str, list[GatewayEvent]] = {}
-        for reply_to, event in events:
-            by_gateway.setdefault(reply_to, []).append(event)
-        for reply_to, batch in by_gateway.items():
+    async def _publish(self, events: list[tuple[Dest, GatewayEvent]]) -> None:
+        """One DeltaBatch per destination: written to its link at once (a closed link's
+        are dropped: its requests are being aborted), or published over NATS."""
+        by_dest: dict[Dest, list[GatewayEvent]] = {}
+        for dest, event in events:
+            by_dest.setdefault(dest, []).append(event)
+        for dest, batch in by_dest.items():
             msg = DeltaBatch(instance_id=self.cfg.instance_id, step=self._num_steps, events=batch)
-            await self._bus.publish(reply_to, msg)
+            if isinstance(dest, str):
+                await self._bus.publish(dest, msg)
+            else:
+                dest.send(encode(msg))
 
     def _record(self, *, samples: bool) -> None:
         """Have the snapshot (and the steps' new batch samples) written in the background.
@@ -554,8 +590,27 @@ class WorkerService:
     # -- inbox, heartbeat, drain ----------------------------------------------
 
     async def _on_inbound(self, msg: WorkerInbound) -> None:
-        self._inbox.append(msg)
+        self._inbox.append((msg, None))
         self._wakeup.set()
+
+    def _on_link_inbound(self, msg: WorkerInbound, link: FrameLink) -> None:
+        self._inbox.append((msg, link))
+        self._wakeup.set()
+
+    def _on_link_lost(self, link: FrameLink) -> None:
+        """A gateway's link closed: abort the requests it brought (their gateway died or
+        was cut off, and fails them on its side), through the inbox as a client's abort."""
+        lost = [rid for rid, owner in self._owners.items() if owner.link is link]
+        # requests still in the inbox from it: admitted, then aborted right after
+        lost += [
+            m.request_id for m, lk in self._inbox if lk is link and isinstance(m, SubmitRequest)
+        ]
+        if lost:
+            log.warning("gateway_link_lost", gateway=link.name, num_aborted=len(lost))
+            self._inbox.extend((AbortRequest(request_id=rid), None) for rid in lost)
+            self._wakeup.set()
+        else:
+            log.info("gateway_unlinked", gateway=link.name)
 
     def _info(self) -> WorkerInfo:
         return WorkerInfo(
@@ -567,6 +622,7 @@ class WorkerService:
             started_at_s=self._started_at_s,
             heartbeat_at_s=time.time(),
             is_draining=self._is_draining,
+            link_addr="" if self._links is None else self._links.addr,
         )
 
     async def _register(self) -> None:
@@ -621,7 +677,7 @@ class WorkerService:
             orphans = [rid for rid, g in owners.items() if g == gid]
             log.warning("owner_gone", gateway_id=gid, num_aborted=len(orphans))
             # an abort still queued at the next check meets a fresh grace: never twice
-            self._inbox.extend(AbortRequest(request_id=rid) for rid in orphans)
+            self._inbox.extend((AbortRequest(request_id=rid), None) for rid in orphans)
             del self._gone_since[gid]
             self._wakeup.set()
 
@@ -685,17 +741,17 @@ class WorkerService:
         reason = f"the model failed on this request's batch ({type(exc).__name__}: {exc})"
         await self._publish(self._fail_all(500, reason))
 
-    def _abort_all(self, reason: str) -> list[tuple[str, GatewayEvent]]:
+    def _abort_all(self, reason: str) -> list[tuple[Dest, GatewayEvent]]:
         """Drain timed out: abort what still runs; return the failures to send its gateways."""
         log.warning("drain_timeout", num_aborted=len(self._owners))
         return self._fail_all(503, reason)
 
-    def _fail_all(self, status: int, reason: str) -> list[tuple[str, GatewayEvent]]:
+    def _fail_all(self, status: int, reason: str) -> list[tuple[Dest, GatewayEvent]]:
         """Abort every request this worker holds (their KV is freed at the next step);
         return the failures to send their gateways."""
-        failures: list[tuple[str, GatewayEvent]] = []
+        failures: list[tuple[Dest, GatewayEvent]] = []
         for request_id, owner in self._owners.items():
             self._engine.abort_request(request_id)
-            failures.append((owner.reply_to, RequestFailed(request_id, status, reason)))
+            failures.append((owner.dest, RequestFailed(request_id, status, reason)))
         self._owners.clear()
         return failures

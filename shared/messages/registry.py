@@ -31,6 +31,9 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     started_at_s: float  # wall clock (time.time()) when the process started
     heartbeat_at_s: float  # wall clock of this record
     is_draining: bool = False  # stopping: route nothing new here
+    # host:port of its direct link (shared/link.py): gateways send it requests there and
+    # get their tokens back the same way; "": NATS only ([worker] link = false)
+    link_addr: str = ""
 
 
 WORKER_INFO_DECODER = msgspec.msgpack.Decoder(WorkerInfo)

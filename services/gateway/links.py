@@ -1,0 +1,164 @@
+"""The gateway's direct links (shared/link.py): one to every live worker that offers one.
+
+`sync` follows the registry (each refresh): a worker that appears with a `link_addr`
+gets a keeper task that dials it, says hello, checks the answer against the
+registration (the same instance id and start time: an address a restarted worker took
+over is another worker) and holds the link up; when the link drops the keeper
+redials with a growing pause (`RETRY_S`) for as long as the worker stays registered.
+A worker that leaves the registry, or comes back restarted, has its link closed.
+
+`get` is the submit path's question: the link to this instance, if one is up now.
+Token deltas arriving on a link go to `on_batch` as they complete; `on_lost` hears
+of every link that closes, for the gateway to fail the requests it carried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+
+from shared.link import FrameLink, LinkError, split_addr
+from shared.logging import RetryLog, get_logger
+from shared.messages import encode
+from shared.messages.gateway import DELTA_BATCH_DECODER, DeltaBatch
+from shared.messages.link import LINK_HELLO_DECODER, LinkHello
+from shared.messages.registry import WorkerInfo
+
+log = get_logger(component="gateway")
+
+RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)  # pauses between dials of one worker, then 2 s
+
+
+class WorkerLinks:
+    """Direct links to workers, kept up while they are registered."""
+
+    def __init__(
+        self,
+        namespace: str,
+        owner_token: str,
+        on_batch: Callable[[DeltaBatch], None],
+        on_lost: Callable[[FrameLink], None],
+        connect_timeout_s: float = 2.0,
+    ) -> None:
+        self._namespace = namespace
+        self._hello = encode(LinkHello(namespace=namespace, sender=owner_token))
+        self._on_batch = on_batch
+        self._on_lost = on_lost
+        self._connect_timeout_s = connect_timeout_s
+        self._up: dict[str, FrameLink] = {}  # instance id -> its link, said hello
+        # instance id -> (the registration it keeps a link to, its keeper task)
+        self._keepers: dict[str, tuple[WorkerInfo, asyncio.Task[None]]] = {}
+        self._closing = False
+
+    def get(self, instance_id: str) -> FrameLink | None:
+        """The open link to this instance, or None (then the request goes over NATS)."""
+        link = self._up.get(instance_id)
+        return link if link is not None and link.is_open else None
+
+    @property
+    def num_up(self) -> int:
+        return sum(link.is_open for link in self._up.values())
+
+    def sync(self, workers: dict[str, WorkerInfo]) -> None:
+        """Keep a link to every live worker offering one; drop the rest."""
+        for iid, (info, task) in list(self._keepers.items()):
+            now = workers.get(iid)
+            if (
+                now is None
+                or now.link_addr != info.link_addr
+                or now.started_at_s != info.started_at_s
+            ):
+                del self._keepers[iid]
+                task.cancel()
+                link = self._up.pop(iid, None)
+                if link is not None:
+                    link.close()
+        if self._closing:
+            return
+        for iid, info in workers.items():
+            if info.link_addr and iid not in self._keepers:
+                task = asyncio.create_task(self._keep(info), name=f"link-{iid}")
+                self._keepers[iid] = (info, task)
+
+    async def close(self) -> None:
+        self._closing = True
+        tasks = [task for _, task in self._keepers.values()]
+        self._keepers.clear()
+        for task in tasks:
+            task.cancel()
+        for link in self._up.values():
+            link.close()
+        self._up.clear()
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)
+
+    # -- one worker's keeper -------------------------------------------------------
+
+    async def _keep(self, info: WorkerInfo) -> None:
+        iid = info.instance_id
+        failures = RetryLog(log, "link_dial_failed", recovered="worker_linked")
+        attempt = 0
+        while not self._closing:
+            try:
+                link = await self._dial(info)
+            except (OSError, TimeoutError, LinkError, ValueError) as exc:
+                failures.failed(instance_id=iid, addr=info.link_addr, error=repr(exc))
+            else:
+                failures.ok()
+                attempt = 0
+                self._up[iid] = link
+                log.info("worker_linked", instance_id=iid, addr=info.link_addr)
+                try:
+                    await asyncio.shield(link.closed)
+                finally:
+                    if self._up.get(iid) is link:
+                        del self._up[iid]
+                    link.close()  # cancelled (the worker left the registry): close it
+            await asyncio.sleep(RETRY_S[min(attempt, len(RETRY_S) - 1)])
+            attempt += 1
+
+    async def _dial(self, info: WorkerInfo) -> FrameLink:
+        """Connect, say hello, check the worker's answer; the link, up."""
+        host, port = split_addr(info.link_addr)
+        loop = asyncio.get_running_loop()
+        hello: asyncio.Future[LinkHello] = loop.create_future()
+
+        def on_hello(link: FrameLink, frame: bytes | memoryview) -> None:
+            if not hello.done():
+                hello.set_result(LINK_HELLO_DECODER.decode(frame))
+            link.on_frame = self._on_frame
+
+        def on_lost(link: FrameLink) -> None:
+            if not hello.done():
+                hello.set_exception(ConnectionError("the worker closed the link at hello"))
+                hello.exception()  # retrieved here: the dial may have timed out already
+            else:  # it was up (or refused after its hello): its requests are lost
+                self._on_lost(link)
+
+        async with asyncio.timeout(self._connect_timeout_s):
+            _, link = await loop.create_connection(
+                lambda: FrameLink(on_hello, on_lost, name=info.instance_id), host, port
+            )
+            try:
+                sock = link.transport.get_extra_info("socket") if link.transport else None
+                if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                link.send(self._hello)
+                theirs = await hello
+            except BaseException:
+                link.close()
+                raise
+        if theirs.namespace != self._namespace or (theirs.sender, theirs.started_at_s) != (
+            info.instance_id,
+            info.started_at_s,
+        ):
+            link.close()
+            raise LinkError(
+                f"{info.link_addr} is {theirs.sender!r} (namespace {theirs.namespace!r}, "
+                f"started {theirs.started_at_s}), not the registered {info.instance_id!r}"
+            )
+        return link
+
+    def _on_frame(self, link: FrameLink, frame: bytes | memoryview) -> None:
+        self._on_batch(DELTA_BATCH_DECODER.decode(frame))

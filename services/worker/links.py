@@ -1,0 +1,111 @@
+"""The worker's end of the direct links (shared/link.py): gateways dial in.
+
+A gateway's first frame is its `LinkHello`; the worker checks the namespace and
+answers with its own (instance id and start time, which the gateway checks against the
+registration it routed by). After that every frame is a SubmitRequest or an
+AbortRequest, handed to the service with the link it came on: the service answers
+each request on that link and, when a link closes, aborts the requests it brought
+(their gateway is gone or cut off, and fails them on its side).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+
+from shared.link import FrameLink, LinkError, join_addr
+from shared.logging import get_logger
+from shared.messages import encode
+from shared.messages.link import LINK_HELLO_DECODER, LinkHello
+from shared.messages.worker import WORKER_INBOUND_DECODER, WorkerInbound
+
+log = get_logger(component="worker")
+
+
+def advertised_host(bind_host: str, advertise_host: str) -> str:
+    """The host gateways dial: the configured one, else the bind address, else (bound to
+    every interface) this host's own address, as a container's /etc/hosts gives it."""
+    if advertise_host:
+        return advertise_host
+    if bind_host not in ("", "0.0.0.0", "::"):
+        return bind_host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return socket.gethostname()
+
+
+class GatewayLinks:
+    """Listens for gateways' links; `on_inbound(msg, link)` for every request frame,
+    `on_lost(link)` when a link that said hello closes."""
+
+    def __init__(
+        self,
+        namespace: str,
+        instance_id: str,
+        started_at_s: float,
+        on_inbound: Callable[[WorkerInbound, FrameLink], None],
+        on_lost: Callable[[FrameLink], None],
+    ) -> None:
+        self._namespace = namespace
+        self._hello = encode(
+            LinkHello(namespace=namespace, sender=instance_id, started_at_s=started_at_s)
+        )
+        self._on_inbound = on_inbound
+        self._on_lost = on_lost
+        self._server: asyncio.Server | None = None
+        self.links: set[FrameLink] = set()  # said hello, still open
+        self.addr = ""  # host:port gateways dial, once started
+
+    async def start(self, host: str, port: int, advertise_host: str = "") -> str:
+        """Listen on host:port (0: a free one); returns the address to advertise."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: FrameLink(self._on_hello, self._on_closed_early),
+            host,
+            port,
+            reuse_address=True,
+        )
+        bound_port = self._server.sockets[0].getsockname()[1]
+        self.addr = join_addr(advertised_host(host, advertise_host), bound_port)
+        log.info("links_listening", bind=join_addr(host or "0.0.0.0", bound_port), addr=self.addr)
+        return self.addr
+
+    def _on_hello(self, link: FrameLink, frame: bytes | memoryview) -> None:
+        hello = LINK_HELLO_DECODER.decode(frame)
+        if hello.namespace != self._namespace:
+            raise LinkError(
+                f"a gateway of namespace {hello.namespace!r} dialled this worker "
+                f"(namespace {self._namespace!r})"
+            )
+        link.name = hello.sender
+        link.on_frame = self._on_request
+        link.on_lost = self._on_closed
+        self.links.add(link)
+        if link.transport is not None:  # no TCP delay on small frames (asyncio sets it too)
+            sock = link.transport.get_extra_info("socket")
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        link.send(self._hello)
+        log.info("gateway_linked", gateway=hello.sender)
+
+    def _on_request(self, link: FrameLink, frame: bytes | memoryview) -> None:
+        self._on_inbound(WORKER_INBOUND_DECODER.decode(frame), link)
+
+    def _on_closed_early(self, link: FrameLink) -> None:
+        """Closed before its hello: nothing was taken from it."""
+
+    def _on_closed(self, link: FrameLink) -> None:
+        self.links.discard(link)
+        self._on_lost(link)
+
+    async def close(self) -> None:
+        """Stop listening and close every link (what each has buffered is written first)."""
+        if self._server is not None:
+            self._server.close()
+        for link in list(self.links):
+            link.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None

@@ -1,0 +1,261 @@
+"""Direct links (shared/link.py): framing over real sockets, the hello's checks, and the
+gateway <-> worker request plane end to end (a link's loss fails its requests on both
+sides and is redialled; NATS carries the requests when links are off or down)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import msgspec
+import pytest
+import uvloop
+
+from services.gateway.links import WorkerLinks
+from services.worker.links import GatewayLinks
+from shared.config import parse_cluster
+from shared.link import HEADER, MAX_FRAME_BYTES, FrameLink, LinkError, join_addr, split_addr
+from shared.messages import encode
+from shared.messages.gateway import DeltaBatch
+from shared.messages.worker import AbortRequest, WorkerInbound
+from shared.scheduling.snapshot import WorkloadSnapshot
+from tests.services.conftest import Stack, hand_worker_info, start_stack, tiny_cluster_text
+
+CHAT: dict[str, object] = {
+    "model": "random-tiny",
+    "messages": [{"role": "user", "content": "Say hello."}],
+}
+
+
+class Ends:
+    """A listening FrameLink and a dialling one on loopback, recording what each gets."""
+
+    def __init__(self) -> None:
+        self.got: list[bytes] = []  # frames the listening end received
+        self.lost: list[FrameLink] = []
+        self.server_link: FrameLink | None = None
+
+    def _server_side(self) -> FrameLink:
+        self.server_link = FrameLink(
+            lambda _, frame: self.got.append(bytes(frame)), self.lost.append, name="server"
+        )
+        return self.server_link
+
+    async def open(self) -> tuple[asyncio.Server, asyncio.Transport]:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(self._server_side, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        transport, _ = await loop.create_connection(asyncio.Protocol, "127.0.0.1", port)
+        return server, transport
+
+    async def until(self, cond: object, timeout_s: float = 5.0) -> None:
+        async with asyncio.timeout(timeout_s):
+            while not cond():  # type: ignore[operator]
+                await asyncio.sleep(0.005)
+
+
+async def test_frames_arrive_whole_however_the_bytes_are_cut() -> None:
+    ends = Ends()
+    server, raw = await ends.open()
+    frames = [b"", b"x", bytes(range(256)) * 40, b"last"]
+    wire = b"".join(HEADER.pack(len(f)) + f for f in frames)
+    try:
+        # byte by byte, then everything in one write, then cut mid-header and mid-body
+        for i in range(len(wire[:300])):
+            raw.write(wire[i : i + 1])
+            await asyncio.sleep(0)
+        raw.write(wire[300:])
+        raw.write(wire)
+        raw.write(wire[:2])
+        await asyncio.sleep(0.01)
+        raw.write(wire[2:7])
+        await asyncio.sleep(0.01)
+        raw.write(wire[7:])
+        await ends.until(lambda: len(ends.got) == 3 * len(frames))
+        assert ends.got == frames * 3
+    finally:
+        raw.close()
+        server.close()
+
+
+async def test_a_frame_over_the_limit_closes_the_link() -> None:
+    ends = Ends()
+    server, raw = await ends.open()
+    try:
+        raw.write(HEADER.pack(MAX_FRAME_BYTES + 1) + b"abc")
+        await ends.until(lambda: ends.lost)
+        assert ends.got == []
+        assert ends.server_link is not None and not ends.server_link.is_open
+        assert ends.server_link.send(b"late") is False  # a closed link sends nothing
+    finally:
+        raw.close()
+        server.close()
+
+
+def test_frames_cross_under_uvloop_too() -> None:
+    """The services run on uvloop, whose transports are not asyncio's classes."""
+
+    async def exchange() -> list[bytes]:
+        ends = Ends()
+        server, raw = await ends.open()
+        try:
+            raw.write(HEADER.pack(3) + b"abc" + HEADER.pack(1))
+            raw.write(b"d")
+            await ends.until(lambda: len(ends.got) == 2)
+            assert ends.server_link is not None and ends.server_link.send(b"back")
+            return ends.got
+        finally:
+            raw.close()
+            server.close()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        assert runner.run(exchange()) == [b"abc", b"d"]
+
+
+def test_addresses_round_trip() -> None:
+    assert split_addr(join_addr("127.0.0.1", 80)) == ("127.0.0.1", 80)
+    assert split_addr(join_addr("::1", 8080)) == ("::1", 8080)
+    for bad in ("", "host", "host:", ":80", "host:port"):
+        with pytest.raises(ValueError):
+            split_addr(bad)
+
+
+async def test_hello_checks_the_namespace_and_the_workers_identity() -> None:
+    """A worker refuses a gateway of another namespace; a gateway refuses a worker that is
+    not the registered one (an address a restarted worker took over)."""
+    got: list[WorkerInbound] = []
+    worker = GatewayLinks("ns-a", "w0", 123.0, lambda m, _: got.append(m), lambda _: None)
+    await worker.start("127.0.0.1", 0)
+    info = msgspec.structs.replace(
+        hand_worker_info("ns-a", "w0"), started_at_s=123.0, link_addr=worker.addr
+    )
+    lost: list[FrameLink] = []
+    try:
+        ours = WorkerLinks("ns-a", "gw", lambda _: None, lost.append)
+        link = await ours._dial(info)
+        assert link.is_open and link.name == "w0"
+        assert link.send(encode(AbortRequest(request_id="r1")))
+        for _ in range(200):
+            if got:
+                break
+            await asyncio.sleep(0.005)
+        assert got == [AbortRequest(request_id="r1")]
+        link.close()
+        await link.closed
+        await ours.close()
+
+        with pytest.raises(LinkError, match="not the registered"):
+            await WorkerLinks("ns-a", "gw", lambda _: None, lost.append)._dial(
+                msgspec.structs.replace(info, started_at_s=124.0)
+            )
+        with pytest.raises(ConnectionError):  # the worker closes on the wrong namespace
+            await WorkerLinks("ns-b", "gw", lambda _: None, lost.append)._dial(info)
+        assert len(worker.links) == 0  # nothing stays open
+    finally:
+        await worker.close()
+
+
+async def snapshot_of(stack: Stack, instance_id: str) -> WorkloadSnapshot:
+    blob = (await stack.gateway.store.read_snapshots([instance_id]))[instance_id]
+    assert blob is not None
+    return msgspec.msgpack.decode(blob.data, type=WorkloadSnapshot)
+
+
+async def until_linked(stack: Stack, num: int) -> None:
+    for _ in range(400):
+        if stack.gateway.links.num_up == num:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{stack.gateway.links.num_up} links up, expected {num}")
+
+
+async def test_requests_and_tokens_cross_the_link(stack: Stack) -> None:
+    await until_linked(stack, 2)
+    before = sum(w.num_link_requests for w in stack.workers)
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 5})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 5
+    assert sum(w.num_link_requests for w in stack.workers) == before + 1
+
+
+async def test_a_lost_link_fails_its_stream_frees_the_kv_and_is_redialled(
+    nats_url: str, redis_url: str
+) -> None:
+    cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
+    stack = await start_stack(cluster, num_workers=1)
+    try:
+        await until_linked(stack, 1)
+        body = {**CHAT, "stream": True, "max_tokens": 200, "ignore_eos": True}
+        events: list[dict[str, object]] = []
+        async with (
+            httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client,
+            client.stream("POST", "/v1/chat/completions", json=body) as resp,
+        ):
+            request_id = resp.headers["x-request-id"]
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events.append(json.loads(line[6:]))
+                if len(events) == 3:  # mid-stream: cut the link under it
+                    link = stack.gateway.links.get("w0")
+                    assert link is not None
+                    link.close()
+        assert "error" in events[-1], events[-1]  # reported in band, then the stream ends
+        assert "lost the connection to worker w0" in str(events[-1]["error"])
+        snap = await snapshot_of(stack, "w0")
+        for _ in range(200):  # the worker aborted it: its KV back in the pool
+            snap = await snapshot_of(stack, "w0")
+            if request_id not in snap.request_ids and snap.num_free_blocks == snap.num_kv_blocks:
+                break
+            await asyncio.sleep(0.02)
+        assert request_id not in snap.request_ids
+        assert snap.num_free_blocks == snap.num_kv_blocks
+        await until_linked(stack, 1)  # the keeper dialled again
+        before = stack.workers[0].num_link_requests
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+            resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
+        assert resp.status_code == 200, resp.text
+        assert stack.workers[0].num_link_requests == before + 1
+    finally:
+        await stack.stop()
+
+
+async def test_with_links_off_requests_go_over_nats(nats_url: str, redis_url: str) -> None:
+    text = tiny_cluster_text(nats_url, redis_url).replace("[worker]\n", "[worker]\nlink = false\n")
+    stack = await start_stack(parse_cluster(text), num_workers=1)
+    try:
+        assert stack.workers[0]._info().link_addr == ""
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+            body = {**CHAT, "stream": True, "max_tokens": 6}
+            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                lines = [line async for line in resp.aiter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        assert '"finish_reason":"length"' in "".join(lines)  # all 6 tokens came
+        assert stack.gateway.links.num_up == 0
+        assert stack.workers[0].num_link_requests == 0
+    finally:
+        await stack.stop()
+
+
+async def test_a_delta_batch_frame_reaches_the_stream() -> None:
+    """The gateway's frame reader decodes DeltaBatch frames into its dispatcher."""
+    batches: list[DeltaBatch] = []
+    links = WorkerLinks("ns", "gw", batches.append, lambda _: None)
+    batch = DeltaBatch(instance_id="w0", step=3, events=[])
+    links._on_frame(FrameLink(lambda *_: None, lambda _: None), encode(batch))
+    assert batches == [batch]
+
+
+def test_link_settings_in_the_cluster_file_and_the_environment() -> None:
+    from services.worker.links import advertised_host
+    from shared.config import ConfigError
+
+    cfg = parse_cluster("", environ={"BATON_LINK_HOST": "0.0.0.0"})
+    assert (cfg.worker.link, cfg.worker.link_host, cfg.worker.link_port) == (True, "0.0.0.0", 0)
+    with pytest.raises(ConfigError, match="link_port out of range"):
+        parse_cluster("[worker]\nlink_port = 70000\n")
+    assert advertised_host("127.0.0.1", "") == "127.0.0.1"
+    assert advertised_host("0.0.0.0", "worker-3.internal") == "worker-3.internal"
+    assert advertised_host("0.0.0.0", "") not in ("", "0.0.0.0")  # this host's address
