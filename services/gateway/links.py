@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import Callable
 
 from shared.link import FrameLink, LinkError, split_addr
@@ -28,6 +29,10 @@ from shared.messages.registry import WorkerInfo
 log = get_logger(component="gateway")
 
 RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)  # pauses between dials of one worker, then 2 s
+# A registered worker whose link stays refused this long is worth a warning (its
+# requests go over NATS meanwhile); sooner, it is most likely stopping, and the
+# registry drops it within its heartbeat TTL.
+WARN_AFTER_S = 5.0
 
 
 class WorkerLinks:
@@ -97,16 +102,26 @@ class WorkerLinks:
 
     async def _keep(self, info: WorkerInfo) -> None:
         iid = info.instance_id
-        failures = RetryLog(log, "link_dial_failed", recovered="worker_linked")
+        failures = RetryLog(log, "link_dial_failed", recovered="worker_linked_again")
         attempt = 0
+        failing_since: float | None = None
         while not self._closing:
             try:
                 link = await self._dial(info)
             except (OSError, TimeoutError, LinkError, ValueError) as exc:
-                failures.failed(instance_id=iid, addr=info.link_addr, error=repr(exc))
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                if now - failing_since >= WARN_AFTER_S:
+                    failures.failed(
+                        instance_id=iid,
+                        addr=info.link_addr,
+                        error=repr(exc),
+                        hint="its requests go over NATS; can this host reach the address? "
+                        "([worker] link_host, link_advertise_host)",
+                    )
             else:
                 failures.ok()
-                attempt = 0
+                attempt, failing_since = 0, None
                 self._up[iid] = link
                 log.info("worker_linked", instance_id=iid, addr=info.link_addr)
                 try:

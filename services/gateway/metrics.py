@@ -59,6 +59,11 @@ class GatewayMetrics:
         self.live_workers = Gauge(
             "baton_live_workers", "registered, non-draining workers", registry=r
         )
+        self.worker_links = Gauge(
+            "baton_worker_links",
+            "direct links up from this gateway to workers (the rest take requests over NATS)",
+            registry=r,
+        )
         self.batch_time_fit_mape = Gauge(
             "baton_batch_time_fit_mape",
             "fit error (MAPE, fraction, inliers) of the estimator's batch-time model per instance",

@@ -233,6 +233,7 @@ class GatewayService:
         self.links.sync(live)
         self._snapshots.keep_only(live)
         self.metrics.live_workers.set(sum(not w.is_draining for w in live.values()))
+        self.metrics.worker_links.set(self.links.num_up)
         snapshots = self._snapshots.decode(await self.store.read_snapshots(list(live)))
         self._snapshot_load = {iid: snap.num_requests for iid, snap in snapshots.items()}
         self._unshown.refresh(live, snapshots)  # (finish() drops the ended ones)

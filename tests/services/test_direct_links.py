@@ -178,6 +178,12 @@ async def test_requests_and_tokens_cross_the_link(stack: Stack) -> None:
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 5
     assert sum(w.num_link_requests for w in stack.workers) == before + 1
+    gauge = stack.gateway.metrics.registry.get_sample_value
+    for _ in range(200):  # set at each registry refresh
+        if gauge("baton_worker_links") == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert gauge("baton_worker_links") == 2
 
 
 async def test_a_lost_link_fails_its_stream_frees_the_kv_and_is_redialled(
