@@ -225,6 +225,12 @@ class WorkerConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # into the next write, which always carries the newest state (readers refresh every
     # 20 ms); 0: a write after every iteration, one in flight at a time.
     snapshot_interval_ms: float = 5.0
+    # ... and at most one per this many ms while only progress changes (the same
+    # requests, each further along): the estimator replays a snapshot forward by its age
+    # with the batch-time model, so such a snapshot ages without misleading it, while a
+    # request that arrives, finishes or changes queue is written within
+    # snapshot_interval_ms. Below snapshot_interval_ms it is that.
+    snapshot_progress_interval_ms: float = 20.0
     # A step runs on the event loop (not in a thread) when it admits at most this many
     # prompt tokens and is the first after an idle wait (the TTFT path skips two thread
     # hand-offs) or follows a step of at most max_inline_step_ms; 0: always a thread.

@@ -45,6 +45,8 @@ class WorkerServiceConfig:
     # At most one snapshot write per this long (the newest state always written; 0: one
     # after every iteration, one in flight at a time)
     snapshot_interval_s: float = _WORKER_DEFAULTS.snapshot_interval_ms / 1000
+    # ... and per this long while only progress changes (the same requests running on)
+    snapshot_progress_interval_s: float = _WORKER_DEFAULTS.snapshot_progress_interval_ms / 1000
     # The token-level presets this model takes part in (services/worker/routing/).
     token_presets: dict[str, PresetConfig] = field(default_factory=dict)
     relay: RelayConfig = field(default_factory=lambda: RelayConfig())
@@ -90,6 +92,7 @@ class WorkerServiceConfig:
             snapshot_ttl_s=cluster.worker.snapshot_ttl_s,
             max_batch_samples=cluster.worker.max_batch_samples,
             snapshot_interval_s=cluster.worker.snapshot_interval_ms / 1000,
+            snapshot_progress_interval_s=cluster.worker.snapshot_progress_interval_ms / 1000,
             max_inline_step_tokens=cluster.worker.max_inline_step_tokens,
             max_inline_step_ms=cluster.worker.max_inline_step_ms,
             batch_time_speed_alpha=cluster.worker.batch_time_speed_alpha,

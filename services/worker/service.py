@@ -38,6 +38,7 @@ deregister, exit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -100,6 +101,13 @@ class Owner(NamedTuple):
 Dest = str | FrameLink
 
 
+def _request_set(snapshot: Any) -> tuple[int, int, list[str]]:
+    """What a snapshot says of who is where (running, pending, waiting by id): a snapshot
+    that differs from the last written one in this is written sooner than one that
+    only shows progress (WorkerService._record)."""
+    return snapshot.num_running, snapshot.num_pending, snapshot.request_ids
+
+
 def _timed(step: Callable[[], list[Any]]) -> tuple[list[Any], float]:
     """step() and the seconds it took, timed where it runs (the loop or the thread)."""
     t0 = time.perf_counter()
@@ -148,6 +156,11 @@ class WorkerService:
         self._is_draining = False
         self._record_task: asyncio.Task[None] | None = None  # the snapshot writer, if running
         self._record_pending = False  # a step ended since the writer took its snapshot
+        # ... and changed the request set (arrived, finished, changed queue) since the
+        # last write: written within snapshot_interval_s, not snapshot_progress_interval_s
+        self._record_changed = False
+        self._record_change = asyncio.Event()  # wakes a writer waiting out progress
+        self._written_sig: tuple[int, int, list[str]] | None = None  # (`_request_set`)
         self._last_write_s = float("-inf")  # monotonic time the writer last took one
         self._unsent_samples: list[BatchSample] = []  # not yet written (at most
         # max_batch_samples: Redis keeps no more, so a stalled write drops the oldest)
@@ -533,32 +546,55 @@ class WorkerService:
     def _record(self, *, samples: bool) -> None:
         """Have the snapshot (and the steps' new batch samples) written in the background.
 
-        One write runs at a time, at most one per `snapshot_interval_s`. Steps that end
-        while it runs or waits are folded into the next write, which takes the newest
-        snapshot and every sample since: when steps outpace the interval (a fast model),
-        fewer and fuller writes instead of a queue of stale ones, and no encoding of
-        snapshots nobody will read. Each write costs the worker's core ~0.1 ms (the
-        encoding, the Redis command, two syscalls): after every 1.5 ms decode step of
-        random-tiny that was ~5% of the gateway path's token rate (docs/performance.md,
-        twentieth session), while the estimator reads snapshots every 20 ms."""
+        One write runs at a time, at most one per `snapshot_interval_s` when the request
+        set changed since the last write (a request arrived, finished, or moved between
+        running, pending and waiting: `_request_set`), else at most one per
+        `snapshot_progress_interval_s` (the same requests, further along: the estimator
+        replays a snapshot forward by its age, so such a snapshot ages without
+        misleading it). Steps that end while it runs or waits are folded into the next
+        write, which takes the newest snapshot and every sample since: when steps
+        outpace the interval (a fast model), fewer and fuller writes instead of a queue
+        of stale ones, and no encoding of snapshots nobody will read. Each write costs
+        the worker's core ~0.1 ms (the encoding, the Redis command, two syscalls): after
+        every 1.5 ms decode step of random-tiny that was ~5% of the gateway path's token
+        rate (docs/performance.md, twentieth session); with a write every 5 ms still
+        ~2.5% (twenty-second session), while the estimator reads snapshots every 20 ms."""
         if samples:
             new = self._engine.pop_batch_samples()
             if self._speed is not None and self._calibrated is not None:
                 self._speed.observe(self._calibrated, new)
             self._unsent_samples.extend(new)
             del self._unsent_samples[: -self.cfg.max_batch_samples]
+        if not self._record_changed and _request_set(self._engine.snapshot()) != self._written_sig:
+            self._record_changed = True
+            self._record_change.set()
         self._record_pending = True
         if self._record_task is None or self._record_task.done():
             self._record_task = asyncio.create_task(self._write_records())
 
     async def _write_records(self) -> None:
+        cfg = self.cfg
         while self._record_pending:
-            wait_s = self._last_write_s + self.cfg.snapshot_interval_s - time.monotonic()
+            # 1. Wait out the interval (steps ending meanwhile join this write); while
+            #    only progress changed, the longer one, cut short by a change.
+            interval_s = cfg.snapshot_interval_s
+            if not self._record_changed:
+                interval_s = max(interval_s, cfg.snapshot_progress_interval_s)
+            wait_s = self._last_write_s + interval_s - time.monotonic()
             if wait_s > 0 and not self._closing:
-                await asyncio.sleep(wait_s)  # steps ending meanwhile join this write
+                if self._record_changed:
+                    await asyncio.sleep(wait_s)
+                else:
+                    self._record_change.clear()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(wait_s):
+                            await self._record_change.wait()
+                continue  # (a change came: its shorter interval may be over already)
+            # 2. Write the newest state.
             self._last_write_s = time.monotonic()
             self._record_pending = False
             snapshot = self._engine.snapshot()
+            self._written_sig, self._record_changed = _request_set(snapshot), False
             cal = self.calibration
             if cal is not None:
                 snapshot = msgspec.structs.replace(

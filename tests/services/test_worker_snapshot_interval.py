@@ -78,3 +78,38 @@ async def test_interval_zero_writes_after_steps_without_waiting(
         assert version == worker._num_steps and snapshot.request_ids == []
         # one write in flight at a time, none held back: more than an interval's worth
         assert len(writes) >= 2
+
+
+async def test_progress_alone_waits_the_longer_interval_a_change_does_not(
+    nats_url: str, redis_url: str
+) -> None:
+    """While one request decodes, its snapshots (progress only) are written at most every
+    snapshot_progress_interval_s; its arrival and its end (changes of the request set)
+    are written within snapshot_interval_s."""
+    progress_s = 0.5
+    async with running_worker(
+        nats_url,
+        redis_url,
+        16,
+        3.6e6,
+        snapshot_interval_s=0.005,
+        snapshot_progress_interval_s=progress_s,
+    ) as (worker, _, client):
+        await asyncio.sleep(progress_s)  # the start-up write's interval is over
+        writes = count_writes(worker)
+        t0 = time.monotonic()
+        await client.generate(worker, 8, 240)  # ~0.3-1 s of decode steps
+        t_end = time.monotonic()
+        for _ in range(100):  # the end is a change: written well within progress_s
+            _, snapshot = await stored_snapshot(worker)
+            if snapshot.request_ids == []:
+                break
+            await asyncio.sleep(0.01)
+        seen_empty_after_s = time.monotonic() - t_end
+        assert snapshot.request_ids == []
+        assert seen_empty_after_s < progress_s * 0.6, seen_empty_after_s
+        # the arrival's write (a change), then progress at most every progress_s, then
+        # the end's: no write per 5 ms of decode
+        elapsed = time.monotonic() - t0
+        assert len(writes) <= 2 + math.ceil(elapsed / progress_s), (writes, elapsed)
+        assert writes[0] - t0 < progress_s * 0.6  # the arrival was not held back
