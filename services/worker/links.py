@@ -22,6 +22,10 @@ from shared.messages.worker import WORKER_INBOUND_DECODER, WorkerInbound
 
 log = get_logger(component="worker")
 
+# A connection that has not said hello within this is closed (a port scan, a client of
+# another protocol): an open socket each would otherwise stay for ever.
+HELLO_TIMEOUT_S = 5.0
+
 
 def advertised_host(bind_host: str, advertise_host: str) -> str:
     """The host gateways dial: the configured one, else the bind address, else (bound to
@@ -57,20 +61,25 @@ class GatewayLinks:
         self._server: asyncio.Server | None = None
         self.links: set[FrameLink] = set()  # said hello, still open
         self.addr = ""  # host:port gateways dial, once started
+        self.hello_timeout_s = HELLO_TIMEOUT_S
 
     async def start(self, host: str, port: int, advertise_host: str = "") -> str:
         """Listen on host:port (0: a free one); returns the address to advertise."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: FrameLink(self._on_hello, self._on_closed_early),
-            host,
-            port,
-            reuse_address=True,
-        )
+        self._server = await loop.create_server(self._accept, host, port, reuse_address=True)
         bound_port = self._server.sockets[0].getsockname()[1]
         self.addr = join_addr(advertised_host(host, advertise_host), bound_port)
         log.info("links_listening", bind=join_addr(host or "0.0.0.0", bound_port), addr=self.addr)
         return self.addr
+
+    def _accept(self) -> FrameLink:
+        link = FrameLink(self._on_hello, self._on_closed_early)
+        asyncio.get_running_loop().call_later(self.hello_timeout_s, self._check_hello, link)
+        return link
+
+    def _check_hello(self, link: FrameLink) -> None:
+        if link.is_open and link not in self.links:
+            link.close(TimeoutError(f"no hello within {self.hello_timeout_s} s"))
 
     def _on_hello(self, link: FrameLink, frame: bytes | memoryview) -> None:
         hello = LINK_HELLO_DECODER.decode(frame)

@@ -265,3 +265,17 @@ def test_link_settings_in_the_cluster_file_and_the_environment() -> None:
     assert advertised_host("127.0.0.1", "") == "127.0.0.1"
     assert advertised_host("0.0.0.0", "worker-3.internal") == "worker-3.internal"
     assert advertised_host("0.0.0.0", "") not in ("", "0.0.0.0")  # this host's address
+
+
+async def test_a_connection_that_never_says_hello_is_closed() -> None:
+    worker = GatewayLinks("ns", "w0", 1.0, lambda *_: None, lambda _: None)
+    worker.hello_timeout_s = 0.05
+    await worker.start("127.0.0.1", 0)
+    try:
+        host, port = split_addr(worker.addr)
+        reader, writer = await asyncio.open_connection(host, port)
+        async with asyncio.timeout(5):
+            assert await reader.read() == b""  # closed by the worker, nothing sent
+        writer.close()
+    finally:
+        await worker.close()
