@@ -365,8 +365,10 @@ class WorkerService:
                 await self._link.maybe_send_stats()
             # 3. publish deltas, one batch per owning gateway
             await self._publish(self._deltas(outputs))
-            # Let nats-py's flusher task write the deltas now: once the next step
-            # runs, its thread holds the GIL and the write would wait a switch interval.
+            # One pass of the event loop: it reads what arrived (submits and aborts, on
+            # links and NATS), and nats-py's flusher task writes what went over NATS
+            # (once the next step runs, its thread holds the GIL and that write would
+            # wait a switch interval; a link's write is already done).
             await asyncio.sleep(0)
             # 4. record snapshot and batch samples (written while the next step runs)
             self._record(samples=True)
