@@ -561,11 +561,8 @@ class WorkerService:
         every 1.5 ms decode step of random-tiny that was ~5% of the gateway path's token
         rate (docs/performance.md, twentieth session); with a write every 5 ms still
         ~2.5% (twenty-second session), while the estimator reads snapshots every 20 ms."""
-        if samples:
-            new = self._engine.pop_batch_samples()
-            if self._speed is not None and self._calibrated is not None:
-                self._speed.observe(self._calibrated, new)
-            self._unsent_samples.extend(new)
+        if samples:  # (the speed observes them when they are written: fewer calls)
+            self._unsent_samples.extend(self._engine.pop_batch_samples())
             del self._unsent_samples[: -self.cfg.max_batch_samples]
         if not self._record_changed and _request_set(self._engine.snapshot()) != self._written_sig:
             self._record_changed = True
@@ -597,6 +594,9 @@ class WorkerService:
             self._record_pending = False
             snapshot = self._engine.snapshot()
             self._written_sig, self._record_changed = _request_set(snapshot), False
+            samples, self._unsent_samples = self._unsent_samples, []
+            if self._speed is not None and self._calibrated is not None:
+                self._speed.observe(self._calibrated, samples)
             cal = self.calibration
             if cal is not None:
                 snapshot = msgspec.structs.replace(
@@ -609,8 +609,7 @@ class WorkerService:
                         else self._speed.factor(time.time())
                     ),
                 )
-            batch = [msgspec.msgpack.encode(s) for s in self._unsent_samples]
-            self._unsent_samples = []
+            batch = [msgspec.msgpack.encode(s) for s in samples]
             try:
                 await self._store.write_snapshot(
                     self.cfg.instance_id,
