@@ -91,7 +91,12 @@ def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        live = [w.instance_id for w in service.workers.values() if not w.is_draining]
+        gone = service.links.unreachable
+        live = [
+            w.instance_id
+            for w in service.workers.values()
+            if not w.is_draining and w.instance_id not in gone
+        ]
         body = {
             "status": "ok" if service.is_ready else "unavailable",
             "gateway_id": cfg.gateway_id,

@@ -10,6 +10,13 @@ A worker that leaves the registry, or comes back restarted, has its link closed.
 `get` is the submit path's question: the link to this instance, if one is up now.
 Token deltas arriving on a link go to `on_batch` as they complete; `on_lost` hears
 of every link that closes, for the gateway to fail the requests it carried.
+
+A link that closes is redialled at once; when that is refused, the worker's process is
+gone (its port closed with it): `unreachable` names it until a dial succeeds again or
+the registry drops it (within its heartbeat TTL), and the gateway routes around it
+meanwhile. A worker whose link never came up is never called unreachable: its
+requests go over NATS (a link address this host cannot reach says nothing of the
+worker).
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ class WorkerLinks:
         self._up: dict[str, FrameLink] = {}  # instance id -> its link, said hello
         # instance id -> (the registration it keeps a link to, its keeper task)
         self._keepers: dict[str, tuple[WorkerInfo, asyncio.Task[None]]] = {}
+        self.unreachable: set[str] = set()  # instances whose link died and now refuses
         self._closing = False
 
     def get(self, instance_id: str) -> FrameLink | None:
@@ -75,6 +83,7 @@ class WorkerLinks:
                 or now.started_at_s != info.started_at_s
             ):
                 del self._keepers[iid]
+                self.unreachable.discard(iid)
                 task.cancel()
                 link = self._up.pop(iid, None)
                 if link is not None:
@@ -105,12 +114,26 @@ class WorkerLinks:
         failures = RetryLog(log, "link_dial_failed", recovered="worker_linked_again")
         attempt = 0
         failing_since: float | None = None
+        was_up = False  # a link to it has been up: a refusal now means it is gone
         while not self._closing:
             try:
                 link = await self._dial(info)
             except (OSError, TimeoutError, LinkError, ValueError) as exc:
                 now = time.monotonic()
                 failing_since = now if failing_since is None else failing_since
+                if (
+                    was_up
+                    and isinstance(exc, ConnectionRefusedError)
+                    and iid not in self.unreachable
+                ):
+                    self.unreachable.add(iid)
+                    log.warning(
+                        "worker_unreachable",
+                        instance_id=iid,
+                        addr=info.link_addr,
+                        note="its link closed and its address refuses connections: routed "
+                        "around until it answers again or leaves the registry",
+                    )
                 if now - failing_since >= WARN_AFTER_S:
                     failures.failed(
                         instance_id=iid,
@@ -121,7 +144,8 @@ class WorkerLinks:
                     )
             else:
                 failures.ok()
-                attempt, failing_since = 0, None
+                attempt, failing_since, was_up = 0, None, True
+                self.unreachable.discard(iid)
                 self._up[iid] = link
                 log.info("worker_linked", instance_id=iid, addr=info.link_addr)
                 try:
@@ -130,6 +154,7 @@ class WorkerLinks:
                     if self._up.get(iid) is link:
                         del self._up[iid]
                     link.close()  # cancelled (the worker left the registry): close it
+                continue  # redial at once: is the worker gone, or only the link?
             await asyncio.sleep(RETRY_S[min(attempt, len(RETRY_S) - 1)])
             attempt += 1
 

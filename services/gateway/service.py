@@ -165,11 +165,19 @@ class GatewayService:
     def serving(self, model: str) -> list[WorkerInfo]:
         """Live, non-draining instances that can serve `model` (a real model or a preset)."""
         candidates = set(self.cluster.candidates(model))
-        return [w for w in self.workers.values() if w.model in candidates and not w.is_draining]
+        gone = self.links.unreachable
+        return [
+            w
+            for w in self.workers.values()
+            if w.model in candidates and not w.is_draining and w.instance_id not in gone
+        ]
 
     @property
     def is_ready(self) -> bool:
-        return self.bus.is_connected and any(not w.is_draining for w in self.workers.values())
+        gone = self.links.unreachable
+        return self.bus.is_connected and any(
+            not w.is_draining and w.instance_id not in gone for w in self.workers.values()
+        )
 
     async def _refresh_loop(self) -> None:
         # Also ends on `_closing`: on Python 3.11 a cancellation that lands as one of
@@ -316,6 +324,9 @@ class GatewayService:
             return self._fallback(req)
         self._no_estimator.ok()
         self._estimator_suspect, self._skip_estimator_until = False, -math.inf
+        if reply.instance_id is not None and reply.instance_id in self.links.unreachable:
+            # its link died and its port refuses: the registry has not caught up yet
+            return self._fallback(req)
         if reply.instance_id is None:
             raise GatewayError(
                 503,

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -279,3 +284,53 @@ async def test_a_connection_that_never_says_hello_is_closed() -> None:
         writer.close()
     finally:
         await worker.close()
+
+
+async def test_a_killed_worker_is_routed_around_before_the_registry_notices(
+    nats_url: str, redis_url: str, tmp_path: Path, repo_root: Path
+) -> None:
+    """Its link closes and its port refuses: the gateway stops routing there at once,
+    though its registration lives on for its TTL (10 s here)."""
+    text = tiny_cluster_text(nats_url, redis_url).replace(
+        "heartbeat_ttl_s = 1.0", "heartbeat_ttl_s = 10.0"
+    )
+    (tmp_path / "cluster.toml").write_text(text)
+    victim = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "services.worker"),
+            *("--cluster", str(tmp_path / "cluster.toml")),
+            *("--model", "random-tiny", "--instance-id", "victim"),
+        ],
+        cwd=repo_root,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    stack = await start_stack(parse_cluster(text), num_workers=1)
+    try:
+        for _ in range(1200):  # the victim loads, registers, and both are linked
+            if stack.gateway.links.num_up == 2 and "victim" in stack.estimator.workers:
+                break
+            await asyncio.sleep(0.05)
+        assert stack.gateway.links.num_up == 2
+        os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait()
+        for _ in range(200):
+            if "victim" in stack.gateway.links.unreachable:
+                break
+            await asyncio.sleep(0.01)
+        assert "victim" in stack.gateway.links.unreachable
+        assert "victim" in stack.gateway.workers  # the registry still lists it
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
+            health = (await client.get("/health")).json()
+            assert health["workers"] == ["w0"]
+            for _ in range(4):  # shortest-queue would pick the idle victim half the time
+                resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3})
+                assert resp.status_code == 200, resp.text
+                assert resp.headers["x-instance-id"] == "w0"
+    finally:
+        if victim.poll() is None:
+            os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait()
+        await stack.stop()
