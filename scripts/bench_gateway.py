@@ -24,6 +24,12 @@ it; also for the other client) and the load average; JSON to --out:
 
   {"added_ttft_ms_p50": ..., "added_ttft_ms_p99": ..., "stream_tok_s_ratio": ..., ...}
 
+It also takes the gateway TTFT apart (after the idle gap and back to back, p50) with
+the gateway's own stamps from each answer's `baton` object: prepare (parse, chat
+template, tokenize), route, submit -> first token at the gateway (the crossings to the
+worker and back, its wake-up, the prefill step), and what is left of the client's
+TTFT: HTTP both ways and the first chunk's SSE framing (JSON `gateway_ttft_split`).
+
 With --breakdown a passive NATS subscriber also splits the gateway TTFT at the
 two bus crossings (http->submit, worker, delta->sse; p50 of each: only for requests
 that cross NATS, so with `--worker link=false`; by default they take the gateway's
@@ -200,6 +206,35 @@ class EngineSide:
 
 
 # -- through the gateway --------------------------------------------------------
+
+
+class ServerSplit:
+    """The gateway's own account of each TTFT request, from the `baton` object of its
+    last chunk: `prepare_ms` (parse, chat template, tokenize), `router_overhead_ms` and
+    `first_token_ms` (submit -> first token at the gateway: the crossings to the worker
+    and back, its wake-up and the prefill step). What the client waited beyond them is
+    HTTP both ways, the handler's start and the first chunk's SSE framing."""
+
+    FIELDS = ("prepare_ms", "router_overhead_ms", "first_token_ms")
+    NAMES = ("http_and_sse", "prepare", "route", "submit_to_first_token")
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[float, ...]] = []
+
+    def record(self, ttft_s: float, baton: dict[str, Any] | None) -> None:
+        values = [None if baton is None else baton.get(f) for f in self.FIELDS]
+        if all(isinstance(v, int | float) for v in values):
+            parts = [float(v) for v in values]  # type: ignore[arg-type]
+            self.rows.append((1e3 * ttft_s - sum(parts), *parts))
+
+    def summary(self) -> dict[str, float]:
+        """p50 of each part, ms (empty without rows)."""
+        if not self.rows:
+            return {}
+        return {
+            f"{name}_ms_p50": percentile([r[i] for r in self.rows], 0.5)
+            for i, name in enumerate(self.NAMES)
+        }
 
 
 class PathObserver:
@@ -397,6 +432,7 @@ async def stream_one(
     i: int,
     max_tokens: int,
     observer: PathObserver | None = None,
+    split: ServerSplit | None = None,
 ) -> tuple[float, int]:
     body = {
         "model": "bench-model",
@@ -409,6 +445,7 @@ async def stream_one(
     }
     t0 = time.perf_counter()
     ttft, num_tokens = 0.0, 0
+    baton: dict[str, Any] | None = None
     async with client.post_stream("/v1/chat/completions", body) as (headers, lines):
         async for line in lines:
             if not line.startswith(b"data: {"):
@@ -419,8 +456,11 @@ async def stream_one(
                 ttft = time.perf_counter() - t0
             if chunk.get("usage"):
                 num_tokens = chunk["usage"]["completion_tokens"]
+            baton = chunk.get("baton", baton)
     if observer is not None and ttft:
         observer.record(headers["x-request-id"], t0, t0 + ttft)
+    if split is not None and ttft:
+        split.record(ttft, baton)
     return ttft or (time.perf_counter() - t0), num_tokens
 
 
@@ -444,6 +484,7 @@ async def measure(
     tokens = {"engine": 0, "gateway": 0}
     wall = {"engine": 0.0, "gateway": 0.0}
     round_rates: dict[str, list[float]] = {"engine": [], "gateway": []}  # tok/s per round
+    splits = {"after_idle": ServerSplit(), "back_to_back": ServerSplit()}
     async with Client(args.client, base_url, args.streams + 4) as client:
         for i in range(3):  # warm-up both
             engine.ttft_s(i, args.ttft_tokens)
@@ -462,11 +503,14 @@ async def measure(
                 await asyncio.sleep(args.idle_ms / 1e3)
                 ttft["engine"].append(engine.ttft_s(i, args.ttft_tokens))
                 await asyncio.sleep(args.idle_ms / 1e3)
-                t = (await stream_one(client, i, args.ttft_tokens, observer))[0]
+                t = (await stream_one(client, i, args.ttft_tokens, observer, splits["after_idle"]))[
+                    0
+                ]
                 ttft["gateway"].append(t)
             for i in range(per_round):
                 warm["engine"].append(engine.ttft_s(i, args.ttft_tokens))
-                warm["gateway"].append((await stream_one(client, i, args.ttft_tokens))[0])
+                t = (await stream_one(client, i, args.ttft_tokens, None, splits["back_to_back"]))[0]
+                warm["gateway"].append(t)
             for side in ("engine", "gateway") if r % 2 == 0 else ("gateway", "engine"):
                 t_start = time.time()  # the batch samples' clock
                 if side == "engine":
@@ -489,6 +533,11 @@ async def measure(
             "round_tok_s": round_rates[side],
             "num_tokens": tokens[side],
             "wall_s": wall[side],
+            **(
+                {"ttft_split": {k: v.summary() for k, v in splits.items()}}
+                if side == "gateway"
+                else {}
+            ),
         }
         for side in ("engine", "gateway")
     }
@@ -816,6 +865,8 @@ def main() -> int:
         "http_floor_ttft_ms_p99": percentile(floor, 0.99),
         "http_floor_ttft_ms_p50_by_client": {k: percentile(v, 0.5) for k, v in floors.items()},
         "load_average_1m": os.getloadavg()[0],
+        # the gateway TTFT taken apart by the gateway's own stamps (ServerSplit)
+        "gateway_ttft_split": gateway["ttft_split"],
     }
     if breakdown is not None:
         result["gateway_ttft_breakdown"] = breakdown["ttft"]
@@ -854,6 +905,12 @@ def main() -> int:
         "server that answers at once; p50 by client: "
         + ", ".join(f"{k} {v:.2f}" for k, v in result["http_floor_ttft_ms_p50_by_client"].items())
     )
+    for mode, parts in result["gateway_ttft_split"].items():
+        if parts:
+            print(
+                f"gateway TTFT p50 parts, {mode.replace('_', ' ')} (ms): "
+                + ", ".join(f"{k.removesuffix('_ms_p50')} {v:.2f}" for k, v in parts.items())
+            )
     print(f"CPUs: {layout}")
     if breakdown is not None:
         split = breakdown["ttft"]

@@ -302,7 +302,9 @@ async def handle(
     `receive` (the ASGI channel) is watched while the handler waits for the worker and,
     for a stream, while the SSEResponse runs: a client that disconnects gets its request
     aborted on the worker, streaming or not."""
+    t_prepare = time.perf_counter()
     p = prepare(service, raw, is_chat, headers)
+    prepare_ms = (p.t0 - t_prepare) * 1000.0
     service.admit()
     try:
         t_route = time.perf_counter()
@@ -339,6 +341,7 @@ async def handle(
         "model": reply.model,
         "instance": reply.instance_id,
         "policy": reply.policy,
+        "prepare_ms": round(prepare_ms, 3),
         "router_overhead_ms": round(router_overhead_ms, 3),
         "decision_ms": None if reply.decision_ms is None else round(reply.decision_ms, 3),
         "predicted_ttft_ms": (

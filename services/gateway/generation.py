@@ -61,7 +61,8 @@ class Generation:
         self._closed = False
         self._last_token_t: float | None = None
         # Routing facts for the response's `baton` object (model, instance, policy,
-        # router_overhead_ms, predicted_ttft_ms); `cost` is added at the end.
+        # prepare_ms, router_overhead_ms, predicted_ttft_ms); `cost` and
+        # `first_token_ms` are added at the end.
         self.baton: dict[str, Any] = {"model": model}
         # this request's series, looked up once: labels() per token was ~4% of the
         # gateway's CPU while streaming
@@ -181,7 +182,9 @@ class Generation:
             served = models.get(self.baton.get("model") or self.model)
             if served is not None:
                 cost = served.cost(self.num_prompt_tokens, self.num_output_tokens)
-        return {**self.baton, "cost": cost}
+        ttft_ms = self.stream.ttft_ms()  # submit -> first token here
+        first_token_ms = None if ttft_ms is None else round(ttft_ms, 3)
+        return {**self.baton, "first_token_ms": first_token_ms, "cost": cost}
 
     def _logprobs(
         self, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]]

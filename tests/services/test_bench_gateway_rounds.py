@@ -83,3 +83,25 @@ async def test_the_worker_side_reads_the_samples_the_worker_wrote(redis_url: str
             keys.batch_samples("bench", "bench-0"), keys.snapshot("bench", "bench-0")
         )
         await store.close()
+
+
+def test_the_gateway_ttft_splits_by_its_own_stamps() -> None:
+    """What the client waited beyond the gateway's prepare, route and submit -> first
+    token is HTTP and SSE; a request whose last chunk lacks a part is left out."""
+    split = bench.ServerSplit()
+    assert split.summary() == {}
+    for ttft_s, first in ((0.005, 3.0), (0.007, 5.0), (0.006, 4.0)):
+        split.record(
+            ttft_s, {"prepare_ms": 0.4, "router_overhead_ms": 0.1, "first_token_ms": first}
+        )
+    split.record(0.05, {"prepare_ms": 0.4, "router_overhead_ms": 0.1, "first_token_ms": None})
+    split.record(0.05, None)
+    parts = split.summary()
+    assert parts == pytest.approx(
+        {
+            "http_and_sse_ms_p50": 1.5,
+            "prepare_ms_p50": 0.4,
+            "route_ms_p50": 0.1,
+            "submit_to_first_token_ms_p50": 4.0,
+        }
+    )

@@ -123,6 +123,9 @@ async def test_completion_non_stream_usage_and_logprobs(stack: Stack) -> None:
     assert out["choices"][0]["finish_reason"] == "length"
     lp = out["choices"][0]["logprobs"]
     assert len(lp["token_logprobs"]) == 5 and all(v <= 0 for v in lp["token_logprobs"])
+    # the gateway's own share of the TTFT and the worker's, from the submit on
+    baton = out["baton"]
+    assert 0 < baton["prepare_ms"] < 10_000 and 0 < baton["first_token_ms"] < 60_000
 
 
 async def test_greedy_is_deterministic_and_seed_repeats(stack: Stack) -> None:
