@@ -229,7 +229,8 @@ class WorkerConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # requests, each further along): the estimator replays a snapshot forward by its age
     # with the batch-time model, so such a snapshot ages without misleading it, while a
     # request that arrives, finishes or changes queue is written within
-    # snapshot_interval_ms. Below snapshot_interval_ms it is that.
+    # snapshot_interval_ms. Below snapshot_interval_ms it is that; with
+    # snapshot_interval_ms = 0 every iteration is written.
     snapshot_progress_interval_ms: float = 20.0
     # A step runs on the event loop (not in a thread) when it admits at most this many
     # prompt tokens and is the first after an idle wait (the TTFT path skips two thread

@@ -66,7 +66,9 @@ class FrameLink(asyncio.Protocol):
 
     @property
     def is_open(self) -> bool:
-        return self.transport is not None and not self.closed.done()
+        """Connected and not closing (a closing link takes no more frames either way)."""
+        transport = self.transport
+        return transport is not None and not self.closed.done() and not transport.is_closing()
 
     # -- asyncio.Protocol --------------------------------------------------------
 
@@ -83,7 +85,7 @@ class FrameLink(asyncio.Protocol):
                 self._deliver(memoryview(data)[HEADER.size :])
                 return
         self._buf += data
-        while len(self._buf) >= HEADER.size and not self.closed.done():
+        while len(self._buf) >= HEADER.size and self.is_open:  # (a handler may close it)
             (size,) = HEADER.unpack_from(self._buf)
             if size > MAX_FRAME_BYTES:
                 self.close(LinkError(f"frame of {size} bytes (at most {MAX_FRAME_BYTES})"))
@@ -112,20 +114,27 @@ class FrameLink(asyncio.Protocol):
 
     def send(self, payload: bytes) -> bool:
         """Write one frame now; False (and nothing written) when the link is closed."""
-        transport = self.transport
-        if transport is None or self.closed.done() or transport.is_closing():
+        if not self.is_open:
             return False
+        transport = cast(asyncio.Transport, self.transport)
         transport.write(HEADER.pack(len(payload)) + payload)
         if transport.get_write_buffer_size() > MAX_WRITE_BUFFER_BYTES:
             self.close(LinkError(f"the peer left {MAX_WRITE_BUFFER_BYTES} bytes unread"))
         return True
 
     def close(self, reason: Exception | None = None) -> None:
-        """Close the link (buffered frames are still written first); `on_lost` follows."""
+        """Close the link; `on_lost` follows. Without a reason, gracefully: what is
+        buffered is written first. With one (the peer broke the protocol, stopped
+        reading, never said hello), at once: a graceful close would wait for a peer
+        that does not read, and `on_lost` would never come."""
+        transport = self.transport
+        if transport is None:
+            return
         if reason is not None:
             log.warning("link_closed", peer=self.name, reason=str(reason))
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+            transport.abort()
+        elif not transport.is_closing():
+            transport.close()
 
 
 def split_addr(addr: str) -> tuple[str, int]:

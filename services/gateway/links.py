@@ -22,6 +22,7 @@ worker).
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import time
 from collections.abc import Callable
@@ -40,6 +41,10 @@ RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)  # pauses between dials of one worker,
 # requests go over NATS meanwhile); sooner, it is most likely stopping, and the
 # registry drops it within its heartbeat TTL.
 WARN_AFTER_S = 5.0
+# A link that closes after being up this long is redialled at once (is the worker gone,
+# or only the link?); one that closes sooner waits out the pauses, so a peer that says
+# hello and hangs up is not redialled in a hot loop.
+STABLE_S = 1.0
 
 
 class WorkerLinks:
@@ -115,6 +120,7 @@ class WorkerLinks:
         attempt = 0
         failing_since: float | None = None
         was_up = False  # a link to it has been up: a refusal now means it is gone
+        logged_up_at = -math.inf  # (a link that keeps dropping is logged once per 10 s)
         while not self._closing:
             try:
                 link = await self._dial(info)
@@ -144,17 +150,22 @@ class WorkerLinks:
                     )
             else:
                 failures.ok()
-                attempt, failing_since, was_up = 0, None, True
+                failing_since, was_up = None, True
                 self.unreachable.discard(iid)
                 self._up[iid] = link
-                log.info("worker_linked", instance_id=iid, addr=info.link_addr)
+                t_up = time.monotonic()
+                if t_up - logged_up_at >= 10.0:
+                    log.info("worker_linked", instance_id=iid, addr=info.link_addr)
+                    logged_up_at = t_up
                 try:
                     await asyncio.shield(link.closed)
                 finally:
                     if self._up.get(iid) is link:
                         del self._up[iid]
                     link.close()  # cancelled (the worker left the registry): close it
-                continue  # redial at once: is the worker gone, or only the link?
+                if time.monotonic() - t_up >= STABLE_S:
+                    attempt = 0
+                    continue  # redial at once: is the worker gone, or only the link?
             await asyncio.sleep(RETRY_S[min(attempt, len(RETRY_S) - 1)])
             attempt += 1
 

@@ -25,6 +25,9 @@ log = get_logger(component="worker")
 # A connection that has not said hello within this is closed (a port scan, a client of
 # another protocol): an open socket each would otherwise stay for ever.
 HELLO_TIMEOUT_S = 5.0
+# How long `close` waits for the links to write what they hold (the last deltas of a
+# drain) before it cuts them.
+CLOSE_TIMEOUT_S = 2.0
 
 
 def advertised_host(bind_host: str, advertise_host: str) -> str:
@@ -60,6 +63,8 @@ class GatewayLinks:
         self._on_lost = on_lost
         self._server: asyncio.Server | None = None
         self.links: set[FrameLink] = set()  # said hello, still open
+        self._accepted: set[FrameLink] = set()  # every connection not yet lost
+        self._closing = False
         self.addr = ""  # host:port gateways dial, once started
         self.hello_timeout_s = HELLO_TIMEOUT_S
 
@@ -74,6 +79,7 @@ class GatewayLinks:
 
     def _accept(self) -> FrameLink:
         link = FrameLink(self._on_hello, self._on_closed_early)
+        self._accepted.add(link)
         asyncio.get_running_loop().call_later(self.hello_timeout_s, self._check_hello, link)
         return link
 
@@ -83,6 +89,8 @@ class GatewayLinks:
 
     def _on_hello(self, link: FrameLink, frame: bytes | memoryview) -> None:
         hello = LINK_HELLO_DECODER.decode(frame)
+        if self._closing:
+            raise LinkError("the worker is stopping")
         if hello.namespace != self._namespace:
             raise LinkError(
                 f"a gateway of namespace {hello.namespace!r} dialled this worker "
@@ -104,17 +112,25 @@ class GatewayLinks:
 
     def _on_closed_early(self, link: FrameLink) -> None:
         """Closed before its hello: nothing was taken from it."""
+        self._accepted.discard(link)
 
     def _on_closed(self, link: FrameLink) -> None:
+        self._accepted.discard(link)
         self.links.discard(link)
         self._on_lost(link)
 
     async def close(self) -> None:
-        """Stop listening and close every link (what each has buffered is written first)."""
+        """Stop listening and close every connection: what each holds is written first
+        (the last deltas of a drain), for at most CLOSE_TIMEOUT_S, then it is cut."""
+        self._closing = True
         if self._server is not None:
             self._server.close()
-        for link in list(self.links):
+        links = list(self._accepted)
+        for link in links:
             link.close()
-        if self._server is not None:
-            await self._server.wait_closed()
-            self._server = None
+        if links:
+            await asyncio.wait([link.closed for link in links], timeout=CLOSE_TIMEOUT_S)
+        for link in links:
+            if not link.closed.done():
+                link.close(TimeoutError(f"its peer read nothing for {CLOSE_TIMEOUT_S} s"))
+        self._server = None  # (wait_closed would wait for every connection on 3.12+)

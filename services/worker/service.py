@@ -577,7 +577,7 @@ class WorkerService:
             # 1. Wait out the interval (steps ending meanwhile join this write); while
             #    only progress changed, the longer one, cut short by a change.
             interval_s = cfg.snapshot_interval_s
-            if not self._record_changed:
+            if not self._record_changed and interval_s > 0:  # (0: after every iteration)
                 interval_s = max(interval_s, cfg.snapshot_progress_interval_s)
             wait_s = self._last_write_s + interval_s - time.monotonic()
             if wait_s > 0 and not self._closing:

@@ -23,6 +23,7 @@ from shared.config import parse_cluster
 from shared.link import HEADER, MAX_FRAME_BYTES, FrameLink, LinkError, join_addr, split_addr
 from shared.messages import encode
 from shared.messages.gateway import DeltaBatch
+from shared.messages.link import LinkHello
 from shared.messages.worker import AbortRequest, WorkerInbound
 from shared.scheduling.snapshot import WorkloadSnapshot
 from tests.services.conftest import Stack, hand_worker_info, start_stack, tiny_cluster_text
@@ -334,3 +335,66 @@ async def test_a_killed_worker_is_routed_around_before_the_registry_notices(
             os.killpg(victim.pid, signal.SIGKILL)
             victim.wait()
         await stack.stop()
+
+
+async def test_a_peer_that_stops_reading_is_cut_and_reported_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past the write-buffer limit the link is aborted, not closed gracefully (which
+    would wait for the peer to read): `on_lost` runs, its requests can be failed."""
+    import shared.link
+
+    monkeypatch.setattr(shared.link, "MAX_WRITE_BUFFER_BYTES", 256 << 10)
+    ends = Ends()
+    server, raw = await ends.open()
+    raw.pause_reading()  # the dialling end reads nothing from now on
+    try:
+        await ends.until(lambda: ends.server_link is not None and ends.server_link.is_open)
+        link = ends.server_link
+        assert link is not None
+        for _ in range(4096):  # 64 KiB frames until the kernel's buffers and ours fill
+            if not link.send(b"x" * (64 << 10)):
+                break
+            await asyncio.sleep(0)
+        await ends.until(lambda: ends.lost)
+        assert not link.is_open and link.send(b"late") is False
+    finally:
+        raw.close()
+        server.close()
+
+
+async def test_a_worker_that_hangs_up_after_hello_is_not_redialled_in_a_hot_loop() -> None:
+    """A peer that says hello and closes at once: the keeper backs off between dials."""
+    dials: list[float] = []
+
+    def hang_up(link: FrameLink, frame: bytes | memoryview) -> None:
+        dials.append(asyncio.get_running_loop().time())
+        link.send(encode(LinkHello(namespace="ns", sender="w0", started_at_s=1.0)))
+        link.close()
+
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: FrameLink(hang_up, lambda _: None), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    info = msgspec.structs.replace(
+        hand_worker_info("ns", "w0"), started_at_s=1.0, link_addr=join_addr("127.0.0.1", port)
+    )
+    links = WorkerLinks("ns", "gw", lambda _: None, lambda _: None)
+    try:
+        links.sync({"w0": info})
+        await asyncio.sleep(1.0)
+        assert 2 <= len(dials) <= 10, len(dials)  # (a hot loop: thousands)
+    finally:
+        await links.close()
+        server.close()
+
+
+async def test_closing_the_worker_end_closes_connections_that_have_not_said_hello() -> None:
+    worker = GatewayLinks("ns", "w0", 1.0, lambda *_: None, lambda _: None)
+    await worker.start("127.0.0.1", 0)
+    host, port = split_addr(worker.addr)
+    reader, writer = await asyncio.open_connection(host, port)
+    await asyncio.sleep(0.05)  # accepted
+    await worker.close()
+    async with asyncio.timeout(1):  # well before the 5 s hello timeout
+        assert await reader.read() == b""
+    writer.close()
