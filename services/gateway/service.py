@@ -119,7 +119,7 @@ class GatewayService:
         await self.bus.flush()
         for model in self.cluster.models:  # load tokenizers before the first request
             try:
-                self.tokenizer(model)
+                self.tokenizer(model).warm()
             except GatewayError as exc:  # e.g. a model not built yet: its requests get 503
                 log.warning("tokenizer_unavailable", model=model, error=exc.message)
         await self._refresh_workers()

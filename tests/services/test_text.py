@@ -92,3 +92,20 @@ def test_chunked_deltas_decode_as_single_tokens_do() -> None:
     by_one = "".join(one.add([t]) for t in ids) + one.flush()
     by_chunk = "".join(chunked.add(ids[i : i + 3]) for i in range(0, len(ids), 3))
     assert by_one == by_chunk + chunked.flush() == TEXT * 3
+
+
+def test_warming_a_tokenizer_compiles_its_chat_template_once() -> None:
+    """The gateway warms each model's tokenizer at start: the template compiled there is
+    the one the first request renders with."""
+    from shared.model_store import load_tokenizer
+
+    tok = load_tokenizer("random-tiny")
+    assert tok._template is None
+    tok.warm()
+    template = tok._template
+    assert template is not None
+    messages = [{"role": "user", "content": "Say hello."}]
+    assert tok.apply_chat_template(messages) == load_tokenizer("random-tiny").apply_chat_template(
+        messages
+    )
+    assert tok._template is template
