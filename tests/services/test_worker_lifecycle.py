@@ -397,3 +397,20 @@ async def test_a_hung_estimator_costs_one_timeout_per_window(nats_url: str, redi
             assert len(asked) == 2  # after it: one probe, not three
     finally:
         await stack.stop()
+
+
+def test_the_warm_up_request_leaves_no_trace_in_the_engine() -> None:
+    """create_engine runs one short request before the worker serves; nothing of it is
+    left: no request, no KV, no batch sample for the calibration."""
+    from services.worker.config import WorkerServiceConfig, warm_up
+    from services.worker.engine.engine import LLMEngine
+
+    cluster = parse_cluster(tiny_cluster_text("nats://127.0.0.1:1", "redis://127.0.0.1:1"))
+    engine = LLMEngine.create(
+        WorkerServiceConfig.from_cluster(cluster, "random-tiny", "w").engine_config()
+    )
+    assert warm_up(engine) > 0
+    assert not engine.has_unfinished()
+    assert engine.pop_batch_samples() == []
+    snap = engine.snapshot()
+    assert snap.request_ids == [] and snap.num_free_blocks == snap.num_kv_blocks
