@@ -97,9 +97,10 @@ def test_chunked_deltas_decode_as_single_tokens_do() -> None:
 def test_warming_a_tokenizer_compiles_its_chat_template_once() -> None:
     """The gateway warms each model's tokenizer at start: the template compiled there is
     the one the first request renders with."""
-    from shared.model_store import load_tokenizer
+    from shared.model_store import Tokenizer, load_tokenizer
 
-    tok = load_tokenizer("random-tiny")
+    loaded = load_tokenizer("random-tiny")  # (a test may have warmed this one already)
+    tok = Tokenizer(loaded.name, loaded._tok, loaded.chat_template, loaded.eos_token_id)
     assert tok._template is None
     tok.warm()
     template = tok._template
