@@ -91,12 +91,7 @@ def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        gone = service.links.unreachable
-        live = [
-            w.instance_id
-            for w in service.workers.values()
-            if not w.is_draining and w.instance_id not in gone
-        ]
+        live = [w.instance_id for w in service.routable()]
         body = {
             "status": "ok" if service.is_ready else "unavailable",
             "gateway_id": cfg.gateway_id,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import socket
 import time
 from collections.abc import Callable
 
@@ -191,10 +190,7 @@ class WorkerLinks:
             _, link = await loop.create_connection(
                 lambda: FrameLink(on_hello, on_lost, name=info.instance_id), host, port
             )
-            try:
-                sock = link.transport.get_extra_info("socket") if link.transport else None
-                if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:  # (asyncio and uvloop set TCP_NODELAY on every TCP transport already)
                 link.send(self._hello)
                 theirs = await hello
             except BaseException:

@@ -165,19 +165,17 @@ class GatewayService:
     def serving(self, model: str) -> list[WorkerInfo]:
         """Live, non-draining instances that can serve `model` (a real model or a preset)."""
         candidates = set(self.cluster.candidates(model))
+        return [w for w in self.routable() if w.model in candidates]
+
+    def routable(self) -> list[WorkerInfo]:
+        """Live instances requests may go to: registered, not draining, and not known
+        gone before the registry says so (a link that died and whose port refuses)."""
         gone = self.links.unreachable
-        return [
-            w
-            for w in self.workers.values()
-            if w.model in candidates and not w.is_draining and w.instance_id not in gone
-        ]
+        return [w for w in self.workers.values() if not w.is_draining and w.instance_id not in gone]
 
     @property
     def is_ready(self) -> bool:
-        gone = self.links.unreachable
-        return self.bus.is_connected and any(
-            not w.is_draining and w.instance_id not in gone for w in self.workers.values()
-        )
+        return self.bus.is_connected and bool(self.routable())
 
     async def _refresh_loop(self) -> None:
         # Also ends on `_closing`: on Python 3.11 a cancellation that lands as one of

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from shared.messages.gateway import DeltaBatch, GatewayEvent, RequestFailed
+
+if TYPE_CHECKING:
+    from shared.link import FrameLink
 
 
 class ClientGone:
@@ -38,8 +42,7 @@ class RequestStream:
     predicted_ttft_ms: float | None = None
     submitted_at: float | None = None
     first_token_at: float | None = None
-    # the direct link (shared/link.FrameLink) it was submitted on; None: over NATS
-    link: Any = None
+    link: FrameLink | None = None  # the direct link it was submitted on; None: over NATS
 
     def ttft_ms(self) -> float | None:
         """Submit -> first token at this gateway, ms (None before the first)."""
@@ -98,21 +101,18 @@ class StreamManager:
                 silent += 1
         return silent
 
-    def fail_link(self, link: object, message: str) -> int:
+    def fail_link(self, link: FrameLink, message: str) -> int:
         """A direct link closed: fail every stream submitted on it (its worker aborts
         them on its side). Returns how many."""
-        failed = 0
-        for stream in self._streams.values():
-            if stream.link is link:
-                stream.events.put_nowait(RequestFailed(stream.request_id, 503, message))
-                failed += 1
-        return failed
+        return self._fail(lambda s: s.link is link, message)
 
     def fail_instance(self, instance_id: str, message: str) -> int:
         """A worker is gone: fail every stream it was serving. Returns how many."""
-        failed = 0
-        for stream in self._streams.values():
-            if stream.instance_id == instance_id:
-                stream.events.put_nowait(RequestFailed(stream.request_id, 503, message))
-                failed += 1
-        return failed
+        return self._fail(lambda s: s.instance_id == instance_id, message)
+
+    def _fail(self, match: Callable[[RequestStream], bool], message: str) -> int:
+        """Queue a 503 on every stream that matches. Returns how many."""
+        failed = [s for s in self._streams.values() if match(s)]
+        for stream in failed:
+            stream.events.put_nowait(RequestFailed(stream.request_id, 503, message))
+        return len(failed)

@@ -100,10 +100,6 @@ class GatewayLinks:
         link.on_frame = self._on_request
         link.on_lost = self._on_closed
         self.links.add(link)
-        if link.transport is not None:  # no TCP delay on small frames (asyncio sets it too)
-            sock = link.transport.get_extra_info("socket")
-            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         link.send(self._hello)
         log.info("gateway_linked", gateway=hello.sender)
 

@@ -94,11 +94,16 @@ class Owner(NamedTuple):
 
     @property
     def dest(self) -> Dest:
-        return self.reply_to if self.link is None else self.link
+        return answer_to(self.reply_to, self.link)
 
 
 # Where a gateway event goes: a direct link, or a NATS subject (the gateway's inbox).
 Dest = str | FrameLink
+
+
+def answer_to(reply_to: str, link: FrameLink | None) -> Dest:
+    """A request is answered on the link it came on, else on its gateway's inbox."""
+    return reply_to if link is None else link
 
 
 def _request_set(snapshot: Any) -> tuple[int, int, list[str]]:
@@ -460,7 +465,7 @@ class WorkerService:
                 case SubmitRequest():
                     failure = self._admit(msg, link)
                     if failure is not None:
-                        failures.append((msg.reply_to if link is None else link, failure))
+                        failures.append((answer_to(msg.reply_to, link), failure))
                 case AbortRequest():
                     if msg.request_id in self._owners:
                         self._engine.abort_request(msg.request_id)
