@@ -69,7 +69,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -122,6 +122,13 @@ num_kv_blocks = {num_kv_blocks}
 max_model_len = 1024
 cpus = {worker_cpus}
 """
+
+
+def p50_by_name(rows: Sequence[tuple[float, ...]], names: tuple[str, ...]) -> dict[str, float]:
+    """{name_ms_p50: the p50 of that column of rows}, ms; {} without rows."""
+    if not rows:
+        return {}
+    return {f"{name}_ms_p50": percentile([r[i] for r in rows], 0.5) for i, name in enumerate(names)}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -229,12 +236,7 @@ class ServerSplit:
 
     def summary(self) -> dict[str, float]:
         """p50 of each part, ms (empty without rows)."""
-        if not self.rows:
-            return {}
-        return {
-            f"{name}_ms_p50": percentile([r[i] for r in self.rows], 0.5)
-            for i, name in enumerate(self.NAMES)
-        }
+        return p50_by_name(self.rows, self.NAMES)
 
 
 class PathObserver:
@@ -285,11 +287,7 @@ class PathObserver:
             self.rows.append((1e3 * (sub - t0), 1e3 * (delta - sub), 1e3 * (t_first - delta)))
 
     def summary(self) -> dict[str, float]:
-        names = ("http_to_submit", "worker", "delta_to_sse")
-        return {
-            f"{name}_ms_p50": percentile([r[i] for r in self.rows], 0.5)
-            for i, name in enumerate(names)
-        }
+        return p50_by_name(self.rows, ("http_to_submit", "worker", "delta_to_sse"))
 
     async def close(self) -> None:
         if self._nc is not None:
@@ -503,13 +501,13 @@ async def measure(
                 await asyncio.sleep(args.idle_ms / 1e3)
                 ttft["engine"].append(engine.ttft_s(i, args.ttft_tokens))
                 await asyncio.sleep(args.idle_ms / 1e3)
-                t = (await stream_one(client, i, args.ttft_tokens, observer, splits["after_idle"]))[
-                    0
-                ]
+                split = splits["after_idle"]
+                t, _ = await stream_one(client, i, args.ttft_tokens, observer, split)
                 ttft["gateway"].append(t)
             for i in range(per_round):
                 warm["engine"].append(engine.ttft_s(i, args.ttft_tokens))
-                t = (await stream_one(client, i, args.ttft_tokens, None, splits["back_to_back"]))[0]
+                split = splits["back_to_back"]
+                t, _ = await stream_one(client, i, args.ttft_tokens, None, split)
                 warm["gateway"].append(t)
             for side in ("engine", "gateway") if r % 2 == 0 else ("gateway", "engine"):
                 t_start = time.time()  # the batch samples' clock
@@ -523,7 +521,7 @@ async def measure(
                 wall[side] += w
                 round_rates[side].append(n / w)
             print(f"  round {r + 1}/{args.rounds} done", flush=True)
-    return {
+    out: dict[str, dict[str, Any]] = {
         side: {
             "ttft_ms_p50": 1e3 * percentile(ttft[side], 0.5),
             "ttft_ms_p50_back_to_back": 1e3 * percentile(warm[side], 0.5),
@@ -533,14 +531,11 @@ async def measure(
             "round_tok_s": round_rates[side],
             "num_tokens": tokens[side],
             "wall_s": wall[side],
-            **(
-                {"ttft_split": {k: v.summary() for k, v in splits.items()}}
-                if side == "gateway"
-                else {}
-            ),
         }
         for side in ("engine", "gateway")
     }
+    out["gateway"]["ttft_split"] = {k: v.summary() for k, v in splits.items()}
+    return out
 
 
 ECHO = """

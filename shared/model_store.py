@@ -138,8 +138,8 @@ class Tokenizer:
 
     def warm(self) -> None:
         """Compile the chat template and run each path once (template, encode, the
-        incremental decoder), so the first request does not pay for it: ~12-34 ms on
-        a SmolLM2 family member's first request through the gateway, measured."""
+        incremental decoder), so the first request does not pay for it: 12-67 ms of a
+        model's first request through the gateway, measured (docs/services.md)."""
         ids = self.apply_chat_template([{"role": "user", "content": "Hello."}])
         step = self.decode_stream()
         for token_id in ids:
