@@ -1,5 +1,6 @@
 """The gateway's HTTP surface: FastAPI (models, health, metrics, OpenAI-format errors,
-lifespan) behind the completion routes, which `asgi.CompletionRoutes` serves directly."""
+lifespan), whose own `__call__` hands the completion routes to `asgi.CompletionRoutes`
+before its machinery runs (asgi.py says why)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from services.gateway.asgi import CompletionRoutes, authorize, error_response
 from services.gateway.config import GatewayServiceConfig
@@ -20,7 +22,21 @@ from services.gateway.service import GatewayError, GatewayService
 from shared.runtime import freeze_heap
 
 
-def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False) -> FastAPI:
+class GatewayApp(FastAPI):
+    """FastAPI, with the completion routes served ahead of it (`completions`, set by
+    create_app)."""
+
+    completions: CompletionRoutes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        is_chat = CompletionRoutes.match(scope)
+        if is_chat is None:
+            await super().__call__(scope, receive, send)
+        else:
+            await self.completions.serve(scope, receive, send, is_chat)
+
+
+def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False) -> GatewayApp:
     """The app; `freeze_heap_when_started` (the gateway's own process only:
     shared.runtime.freeze_heap says why) freezes the heap once the service started."""
     service = GatewayService(cfg)
@@ -35,7 +51,7 @@ def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False
         finally:
             await service.close()
 
-    app = FastAPI(title="Baton", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = GatewayApp(title="Baton", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.service = service
 
     @app.exception_handler(GatewayError)
@@ -52,8 +68,8 @@ def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False
         return JSONResponse(error_body(str(exc.errors()), "invalid_request_error"), status_code=400)
 
     api_keys = [k.encode() for k in cfg.settings.api_keys]
-    # The completion routes run ahead of FastAPI's routing (services/gateway/asgi.py says why).
-    app.add_middleware(CompletionRoutes, service=service, api_keys=api_keys)
+    # The completion routes run ahead of FastAPI's machinery (services/gateway/asgi.py says why).
+    app.completions = CompletionRoutes(service, api_keys)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, object]:
