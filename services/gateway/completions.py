@@ -1,12 +1,20 @@
 """One completion request, from HTTP body to the last SSE chunk.
 
-    parse -> tokenize -> check limits -> admit -> route -> submit -> first event
-          -> stream (SSE chunks) or collect (one JSON body)
+    parse -> tokenize -> check limits -> admit -> route -> submit
+          -> stream: SSE headers at once, then the chunks from the first event on
+          -> or first event -> collect (one JSON body)
 
 The output side (events to SSE or JSON) is `generation.Generation`.
-Everything that can be checked before routing is checked here, so bad input
-gets a 4xx without touching a worker; what only the engine can judge comes back
-as a RequestFailed event before any byte is sent.
+Everything that can be checked before routing is checked here, so bad input gets a
+4xx status without touching a worker. A stream's headers (200) go out as soon as the
+request is submitted, as vLLM's and OpenAI's do: the client takes them in while the
+worker runs the prefill, which kept ~0.3 ms off the TTFT (perf_counter stamps in the
+gateway and the worker against the client's, random-tiny, requests alternated in one
+run, 2026-12-03). What fails after that is reported in-band, as an error chunk. A
+non-stream request still waits for the first event, and so answers a worker's refusal
+with its status. A 503 before the first token (the worker was draining, or it or its
+link went away) is not the client's to see: the request goes to another instance
+(`reroute`).
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,9 +41,12 @@ from services.gateway.service import GatewayError, GatewayService
 from services.gateway.sse import SSEResponse
 from services.gateway.streams import CLIENT_GONE, RequestStream
 from shared.config import IMPLEMENTED_POLICIES
-from shared.messages.estimator import RouteRequest
+from shared.logging import get_logger
+from shared.messages.estimator import RouteReply, RouteRequest
 from shared.messages.gateway import RequestFailed
 from shared.sampling import MAX_TOP_LOGPROBS, InvalidParam, SamplingParams
+
+log = get_logger(component="gateway")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
@@ -143,6 +154,13 @@ def prepare(
             room if is_chat else min(service.settings.default_completion_max_tokens, max(room, 1))
         )
     params = _sampling_params(body, requested, service.sampling_defaults[body.model])
+    preset = service.cluster.presets.get(body.model)
+    if preset is not None and preset.is_token_level and params.logprobs is not None:
+        # a peer's tokens come back without their logprobs (the worker refuses it too)
+        raise bad_request(
+            f"logprobs are not available for the token-level preset {body.model!r}",
+            "logprobs",
+        )
     try:
         params.validate()
     except InvalidParam as exc:
@@ -218,7 +236,12 @@ def _tokenize(body: ChatCompletionRequest | CompletionRequest, tokenizer: Any) -
     if isinstance(prompt, str):
         return list(tokenizer.encode(prompt))
     if prompt and all(isinstance(p, int) for p in prompt):
-        return [int(p) for p in prompt]
+        # checked here, not only by the worker: a stream's status is sent before it answers
+        ids = [int(p) for p in prompt]
+        vocab = tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+        return ids
     if len(prompt) == 1 and isinstance(prompt[0], str):
         return list(tokenizer.encode(prompt[0]))
     raise bad_request(
@@ -282,12 +305,78 @@ def routed_defaults(service: GatewayService, p: Prepared, model: str | None) -> 
     return msgspec.structs.replace(params, temperature=temperature, top_p=top_p)
 
 
-async def watch_disconnect(receive: Receive, stream: RequestStream) -> None:
+async def watch_disconnect(receive: Receive, run: Generation) -> None:
     """Wait for the client's http.disconnect (the body is read already, so `receive` has
-    nothing else to give) and wake the handler waiting on the stream's queue."""
+    nothing else to give) and wake the handler waiting on the request's stream (the one
+    it waits on then: a reroute replaces it)."""
     while (await receive())["type"] != "http.disconnect":
         pass
-    stream.events.put_nowait(CLIENT_GONE)
+    run.stream.events.put_nowait(CLIENT_GONE)
+
+
+async def send_routed(
+    service: GatewayService, p: Prepared, avoid: frozenset[str] = frozenset()
+) -> tuple[RouteReply, RequestStream, dict[str, Any]]:
+    """Route the request (to none of `avoid`) and submit it: (the decision, the stream its
+    events come on, the routing facts for the `baton` object)."""
+    t_route = time.perf_counter()
+    reply = await service.route(
+        RouteRequest(
+            request_id=p.request_id,
+            model=p.body.model,
+            num_prompt_tokens=len(p.prompt_token_ids),
+            max_tokens=p.params.max_tokens,
+            ttft_target_ms=p.ttft_target_ms,
+            task=p.task,
+            policy=p.policy,
+            prompt_token_ids=p.prompt_token_ids,
+        ),
+        avoid,
+    )
+    router_overhead_ms = (time.perf_counter() - t_route) * 1000.0
+    service.metrics.router_overhead_s.labels(reply.policy or "").observe(
+        router_overhead_ms / 1000.0
+    )
+    preset = service.cluster.presets.get(p.body.model)
+    stream = await service.submit(
+        reply,
+        p.request_id,
+        p.prompt_token_ids,
+        routed_defaults(service, p, reply.model),
+        p.arrival_time_s,
+        preset=p.body.model if preset is not None and preset.is_token_level else None,
+    )
+    baton = {
+        "model": reply.model,
+        "instance": reply.instance_id,
+        "policy": reply.policy,
+        "router_overhead_ms": round(router_overhead_ms, 3),
+        "decision_ms": None if reply.decision_ms is None else round(reply.decision_ms, 3),
+        "predicted_ttft_ms": (
+            None if reply.predicted_ttft_ms is None else round(reply.predicted_ttft_ms, 3)
+        ),
+    }
+    return reply, stream, baton
+
+
+def rerouter(service: GatewayService, p: Prepared) -> Callable[[Generation], Awaitable[bool]]:
+    """Generation.reroute for this request: close it on the instance that refused or lost
+    it (which holds nothing of it) and send it, under the same id, to one it has not
+    tried; False when there is none (or routing fails), and the 503 stands."""
+
+    async def reroute(run: Generation) -> bool:
+        failed = run.stream.instance_id
+        service.finish(run.stream, aborted=False)
+        try:
+            reply, stream, baton = await send_routed(service, p, frozenset(run.tried))
+        except GatewayError:
+            return False
+        run.restart(stream, reply.model or p.body.model, baton)
+        service.metrics.reroutes.inc()
+        log.info("request_rerouted", request_id=p.request_id, failed=failed, to=stream.instance_id)
+        return True
+
+    return reroute
 
 
 async def handle(
@@ -307,51 +396,21 @@ async def handle(
     prepare_ms = (p.t0 - t_prepare) * 1000.0
     service.admit()
     try:
-        t_route = time.perf_counter()
-        reply = await service.route(
-            RouteRequest(
-                request_id=p.request_id,
-                model=p.body.model,
-                num_prompt_tokens=len(p.prompt_token_ids),
-                max_tokens=p.params.max_tokens,
-                ttft_target_ms=p.ttft_target_ms,
-                task=p.task,
-                policy=p.policy,
-                prompt_token_ids=p.prompt_token_ids,
-            )
-        )
-        router_overhead_ms = (time.perf_counter() - t_route) * 1000.0
-        service.metrics.router_overhead_s.labels(reply.policy or "").observe(
-            router_overhead_ms / 1000.0
-        )
-        preset = service.cluster.presets.get(p.body.model)
-        stream = await service.submit(
-            reply,
-            p.request_id,
-            p.prompt_token_ids,
-            routed_defaults(service, p, reply.model),
-            p.arrival_time_s,
-            preset=p.body.model if preset is not None and preset.is_token_level else None,
-        )
+        reply, stream, baton = await send_routed(service, p)
     except BaseException:
         service.release()
         raise
-    run = Generation(service, p, stream, reply.model or p.body.model)
-    run.baton = {
-        "model": reply.model,
-        "instance": reply.instance_id,
-        "policy": reply.policy,
-        "prepare_ms": round(prepare_ms, 3),
-        "router_overhead_ms": round(router_overhead_ms, 3),
-        "decision_ms": None if reply.decision_ms is None else round(reply.decision_ms, 3),
-        "predicted_ttft_ms": (
-            None if reply.predicted_ttft_ms is None else round(reply.predicted_ttft_ms, 3)
-        ),
-    }
-    watcher = None if receive is None else asyncio.create_task(watch_disconnect(receive, stream))
+    run = Generation(service, p, stream, reply.model or p.body.model, reroute=rerouter(service, p))
+    run.baton = {**baton, "prepare_ms": round(prepare_ms, 3)}
+    watcher = None if receive is None else asyncio.create_task(watch_disconnect(receive, run))
+    # X-Instance-Id: where the request went first (the `baton` object names the instance
+    # that answered; they differ only after a reroute)
+    headers = {"X-Request-Id": p.request_id, "X-Instance-Id": stream.instance_id}
+    if p.body.stream:  # the response owns the watcher: it watches the client while streaming
+        return SSEResponse(run.sse(), headers, watcher, run.close)
     try:
         try:
-            first = await run.next_event()
+            first = await run.first_event()
         except BaseException:
             run.close()
             raise
@@ -359,11 +418,6 @@ async def handle(
             run.is_engine_done = True
             run.close()
             raise failure(first)
-        headers = {"X-Request-Id": p.request_id, "X-Instance-Id": stream.instance_id}
-        if p.body.stream:
-            response = SSEResponse(run.sse(first), headers, watcher, run.close)
-            watcher = None  # the response owns it now: it watches the client while streaming
-            return response
         try:
             return JSONResponse(await run.collect(first), headers=headers)
         finally:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from services.gateway.protocol import SSE_DONE, error_body, sse, usage
@@ -14,6 +14,10 @@ from shared.messages.gateway import GatewayEvent, RequestFailed, TokenDelta
 
 if TYPE_CHECKING:
     from services.gateway.completions import Prepared
+
+# Times a request the worker refused or lost as unavailable (503) before its first token
+# is sent to another instance (Generation.first_event).
+MAX_REROUTES = 2
 
 # What one delta adds: (new text, new token ids, their logprobs, their top-k (id, logprob))
 Piece = tuple[str, list[int], list[float], list[list[tuple[int, float]]]]
@@ -41,12 +45,21 @@ class Generation:
     """The output side of one admitted request: events in, text pieces and usage out."""
 
     def __init__(
-        self, service: GatewayService, p: Prepared, stream: RequestStream, model: str
+        self,
+        service: GatewayService,
+        p: Prepared,
+        stream: RequestStream,
+        model: str,
+        reroute: Callable[[Generation], Awaitable[bool]] | None = None,
     ) -> None:
         self.service = service
         self.p = p
         self.stream = stream
         self.model = model
+        # Sends the request to another instance after a 503 before its first token
+        # (completions.reroute); False when there is none.
+        self.reroute = reroute
+        self.tried: set[str] = {stream.instance_id}  # instances it was sent to
         self.created = int(p.arrival_time_s)
         eos = getattr(p.tokenizer, "eos_token_id", None)
         skip = set() if eos is None or p.params.ignore_eos else {eos}
@@ -64,18 +77,45 @@ class Generation:
         # prepare_ms, router_overhead_ms, predicted_ttft_ms); `cost` and
         # `first_token_ms` are added at the end.
         self.baton: dict[str, Any] = {"model": model}
+        self._label(model)
+        service.metrics.queued.inc()
+
+    def _label(self, model: str) -> None:
         # this request's series, looked up once: labels() per token was ~4% of the
         # gateway's CPU while streaming
-        m = service.metrics
+        m = self.service.metrics
         self._itl_s = m.itl_s.labels(model)
         self._output_tokens = m.output_tokens.labels(model)
-        m.queued.inc()
+
+    def restart(self, stream: RequestStream, model: str, baton: dict[str, Any]) -> None:
+        """The request was sent again, to `stream`'s instance (before any token of the
+        first: nothing of the answer is lost or repeated)."""
+        self.stream = stream
+        self.tried.add(stream.instance_id)
+        if model != self.model:
+            self.model = model
+            self._label(model)
+        self.baton.update(baton)
 
     async def next_event(self) -> GatewayEvent:
         """The worker's next event; ClientDisconnected if the client left first, a 504
         GatewayError if the worker fell silent for `event_timeout_s` (the service's
         silence watch queues that)."""
         return self._checked(await self.stream.events.get())
+
+    async def first_event(self) -> GatewayEvent:
+        """The first event of the answer. A 503 before it (the worker was draining, or
+        it or its link went away: it holds nothing of the request) sends the request to
+        another instance, up to MAX_REROUTES times, unseen by the client; when no other
+        instance serves the model, the 503 stands."""
+        event = await self.next_event()
+        for _ in range(MAX_REROUTES):
+            if not (isinstance(event, RequestFailed) and event.status == 503):
+                break
+            if self.reroute is None or not await self.reroute(self):
+                break
+            event = await self.next_event()
+        return event
 
     def _checked(self, event: StreamEvent) -> GatewayEvent:
         """The worker's event itself, or the exception a sentinel stands for."""
@@ -269,7 +309,10 @@ class Generation:
             "baton": self.baton_summary(),
         }
 
-    async def sse(self, first: GatewayEvent) -> AsyncGenerator[bytes, None]:
+    async def sse(self) -> AsyncGenerator[bytes, None]:
+        """The stream's chunks. Its headers went out before the first token (see
+        completions.handle), so what is built here before waiting for it (the chat role
+        chunk) is off the TTFT path."""
         include_usage = self.p.body.include_usage
         obj = "chat.completion.chunk" if self.p.is_chat else "text_completion"
         head = {
@@ -299,6 +342,7 @@ class Generation:
                         **extra,
                     }
                 )
+            first = await self.first_event()
             async for text, ids, lps, tops in self.pieces(first):
                 if not text and not ids and self.finish_reason is None:
                     continue
@@ -342,7 +386,7 @@ class Generation:
         except GatewayError as exc:  # headers are sent: report in-band, as OpenAI does
             self._count(str(exc.status))
             yield pending + sse(error_body(exc.message, exc.type, exc.code)) + SSE_DONE
-        except ClientDisconnected:  # seen just before streaming began: nobody to tell
+        except ClientDisconnected:  # nobody to tell
             return
         finally:
             self.close()

@@ -75,6 +75,12 @@ class GatewayMetrics:
             "requests the gateway routed itself (shortest queue) because no estimator answered",
             registry=r,
         )
+        self.reroutes = Counter(
+            "baton_reroutes",
+            "requests sent to another instance after a 503 before their first token (the "
+            "worker was draining, or it or its link went away)",
+            registry=r,
+        )
         self.router_overhead_s = Histogram(
             "baton_router_overhead_seconds",
             "time the gateway waited for the routing decision",

@@ -11,6 +11,7 @@ import contextlib
 import math
 import time
 import uuid
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from services.gateway.config import GatewayServiceConfig
@@ -277,7 +278,7 @@ class GatewayService:
         self.num_in_flight -= 1
         self.metrics.in_flight.set(self.num_in_flight)
 
-    async def route(self, req: RouteRequest) -> RouteReply:
+    async def route(self, req: RouteRequest, avoid: AbstractSet[str] = frozenset()) -> RouteReply:
         """Ask the estimator which instance serves this request.
 
         With `route_single_locally`, a model that only one live instance serves is
@@ -289,10 +290,15 @@ class GatewayService:
         timeout the requests of the next `route_timeout_s` go straight to the
         fallback; then one request asks the estimator again while the others keep
         falling back, until an answer ends the suspicion.
+
+        `avoid`: instances that refused or lost this request (a reroute: rare, so the
+        gateway picks the shortest queue among the others itself).
         """
         model = req.model
         if not self.bus.is_connected:  # reconnecting: a request would only wait and time out
             raise self._bus_unavailable()
+        if avoid:
+            return self._shortest_queue(req, avoid, "gateway-reroute")
         if self.settings.route_single_locally:
             serving = self.serving(model)
             if len(serving) == 1:
@@ -336,9 +342,19 @@ class GatewayService:
         return reply
 
     def _fallback(self, req: RouteRequest) -> RouteReply:
+        self.metrics.route_fallbacks.inc()
+        return self._shortest_queue(req, frozenset(), "gateway-fallback")
+
+    def _shortest_queue(
+        self, req: RouteRequest, avoid: AbstractSet[str], policy: str
+    ) -> RouteReply:
         """Shortest queue from this gateway's own view (snapshot requests + sent there
-        and not shown yet), ties in turn; 503 when no live instance serves the model."""
-        serving = sorted(self.serving(req.model), key=lambda w: w.instance_id)
+        and not shown yet), ties in turn, none of `avoid`; 503 when no live instance
+        serves the model."""
+        serving = sorted(
+            (w for w in self.serving(req.model) if w.instance_id not in avoid),
+            key=lambda w: w.instance_id,
+        )
         if not serving:
             raise GatewayError(
                 503,
@@ -356,8 +372,7 @@ class GatewayService:
         ties = [w for w in serving if load(w) == least]
         self._fallback_turn += 1
         w = ties[self._fallback_turn % len(ties)]
-        self.metrics.route_fallbacks.inc()
-        return _routed_here(req, w, "gateway-fallback")
+        return _routed_here(req, w, policy)
 
     def _bus_unavailable(self) -> GatewayError:
         return GatewayError(
