@@ -122,6 +122,10 @@ async def test_a_streams_headers_come_before_its_first_token(
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert stack.gateway.num_in_flight == 0
+        # the first token's metrics, counted after its chunk went out
+        m = stack.gateway.metrics
+        assert m.ttft_s.labels("random-tiny")._sum.get() > 0
+        assert m.queued._value.get() == 0
     finally:
         await stack.stop()
 
