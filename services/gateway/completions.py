@@ -14,7 +14,7 @@ run, 2026-12-03). What fails after that is reported in-band, as an error chunk. 
 non-stream request still waits for the first event, and so answers a worker's refusal
 with its status. A 503 before the first token (the worker was draining, or it or its
 link went away) is not the client's to see: the request goes to another instance
-(`reroute`).
+(`rerouter`).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ class Generation:
         self.stream = stream
         self.model = model
         # Sends the request to another instance after a 503 before its first token
-        # (completions.reroute); False when there is none.
+        # (completions.rerouter); False when there is none.
         self.reroute = reroute
         self.tried: set[str] = {stream.instance_id}  # instances it was sent to
         self.created = int(p.arrival_time_s)
