@@ -39,7 +39,7 @@ from services.gateway.protocol import (
 )
 from services.gateway.service import GatewayError, GatewayService
 from services.gateway.sse import SSEResponse
-from services.gateway.streams import CLIENT_GONE, RequestStream
+from services.gateway.streams import RequestStream
 from shared.config import IMPLEMENTED_POLICIES
 from shared.logging import get_logger
 from shared.messages.estimator import RouteReply, RouteRequest
@@ -307,11 +307,10 @@ def routed_defaults(service: GatewayService, p: Prepared, model: str | None) -> 
 
 async def watch_disconnect(receive: Receive, run: Generation) -> None:
     """Wait for the client's http.disconnect (the body is read already, so `receive` has
-    nothing else to give) and wake the handler waiting on the request's stream (the one
-    it waits on then: a reroute replaces it)."""
+    nothing else to give) and wake the handler waiting on the request's stream."""
     while (await receive())["type"] != "http.disconnect":
         pass
-    run.stream.events.put_nowait(CLIENT_GONE)
+    run.client_left()
 
 
 async def send_routed(

@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 from services.gateway.protocol import SSE_DONE, error_body, sse, usage
 from services.gateway.service import GatewayError, GatewayService
-from services.gateway.streams import ClientGone, RequestStream, StreamEvent, WorkerSilent
+from services.gateway.streams import (
+    CLIENT_GONE,
+    ClientGone,
+    RequestStream,
+    StreamEvent,
+    WorkerSilent,
+)
 from services.gateway.text import TextStream
 from shared.messages.gateway import GatewayEvent, RequestFailed, TokenDelta
 
@@ -61,6 +67,7 @@ class Generation:
         # (completions.rerouter); False when there is none.
         self.reroute = reroute
         self.tried: set[str] = {stream.instance_id}  # instances it was sent to
+        self.is_client_gone = False  # the HTTP client disconnected (client_left)
         self.created = int(p.arrival_time_s)
         eos = getattr(p.tokenizer, "eos_token_id", None)
         skip = set() if eos is None or p.params.ignore_eos else {eos}
@@ -93,10 +100,18 @@ class Generation:
         first: nothing of the answer is lost or repeated)."""
         self.stream = stream
         self.tried.add(stream.instance_id)
+        if self.is_client_gone:  # it left while the request was being sent again
+            stream.events.put_nowait(CLIENT_GONE)
         if model != self.model:
             self.model = model
             self._label(model)
         self.baton.update(baton)
+
+    def client_left(self) -> None:
+        """The HTTP client disconnected: wake whoever waits on the request's stream (a
+        reroute passes it on to the next one)."""
+        self.is_client_gone = True
+        self.stream.events.put_nowait(CLIENT_GONE)
 
     async def next_event(self) -> GatewayEvent:
         """The worker's next event; ClientDisconnected if the client left first, a 504

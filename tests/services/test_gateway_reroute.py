@@ -13,6 +13,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 import pytest
 
+from services.gateway.completions import prepare
+from services.gateway.config import GatewayServiceConfig
+from services.gateway.generation import Generation
+from services.gateway.service import GatewayService
+from services.gateway.streams import CLIENT_GONE
 from shared import subjects
 from shared.bus import Bus
 from shared.config import ClusterConfig, parse_cluster
@@ -203,3 +208,25 @@ async def test_what_a_worker_would_refuse_is_a_status_before_a_stream_starts(
         assert not hand.submits
     finally:
         await stack.stop()
+
+
+async def test_a_client_that_leaves_during_a_reroute_is_seen_on_the_new_stream(
+    cluster: ClusterConfig,
+) -> None:
+    """The disconnect watcher wakes the stream the request waits on; one that left
+    while the request was being sent again is passed on to the new stream. (The
+    service is built, not started: no bus or store is touched.)"""
+    service = GatewayService(GatewayServiceConfig.from_cluster(cluster, "gw-unit"))
+    for iid in ("a", "b"):
+        service.workers[iid] = hand_worker_info(cluster.namespace, iid)
+    body = json.dumps({**CHAT, "model": "random-tiny", "stream": True}).encode()
+    p = prepare(service, body, is_chat=True)
+    run = Generation(service, p, service.streams.open(p.request_id, "a"), "random-tiny")
+    old = run.stream
+    run.client_left()
+    assert old.events.get_nowait() is CLIENT_GONE
+    service.streams.close(p.request_id)
+    new = service.streams.open(p.request_id, "b")
+    run.restart(new, "random-tiny", {"instance": "b"})
+    assert new.events.get_nowait() is CLIENT_GONE
+    assert run.tried == {"a", "b"} and run.baton["instance"] == "b"
