@@ -14,7 +14,7 @@ run, 2026-12-03). What fails after that is reported in-band, as an error chunk. 
 non-stream request still waits for the first event, and so answers a worker's refusal
 with its status. A 503 before the first token (the worker was draining, or it or its
 link went away) is not the client's to see: the request goes to another instance
-(`rerouter`).
+(`Generation.first_event`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ import msgspec
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive
 
+from services.gateway.dispatch import send_routed
 from services.gateway.generation import ClientDisconnected, Generation, failure
 from services.gateway.protocol import (
     CHAT_DECODER,
@@ -39,14 +40,9 @@ from services.gateway.protocol import (
 )
 from services.gateway.service import GatewayError, GatewayService
 from services.gateway.sse import SSEResponse
-from services.gateway.streams import RequestStream
 from shared.config import IMPLEMENTED_POLICIES
-from shared.logging import get_logger
-from shared.messages.estimator import RouteReply, RouteRequest
 from shared.messages.gateway import RequestFailed
 from shared.sampling import MAX_TOP_LOGPROBS, InvalidParam, SamplingParams
-
-log = get_logger(component="gateway")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
@@ -290,92 +286,12 @@ def _sampling_params(
     )
 
 
-def routed_defaults(service: GatewayService, p: Prepared, model: str | None) -> SamplingParams:
-    """The request's sampling with what it left out taken from the model routing chose:
-    a preset's models may recommend different values, and until routing the request
-    holds its first model's (ClusterConfig.sampling_defaults)."""
-    body, params = p.body, p.params
-    defaults = None if model is None else service.sampling_defaults.get(model)
-    if defaults is None or None not in (body.temperature, body.top_p):
-        return params
-    temperature = params.temperature if body.temperature is not None else defaults[0]
-    top_p = params.top_p if body.top_p is not None else defaults[1]
-    if (temperature, top_p) == (params.temperature, params.top_p):
-        return params  # a real model, or the preset's first: nothing to change
-    return msgspec.structs.replace(params, temperature=temperature, top_p=top_p)
-
-
 async def watch_disconnect(receive: Receive, run: Generation) -> None:
     """Wait for the client's http.disconnect (the body is read already, so `receive` has
     nothing else to give) and wake the handler waiting on the request's stream."""
     while (await receive())["type"] != "http.disconnect":
         pass
     run.client_left()
-
-
-async def send_routed(
-    service: GatewayService, p: Prepared, avoid: frozenset[str] = frozenset()
-) -> tuple[RouteReply, RequestStream, dict[str, Any]]:
-    """Route the request (to none of `avoid`) and submit it: (the decision, the stream its
-    events come on, the routing facts for the `baton` object)."""
-    t_route = time.perf_counter()
-    reply = await service.route(
-        RouteRequest(
-            request_id=p.request_id,
-            model=p.body.model,
-            num_prompt_tokens=len(p.prompt_token_ids),
-            max_tokens=p.params.max_tokens,
-            ttft_target_ms=p.ttft_target_ms,
-            task=p.task,
-            policy=p.policy,
-            prompt_token_ids=p.prompt_token_ids,
-        ),
-        avoid,
-    )
-    router_overhead_ms = (time.perf_counter() - t_route) * 1000.0
-    service.metrics.router_overhead_s.labels(reply.policy or "").observe(
-        router_overhead_ms / 1000.0
-    )
-    preset = service.cluster.presets.get(p.body.model)
-    stream = await service.submit(
-        reply,
-        p.request_id,
-        p.prompt_token_ids,
-        routed_defaults(service, p, reply.model),
-        p.arrival_time_s,
-        preset=p.body.model if preset is not None and preset.is_token_level else None,
-    )
-    baton = {
-        "model": reply.model,
-        "instance": reply.instance_id,
-        "policy": reply.policy,
-        "router_overhead_ms": round(router_overhead_ms, 3),
-        "decision_ms": None if reply.decision_ms is None else round(reply.decision_ms, 3),
-        "predicted_ttft_ms": (
-            None if reply.predicted_ttft_ms is None else round(reply.predicted_ttft_ms, 3)
-        ),
-    }
-    return reply, stream, baton
-
-
-def rerouter(service: GatewayService, p: Prepared) -> Callable[[Generation], Awaitable[bool]]:
-    """Generation.reroute for this request: close it on the instance that refused or lost
-    it (which holds nothing of it) and send it, under the same id, to one it has not
-    tried; False when there is none (or routing fails), and the 503 stands."""
-
-    async def reroute(run: Generation) -> bool:
-        failed = run.stream.instance_id
-        service.finish(run.stream, aborted=False)
-        try:
-            reply, stream, baton = await send_routed(service, p, frozenset(run.tried))
-        except GatewayError:
-            return False
-        run.restart(stream, reply.model or p.body.model, baton)
-        service.metrics.reroutes.inc()
-        log.info("request_rerouted", request_id=p.request_id, failed=failed, to=stream.instance_id)
-        return True
-
-    return reroute
 
 
 async def handle(
@@ -399,7 +315,7 @@ async def handle(
     except BaseException:
         service.release()
         raise
-    run = Generation(service, p, stream, reply.model or p.body.model, reroute=rerouter(service, p))
+    run = Generation(service, p, stream, reply.model or p.body.model)
     run.baton = {**baton, "prepare_ms": round(prepare_ms, 3)}
     watcher = None if receive is None else asyncio.create_task(watch_disconnect(receive, run))
     # X-Instance-Id: where the request went first (the `baton` object names the instance

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from services.gateway.dispatch import send_routed
 from services.gateway.protocol import SSE_DONE, error_body, sse, usage
 from services.gateway.service import GatewayError, GatewayService
 from services.gateway.streams import (
@@ -17,10 +18,13 @@ from services.gateway.streams import (
     WorkerSilent,
 )
 from services.gateway.text import TextStream
+from shared.logging import get_logger
 from shared.messages.gateway import GatewayEvent, RequestFailed, TokenDelta
 
 if TYPE_CHECKING:
     from services.gateway.completions import Prepared
+
+log = get_logger(component="gateway")
 
 # Times a request the worker refused or lost as unavailable (503) before its first token
 # is sent to another instance (Generation.first_event).
@@ -52,20 +56,12 @@ class Generation:
     """The output side of one admitted request: events in, text pieces and usage out."""
 
     def __init__(
-        self,
-        service: GatewayService,
-        p: Prepared,
-        stream: RequestStream,
-        model: str,
-        reroute: Callable[[Generation], Awaitable[bool]] | None = None,
+        self, service: GatewayService, p: Prepared, stream: RequestStream, model: str
     ) -> None:
         self.service = service
         self.p = p
         self.stream = stream
         self.model = model
-        # Sends the request to another instance after a 503 before its first token
-        # (completions.rerouter); False when there is none.
-        self.reroute = reroute
         self.tried: set[str] = {stream.instance_id}  # instances it was sent to
         self.is_client_gone = False  # the HTTP client disconnected (client_left)
         self.created = int(p.arrival_time_s)
@@ -128,10 +124,27 @@ class Generation:
         for _ in range(MAX_REROUTES):
             if not (isinstance(event, RequestFailed) and event.status == 503):
                 break
-            if self.reroute is None or not await self.reroute(self):
+            if not await self._reroute():
                 break
             event = await self.next_event()
         return event
+
+    async def _reroute(self) -> bool:
+        """Close the request on the instance that refused or lost it (it holds nothing
+        of it) and send it, under the same id, to one it has not tried; False when there
+        is none (or routing fails)."""
+        failed = self.stream.instance_id
+        self.service.finish(self.stream, aborted=False)
+        try:
+            reply, stream, baton = await send_routed(self.service, self.p, frozenset(self.tried))
+        except GatewayError:
+            return False
+        self.restart(stream, reply.model or self.p.body.model, baton)
+        self.service.metrics.reroutes.inc()
+        log.info(
+            "request_rerouted", request_id=self.p.request_id, failed=failed, to=stream.instance_id
+        )
+        return True
 
     def _checked(self, event: StreamEvent) -> GatewayEvent:
         """The worker's event itself, or the exception a sentinel stands for."""

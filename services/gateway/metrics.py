@@ -72,7 +72,8 @@ class GatewayMetrics:
         )
         self.route_fallbacks = Counter(
             "baton_route_fallbacks",
-            "requests the gateway routed itself (shortest queue) because no estimator answered",
+            "requests the gateway routed itself (shortest queue) because no estimator "
+            "answered, or it picked an instance this gateway knows is gone",
             registry=r,
         )
         self.reroutes = Counter(

@@ -414,14 +414,16 @@ class GatewayService:
             try:
                 await self.bus.publish(reply.inbox, msg)
             except BaseException:  # never sent: nothing will answer, nobody will close it
-                self.streams.close(request_id)
+                self.streams.close(stream)
                 raise
         self._unshown.add(reply.instance_id, request_id)
         return stream
 
     def finish(self, stream: RequestStream, *, aborted: bool) -> None:
-        """The request is over for this gateway: abort it on the worker if needed, tell the estimators."""
-        self.streams.close(stream.request_id)
+        """The request is over for this gateway: abort it on the worker if needed, tell the
+        estimators. Once per stream (a failed reroute's handler closes it again)."""
+        if not self.streams.close(stream):
+            return
         self._unshown.discard(stream.instance_id, stream.request_id)
         inbox = self.workers.get(stream.instance_id)
         if aborted and stream.link is not None:  # where it went (a closed link: aborted there)

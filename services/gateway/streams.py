@@ -70,8 +70,13 @@ class StreamManager:
         """The requests this gateway is waiting on now."""
         return list(self._streams.values())
 
-    def close(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+    def close(self, stream: RequestStream) -> bool:
+        """Forget the stream; False when it was closed already (a rerouted request's id
+        may be open again, on its next stream)."""
+        if self._streams.get(stream.request_id) is not stream:
+            return False
+        del self._streams[stream.request_id]
+        return True
 
     async def on_batch(self, batch: DeltaBatch) -> None:
         """The NATS inbox's handler: `dispatch`."""

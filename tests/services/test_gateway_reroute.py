@@ -21,6 +21,7 @@ from services.gateway.streams import CLIENT_GONE
 from shared import subjects
 from shared.bus import Bus
 from shared.config import ClusterConfig, parse_cluster
+from shared.messages.estimator import REQUEST_DONE_DECODER, RequestDoneEvent
 from shared.messages.gateway import DeltaBatch, RequestFailed, TokenDelta
 from shared.messages.worker import WORKER_INBOUND_DECODER, SubmitRequest, WorkerInbound
 from shared.store import Store
@@ -171,7 +172,15 @@ async def test_the_503_stands_when_no_other_instance_serves(
     cluster: ClusterConfig, hand: HandWorker
 ) -> None:
     """Nowhere else to go: a stream is told in-band (its 200 is sent), a non-stream
-    request gets the 503 itself."""
+    request gets the 503 itself; the estimator hears once that each is done."""
+    done: list[str] = []
+
+    async def on_done(event: RequestDoneEvent) -> None:
+        done.append(event.request_id)
+
+    await hand.bus.subscribe(
+        subjects.estimator_events(cluster.namespace), REQUEST_DONE_DECODER, on_done
+    )
     stack = await stack_with(cluster, 0, hand)
     try:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
@@ -188,6 +197,9 @@ async def test_the_503_stands_when_no_other_instance_serves(
         assert DRAINING in error["message"] and error["type"] == "service_unavailable"
         assert len(hand.submits) == 2
         assert stack.gateway.metrics.reroutes._value.get() == 0
+        await wait_for(lambda: len(done) >= 2)
+        await asyncio.sleep(0.2)  # a second done event would have come by now
+        assert sorted(done) == sorted(m.request_id for m in hand.submits)
         assert stack.gateway.num_in_flight == 0
     finally:
         await stack.stop()
@@ -225,7 +237,7 @@ async def test_a_client_that_leaves_during_a_reroute_is_seen_on_the_new_stream(
     old = run.stream
     run.client_left()
     assert old.events.get_nowait() is CLIENT_GONE
-    service.streams.close(p.request_id)
+    assert service.streams.close(old) and not service.streams.close(old)
     new = service.streams.open(p.request_id, "b")
     run.restart(new, "random-tiny", {"instance": "b"})
     assert new.events.get_nowait() is CLIENT_GONE
