@@ -248,6 +248,10 @@ class WorkerConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     link_port: int = 0  # 0: a free port (each worker of a host its own)
     # the host gateways dial; "": link_host, or this host's address when that is 0.0.0.0
     link_advertise_host: str = ""
+    # The same link also listens on an abstract Unix socket (Linux), which a gateway on
+    # the same host dials instead of the TCP port: a write there costs the sender about
+    # half a loopback TCP write (docs/performance.md, twenty-fourth session)
+    link_unix: bool = True
 
 
 class BatcherConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -1,7 +1,9 @@
 """The gateway's direct links (shared/link.py): one to every live worker that offers one.
 
 `sync` follows the registry (each refresh): a worker that appears with a `link_addr`
-gets a keeper task that dials it, says hello, checks the answer against the
+gets a keeper task that dials it (its abstract Unix socket `link_unix` first: it
+answers in the worker's network namespace, so on its host; else, or when that fails,
+its TCP address), says hello, checks the answer against the
 registration (the same instance id and start time: an address a restarted worker took
 over is another worker) and holds the link up; when the link drops the keeper
 redials with a growing pause (`RETRY_S`) for as long as the worker stays registered.
@@ -23,8 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from shared.link import FrameLink, LinkError, split_addr
 from shared.logging import RetryLog, get_logger
@@ -83,7 +87,7 @@ class WorkerLinks:
             now = workers.get(iid)
             if (
                 now is None
-                or now.link_addr != info.link_addr
+                or (now.link_addr, now.link_unix) != (info.link_addr, info.link_unix)
                 or now.started_at_s != info.started_at_s
             ):
                 del self._keepers[iid]
@@ -154,7 +158,8 @@ class WorkerLinks:
                 self._up[iid] = link
                 t_up = time.monotonic()
                 if t_up - logged_up_at >= 10.0:
-                    log.info("worker_linked", instance_id=iid, addr=info.link_addr)
+                    via = "@" + info.link_unix if link.is_unix else info.link_addr
+                    log.info("worker_linked", instance_id=iid, addr=via)
                     logged_up_at = t_up
                 try:
                     await asyncio.shield(link.closed)
@@ -169,8 +174,26 @@ class WorkerLinks:
             attempt += 1
 
     async def _dial(self, info: WorkerInfo) -> FrameLink:
-        """Connect, say hello, check the worker's answer; the link, up."""
+        """Connect, say hello, check the worker's answer; the link, up. Over the
+        worker's Unix socket when it answers here (a worker on another host, or in
+        another container, has none in this network namespace: refused at once), else
+        over TCP."""
+        loop = asyncio.get_running_loop()
+        if info.link_unix and sys.platform.startswith("linux"):
+            name = "\0" + info.link_unix
+            try:
+                return await self._handshake(info, lambda new: _connect_unix(new, name))
+            except (OSError, TimeoutError, LinkError) as exc:
+                log.debug("link_unix_failed", instance_id=info.instance_id, error=repr(exc))
         host, port = split_addr(info.link_addr)
+        return await self._handshake(info, lambda new: loop.create_connection(new, host, port))
+
+    async def _handshake(
+        self,
+        info: WorkerInfo,
+        connect: Callable[[Callable[[], FrameLink]], Awaitable[tuple[object, FrameLink]]],
+    ) -> FrameLink:
+        """`connect(protocol_factory)` opens the connection; then the hellos."""
         loop = asyncio.get_running_loop()
         hello: asyncio.Future[LinkHello] = loop.create_future()
 
@@ -187,9 +210,7 @@ class WorkerLinks:
                 self._on_lost(link)
 
         async with asyncio.timeout(self._connect_timeout_s):
-            _, link = await loop.create_connection(
-                lambda: FrameLink(on_hello, on_lost, name=info.instance_id), host, port
-            )
+            _, link = await connect(lambda: FrameLink(on_hello, on_lost, name=info.instance_id))
             try:  # (asyncio and uvloop set TCP_NODELAY on every TCP transport already)
                 link.send(self._hello)
                 theirs = await hello
@@ -202,10 +223,26 @@ class WorkerLinks:
         ):
             link.close()
             raise LinkError(
-                f"{info.link_addr} is {theirs.sender!r} (namespace {theirs.namespace!r}, "
+                f"{'@' + info.link_unix if link.is_unix else info.link_addr} is {theirs.sender!r} "
+                f"(namespace {theirs.namespace!r}, "
                 f"started {theirs.started_at_s}), not the registered {info.instance_id!r}"
             )
         return link
 
     def _on_frame(self, link: FrameLink, frame: bytes | memoryview) -> None:
         self._on_batch(DELTA_BATCH_DECODER.decode(frame))
+
+
+async def _connect_unix(
+    protocol_factory: Callable[[], FrameLink], name: str
+) -> tuple[object, FrameLink]:
+    """`loop.create_unix_connection` to an abstract name (uvloop's refuses the NUL)."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, name)
+    except BaseException:
+        sock.close()
+        raise
+    return await loop.create_unix_connection(protocol_factory, sock=sock)

@@ -66,6 +66,7 @@ class WorkerServiceConfig:
     link_host: str = _WORKER_DEFAULTS.link_host
     link_port: int = _WORKER_DEFAULTS.link_port
     link_advertise_host: str = _WORKER_DEFAULTS.link_advertise_host
+    link_unix: bool = _WORKER_DEFAULTS.link_unix  # also on a Unix socket, for this host
 
     @classmethod
     def from_cluster(
@@ -101,6 +102,7 @@ class WorkerServiceConfig:
             link_host=cluster.worker.link_host,
             link_port=cluster.worker.link_port,
             link_advertise_host=cluster.worker.link_advertise_host,
+            link_unix=cluster.worker.link_unix,
             token_presets={n: p for n, p in cluster.token_presets().items() if model in p.models},
             relay=cluster.relay,
         )

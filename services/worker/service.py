@@ -227,7 +227,10 @@ class WorkerService:
                 self._on_link_lost,
             )
             await self._links.start(
-                self.cfg.link_host, self.cfg.link_port, self.cfg.link_advertise_host
+                self.cfg.link_host,
+                self.cfg.link_port,
+                self.cfg.link_advertise_host,
+                unix=self.cfg.link_unix,
             )
         if self.cfg.token_presets:
             await self._start_routing()
@@ -665,6 +668,7 @@ class WorkerService:
             heartbeat_at_s=time.time(),
             is_draining=self._is_draining,
             link_addr="" if self._links is None else self._links.addr,
+            link_unix="" if self._links is None else self._links.unix_name,
         )
 
     async def _register(self) -> None:

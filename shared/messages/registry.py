@@ -34,6 +34,9 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     # host:port of its direct link (shared/link.py): gateways send it requests there and
     # get their tokens back the same way; "": NATS only ([worker] link = false)
     link_addr: str = ""
+    # the same link's abstract Unix socket name (Linux; without its leading NUL), which
+    # gateways in the worker's network namespace dial first; "": TCP only
+    link_unix: str = ""
 
 
 WORKER_INFO_DECODER = msgspec.msgpack.Decoder(WorkerInfo)

@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -162,6 +163,49 @@ async def test_hello_checks_the_namespace_and_the_workers_identity() -> None:
         await worker.close()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract sockets: Linux")
+async def test_a_gateway_on_the_workers_host_dials_its_unix_socket() -> None:
+    """A worker listens on TCP and on an abstract Unix socket; a gateway dials the
+    socket, and falls back to TCP when the name is not the registered worker's
+    (another worker's socket) or nobody answers it (a worker on another host, a dead
+    one)."""
+    worker = GatewayLinks("ns", "w0", 1.0, lambda *_: None, lambda _: None)
+    other = GatewayLinks("ns", "w1", 2.0, lambda *_: None, lambda _: None)
+    await worker.start("127.0.0.1", 0)
+    await other.start("127.0.0.1", 0)
+    name = worker.unix_name
+    info = msgspec.structs.replace(
+        hand_worker_info("ns", "w0"), started_at_s=1.0, link_addr=worker.addr, link_unix=name
+    )
+    links = WorkerLinks("ns", "gw", lambda _: None, lambda _: None)
+    dialled: list[FrameLink] = []
+    try:
+        assert name and name != other.unix_name
+        dialled.append(await links._dial(info))
+        assert dialled[-1].is_unix and dialled[-1].is_open
+        dialled.append(await links._dial(msgspec.structs.replace(info, link_unix="")))
+        assert not dialled[-1].is_unix and dialled[-1].is_open
+        # the name is another worker's: its hello says so, and TCP reaches ours
+        dialled.append(await links._dial(msgspec.structs.replace(info, link_unix=other.unix_name)))
+        assert not dialled[-1].is_unix and dialled[-1].is_open
+        dialled.append(await links._dial(msgspec.structs.replace(info, link_unix=name + "-gone")))
+        assert not dialled[-1].is_unix and dialled[-1].is_open
+    finally:
+        for link in dialled:
+            link.close()
+        await links.close()
+        await worker.close()
+        await other.close()
+    sock = socket.socket(socket.AF_UNIX)
+    with pytest.raises(ConnectionRefusedError), sock:  # closing the worker frees the name
+        sock.connect("\0" + name)
+
+    plain = GatewayLinks("ns", "w2", 1.0, lambda *_: None, lambda _: None)
+    await plain.start("127.0.0.1", 0, unix=False)
+    assert plain.unix_name == ""
+    await plain.close()
+
+
 async def snapshot_of(stack: Stack, instance_id: str) -> WorkloadSnapshot:
     blob = (await stack.gateway.store.read_snapshots([instance_id]))[instance_id]
     assert blob is not None
@@ -178,6 +222,10 @@ async def until_linked(stack: Stack, num: int) -> None:
 
 async def test_requests_and_tokens_cross_the_link(stack: Stack) -> None:
     await until_linked(stack, 2)
+    for worker in stack.workers:  # on one host: over the workers' Unix sockets (Linux)
+        link = stack.gateway.links.get(worker.cfg.instance_id)
+        assert link is not None
+        assert link.is_unix == sys.platform.startswith("linux"), worker._info()
     before = sum(w.num_link_requests for w in stack.workers)
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
         resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 5})
@@ -238,7 +286,7 @@ async def test_with_links_off_requests_go_over_nats(nats_url: str, redis_url: st
     text = tiny_cluster_text(nats_url, redis_url).replace("[worker]\n", "[worker]\nlink = false\n")
     stack = await start_stack(parse_cluster(text), num_workers=1)
     try:
-        assert stack.workers[0]._info().link_addr == ""
+        assert (stack.workers[0]._info().link_addr, stack.workers[0]._info().link_unix) == ("", "")
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
             body = {**CHAT, "stream": True, "max_tokens": 6}
             async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
@@ -266,6 +314,8 @@ def test_link_settings_in_the_cluster_file_and_the_environment() -> None:
 
     cfg = parse_cluster("", environ={"BATON_LINK_HOST": "0.0.0.0"})
     assert (cfg.worker.link, cfg.worker.link_host, cfg.worker.link_port) == (True, "0.0.0.0", 0)
+    assert cfg.worker.link_unix is True
+    assert parse_cluster("[worker]\nlink_unix = false\n").worker.link_unix is False
     with pytest.raises(ConfigError, match="link_port out of range"):
         parse_cluster("[worker]\nlink_port = 70000\n")
     assert advertised_host("127.0.0.1", "") == "127.0.0.1"
