@@ -123,10 +123,11 @@ class WorkerLinks:
         attempt = 0
         failing_since: float | None = None
         was_up = False  # a link to it has been up: a refusal now means it is gone
+        was_unix = False  # ... over its Unix socket: that socket's refusal says so alone
         logged_up_at = -math.inf  # (a link that keeps dropping is logged once per 10 s)
         while not self._closing:
             try:
-                link = await self._dial(info)
+                link = await self._dial(info, was_unix=was_unix)
             except (OSError, TimeoutError, LinkError, ValueError) as exc:
                 now = time.monotonic()
                 failing_since = now if failing_since is None else failing_since
@@ -153,7 +154,7 @@ class WorkerLinks:
                     )
             else:
                 failures.ok()
-                failing_since, was_up = None, True
+                failing_since, was_up, was_unix = None, True, link.is_unix
                 self.unreachable.discard(iid)
                 self._up[iid] = link
                 t_up = time.monotonic()
@@ -173,17 +174,28 @@ class WorkerLinks:
             await asyncio.sleep(RETRY_S[min(attempt, len(RETRY_S) - 1)])
             attempt += 1
 
-    async def _dial(self, info: WorkerInfo) -> FrameLink:
+    async def _dial(self, info: WorkerInfo, *, was_unix: bool = False) -> FrameLink:
         """Connect, say hello, check the worker's answer; the link, up. Over the
         worker's Unix socket when it answers here (a worker on another host, or in
         another container, has none in this network namespace: refused at once), else
-        over TCP."""
+        over TCP.
+
+        Not over TCP after all when the Unix socket is the worker's but says nothing:
+        it refuses though a link `was_unix` (a process keeps its namespace: the worker
+        is gone, even if its TCP address is one this host cannot reach and would only
+        time out), or takes the connection and sends no hello in time (its process is
+        stalled; TCP would wait as long again)."""
         loop = asyncio.get_running_loop()
         if info.link_unix and sys.platform.startswith("linux"):
             name = "\0" + info.link_unix
             try:
                 return await self._handshake(info, lambda new: _connect_unix(new, name))
-            except (OSError, TimeoutError, LinkError) as exc:
+            except TimeoutError:
+                raise
+            except ConnectionRefusedError:
+                if was_unix:
+                    raise
+            except (OSError, LinkError) as exc:
                 log.debug("link_unix_failed", instance_id=info.instance_id, error=repr(exc))
         host, port = split_addr(info.link_addr)
         return await self._handshake(info, lambda new: loop.create_connection(new, host, port))

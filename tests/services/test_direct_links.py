@@ -163,8 +163,12 @@ async def test_hello_checks_the_namespace_and_the_workers_identity() -> None:
         await worker.close()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract sockets: Linux")
-async def test_a_gateway_on_the_workers_host_dials_its_unix_socket() -> None:
+LINUX_ONLY = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="abstract Unix sockets: Linux"
+)
+
+
+async def unix_dials() -> None:
     """A worker listens on TCP and on an abstract Unix socket; a gateway dials the
     socket, and falls back to TCP when the name is not the registered worker's
     (another worker's socket) or nobody answers it (a worker on another host, a dead
@@ -204,6 +208,56 @@ async def test_a_gateway_on_the_workers_host_dials_its_unix_socket() -> None:
     await plain.start("127.0.0.1", 0, unix=False)
     assert plain.unix_name == ""
     await plain.close()
+
+
+@LINUX_ONLY
+async def test_a_gateway_on_the_workers_host_dials_its_unix_socket() -> None:
+    await unix_dials()
+
+
+@LINUX_ONLY
+def test_a_gateway_on_the_workers_host_dials_its_unix_socket_under_uvloop() -> None:
+    """uvloop refuses an abstract name in create_unix_connection: the gateway connects
+    the socket itself (gateway/links.py `_connect_unix`); the services run on uvloop."""
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(unix_dials())
+
+
+@LINUX_ONLY
+async def test_a_unix_socket_that_refuses_or_stalls_is_not_dialled_past() -> None:
+    """The TCP address is not tried when the Unix socket already told: it refuses after
+    a link was up on it (the worker is gone; its TCP address may be one this host
+    cannot reach, here one that never answers), or it takes the connection and sends no
+    hello (the worker is stalled)."""
+    loop = asyncio.get_running_loop()
+    silent = await loop.create_server(asyncio.Protocol, "127.0.0.1", 0)  # no hello, ever
+    worker = GatewayLinks("ns", "w0", 1.0, lambda *_: None, lambda _: None)
+    await worker.start("127.0.0.1", 0)
+    name = worker.unix_name
+    info = msgspec.structs.replace(
+        hand_worker_info("ns", "w0"),
+        started_at_s=1.0,
+        link_addr=join_addr("127.0.0.1", silent.sockets[0].getsockname()[1]),
+        link_unix=name,
+    )
+    links = WorkerLinks("ns", "gw", lambda _: None, lambda _: None, connect_timeout_s=0.3)
+    stalled = await loop.create_unix_server(asyncio.Protocol, "\0" + name + "-stalled")
+    try:
+        link = await links._dial(info)
+        assert link.is_unix
+        link.close()
+        await worker.close()  # the worker is gone: its name refuses
+        with pytest.raises(ConnectionRefusedError):
+            await links._dial(info, was_unix=True)
+        with pytest.raises(TimeoutError):  # (without a link before: TCP, which times out)
+            await links._dial(info)
+        with pytest.raises(TimeoutError):
+            await links._dial(msgspec.structs.replace(info, link_unix=name + "-stalled"))
+    finally:
+        await links.close()
+        await worker.close()
+        silent.close()
+        stalled.close()
 
 
 async def snapshot_of(stack: Stack, instance_id: str) -> WorkloadSnapshot:
@@ -365,6 +419,9 @@ async def test_a_killed_worker_is_routed_around_before_the_registry_notices(
                 break
             await asyncio.sleep(0.05)
         assert stack.gateway.links.num_up == 2
+        victim_link = stack.gateway.links.get("victim")
+        assert victim_link is not None
+        assert victim_link.is_unix == sys.platform.startswith("linux")  # (that refusal, too)
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait()
         for _ in range(200):
