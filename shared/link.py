@@ -17,11 +17,11 @@ queue per publish, a task hop per delivery), and makes a peer's death visible at
 once: the connection closes.
 
 The connection is TCP, or an abstract Unix socket when the gateway runs on the
-worker's host (`WorkerInfo.link_unix`): after an engine step (caches cold), one 600-byte write took
-the sender ~71 us over loopback TCP and ~38 over a Unix socket, the receiver idle on
-the other vCPU (the TCP write runs the receiving side's stack too, on the sender's
-core); at 16 streams the worker's gap between engine steps fell from 252 / 280 us to
-199 / 225 (docs/performance.md, twenty-fourth session).
+worker's host (`WorkerInfo.link_unix`): after an engine step (caches cold), one
+600-byte write took the sender ~71 us over loopback TCP and ~38 over a Unix socket,
+the receiver idle on the other vCPU (the TCP write runs the receiving side's stack
+too, on the sender's core); at 16 streams the worker's gap between engine steps fell
+by 35-63 us, four alternated pairs (docs/performance.md, twenty-fourth session).
 
 Frame: a 4-byte big-endian length, then that many bytes of one msgpack message. The
 payloads are the NATS messages' own (SubmitRequest / AbortRequest one way, DeltaBatch
