@@ -17,7 +17,7 @@ queue per publish, a task hop per delivery), and makes a peer's death visible at
 once: the connection closes.
 
 The connection is TCP, or an abstract Unix socket when the gateway runs on the
-worker's host (`WorkerInfo.link_unix`): after an engine step (caches cold), one
+worker's host (`WorkerInfo.link_unix_name`): after an engine step (caches cold), one
 600-byte write took the sender ~71 us over loopback TCP and ~38 over a Unix socket,
 the receiver idle on the other vCPU (the TCP write runs the receiving side's stack
 too, on the sender's core); at 16 streams the worker's gap between engine steps fell
@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import sys
 from collections.abc import Callable
 from typing import cast
 
@@ -41,6 +42,9 @@ from shared.logging import get_logger
 log = get_logger(component="link")
 
 HEADER = struct.Struct(">I")
+# Abstract Unix socket names (a leading NUL: nothing on disk, scoped to the network
+# namespace) are Linux's; elsewhere a worker offers TCP alone.
+ABSTRACT_UNIX = sys.platform.startswith("linux")
 # A frame this long is a peer speaking another protocol (a DeltaBatch of 256 requests
 # with top logprobs is well under 1 MiB): the link is closed rather than buffered.
 MAX_FRAME_BYTES = 64 << 20

@@ -1,7 +1,7 @@
 """The gateway's direct links (shared/link.py): one to every live worker that offers one.
 
 `sync` follows the registry (each refresh): a worker that appears with a `link_addr`
-gets a keeper task that dials it (its abstract Unix socket `link_unix` first: it
+gets a keeper task that dials it (its abstract Unix socket `link_unix_name` first: it
 answers in the worker's network namespace, so on its host; else, or when that fails,
 its TCP address), says hello, checks the answer against the
 registration (the same instance id and start time: an address a restarted worker took
@@ -26,11 +26,10 @@ from __future__ import annotations
 import asyncio
 import math
 import socket
-import sys
 import time
 from collections.abc import Awaitable, Callable
 
-from shared.link import FrameLink, LinkError, split_addr
+from shared.link import ABSTRACT_UNIX, FrameLink, LinkError, split_addr
 from shared.logging import RetryLog, get_logger
 from shared.messages import encode
 from shared.messages.gateway import DELTA_BATCH_DECODER, DeltaBatch
@@ -87,7 +86,7 @@ class WorkerLinks:
             now = workers.get(iid)
             if (
                 now is None
-                or (now.link_addr, now.link_unix) != (info.link_addr, info.link_unix)
+                or (now.link_addr, now.link_unix_name) != (info.link_addr, info.link_unix_name)
                 or now.started_at_s != info.started_at_s
             ):
                 del self._keepers[iid]
@@ -159,8 +158,7 @@ class WorkerLinks:
                 self._up[iid] = link
                 t_up = time.monotonic()
                 if t_up - logged_up_at >= 10.0:
-                    via = "@" + info.link_unix if link.is_unix else info.link_addr
-                    log.info("worker_linked", instance_id=iid, addr=via)
+                    log.info("worker_linked", instance_id=iid, addr=_dialled(info, link))
                     logged_up_at = t_up
                 try:
                     await asyncio.shield(link.closed)
@@ -186,8 +184,8 @@ class WorkerLinks:
         time out), or takes the connection and sends no hello in time (its process is
         stalled; TCP would wait as long again)."""
         loop = asyncio.get_running_loop()
-        if info.link_unix and sys.platform.startswith("linux"):
-            name = "\0" + info.link_unix
+        if info.link_unix_name and ABSTRACT_UNIX:
+            name = "\0" + info.link_unix_name
             try:
                 return await self._handshake(info, lambda new: _connect_unix(new, name))
             except TimeoutError:
@@ -235,14 +233,18 @@ class WorkerLinks:
         ):
             link.close()
             raise LinkError(
-                f"{'@' + info.link_unix if link.is_unix else info.link_addr} is {theirs.sender!r} "
-                f"(namespace {theirs.namespace!r}, "
+                f"{_dialled(info, link)} is {theirs.sender!r} (namespace {theirs.namespace!r}, "
                 f"started {theirs.started_at_s}), not the registered {info.instance_id!r}"
             )
         return link
 
     def _on_frame(self, link: FrameLink, frame: bytes | memoryview) -> None:
         self._on_batch(DELTA_BATCH_DECODER.decode(frame))
+
+
+def _dialled(info: WorkerInfo, link: FrameLink) -> str:
+    """The address the link went to: "@name" for the Unix socket, else host:port."""
+    return "@" + info.link_unix_name if link.is_unix else info.link_addr
 
 
 async def _connect_unix(

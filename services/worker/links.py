@@ -20,10 +20,9 @@ from __future__ import annotations
 import asyncio
 import secrets
 import socket
-import sys
 from collections.abc import Callable
 
-from shared.link import FrameLink, LinkError, join_addr
+from shared.link import ABSTRACT_UNIX, FrameLink, LinkError, join_addr
 from shared.logging import get_logger
 from shared.messages import encode
 from shared.messages.link import LINK_HELLO_DECODER, LinkHello
@@ -88,7 +87,7 @@ class GatewayLinks:
         self._server = await loop.create_server(self._accept, host, port, reuse_address=True)
         bound_port = self._server.sockets[0].getsockname()[1]
         self.addr = join_addr(advertised_host(host, advertise_host), bound_port)
-        if unix and sys.platform.startswith("linux"):
+        if unix and ABSTRACT_UNIX:
             await self._start_unix()
         log.info(
             "links_listening",

@@ -668,7 +668,7 @@ class WorkerService:
             heartbeat_at_s=time.time(),
             is_draining=self._is_draining,
             link_addr="" if self._links is None else self._links.addr,
-            link_unix="" if self._links is None else self._links.unix_name,
+            link_unix_name="" if self._links is None else self._links.unix_name,
         )
 
     async def _register(self) -> None:

@@ -36,7 +36,7 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     link_addr: str = ""
     # the same link's abstract Unix socket name (Linux; without its leading NUL), which
     # gateways in the worker's network namespace dial first; "": TCP only
-    link_unix: str = ""
+    link_unix_name: str = ""
 
 
 WORKER_INFO_DECODER = msgspec.msgpack.Decoder(WorkerInfo)

@@ -21,7 +21,15 @@ import uvloop
 from services.gateway.links import WorkerLinks
 from services.worker.links import GatewayLinks
 from shared.config import parse_cluster
-from shared.link import HEADER, MAX_FRAME_BYTES, FrameLink, LinkError, join_addr, split_addr
+from shared.link import (
+    ABSTRACT_UNIX,
+    HEADER,
+    MAX_FRAME_BYTES,
+    FrameLink,
+    LinkError,
+    join_addr,
+    split_addr,
+)
 from shared.messages import encode
 from shared.messages.gateway import DeltaBatch
 from shared.messages.link import LinkHello
@@ -163,9 +171,7 @@ async def test_hello_checks_the_namespace_and_the_workers_identity() -> None:
         await worker.close()
 
 
-LINUX_ONLY = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="abstract Unix sockets: Linux"
-)
+LINUX_ONLY = pytest.mark.skipif(not ABSTRACT_UNIX, reason="abstract Unix sockets: Linux")
 
 
 async def unix_dials() -> None:
@@ -179,7 +185,7 @@ async def unix_dials() -> None:
     await other.start("127.0.0.1", 0)
     name = worker.unix_name
     info = msgspec.structs.replace(
-        hand_worker_info("ns", "w0"), started_at_s=1.0, link_addr=worker.addr, link_unix=name
+        hand_worker_info("ns", "w0"), started_at_s=1.0, link_addr=worker.addr, link_unix_name=name
     )
     links = WorkerLinks("ns", "gw", lambda _: None, lambda _: None)
     dialled: list[FrameLink] = []
@@ -187,12 +193,16 @@ async def unix_dials() -> None:
         assert name and name != other.unix_name
         dialled.append(await links._dial(info))
         assert dialled[-1].is_unix and dialled[-1].is_open
-        dialled.append(await links._dial(msgspec.structs.replace(info, link_unix="")))
+        dialled.append(await links._dial(msgspec.structs.replace(info, link_unix_name="")))
         assert not dialled[-1].is_unix and dialled[-1].is_open
         # the name is another worker's: its hello says so, and TCP reaches ours
-        dialled.append(await links._dial(msgspec.structs.replace(info, link_unix=other.unix_name)))
+        dialled.append(
+            await links._dial(msgspec.structs.replace(info, link_unix_name=other.unix_name))
+        )
         assert not dialled[-1].is_unix and dialled[-1].is_open
-        dialled.append(await links._dial(msgspec.structs.replace(info, link_unix=name + "-gone")))
+        dialled.append(
+            await links._dial(msgspec.structs.replace(info, link_unix_name=name + "-gone"))
+        )
         assert not dialled[-1].is_unix and dialled[-1].is_open
     finally:
         for link in dialled:
@@ -238,7 +248,7 @@ async def test_a_unix_socket_that_refuses_or_stalls_is_not_dialled_past() -> Non
         hand_worker_info("ns", "w0"),
         started_at_s=1.0,
         link_addr=join_addr("127.0.0.1", silent.sockets[0].getsockname()[1]),
-        link_unix=name,
+        link_unix_name=name,
     )
     links = WorkerLinks("ns", "gw", lambda _: None, lambda _: None, connect_timeout_s=0.3)
     stalled = await loop.create_unix_server(asyncio.Protocol, "\0" + name + "-stalled")
@@ -252,7 +262,7 @@ async def test_a_unix_socket_that_refuses_or_stalls_is_not_dialled_past() -> Non
         with pytest.raises(TimeoutError):  # (without a link before: TCP, which times out)
             await links._dial(info)
         with pytest.raises(TimeoutError):
-            await links._dial(msgspec.structs.replace(info, link_unix=name + "-stalled"))
+            await links._dial(msgspec.structs.replace(info, link_unix_name=name + "-stalled"))
     finally:
         await links.close()
         await worker.close()
@@ -279,7 +289,7 @@ async def test_requests_and_tokens_cross_the_link(stack: Stack) -> None:
     for worker in stack.workers:  # on one host: over the workers' Unix sockets (Linux)
         link = stack.gateway.links.get(worker.cfg.instance_id)
         assert link is not None
-        assert link.is_unix == sys.platform.startswith("linux"), worker._info()
+        assert link.is_unix == ABSTRACT_UNIX, worker._info()
     before = sum(w.num_link_requests for w in stack.workers)
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
         resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 5})
@@ -340,7 +350,10 @@ async def test_with_links_off_requests_go_over_nats(nats_url: str, redis_url: st
     text = tiny_cluster_text(nats_url, redis_url).replace("[worker]\n", "[worker]\nlink = false\n")
     stack = await start_stack(parse_cluster(text), num_workers=1)
     try:
-        assert (stack.workers[0]._info().link_addr, stack.workers[0]._info().link_unix) == ("", "")
+        assert (stack.workers[0]._info().link_addr, stack.workers[0]._info().link_unix_name) == (
+            "",
+            "",
+        )
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
             body = {**CHAT, "stream": True, "max_tokens": 6}
             async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
@@ -421,7 +434,7 @@ async def test_a_killed_worker_is_routed_around_before_the_registry_notices(
         assert stack.gateway.links.num_up == 2
         victim_link = stack.gateway.links.get("victim")
         assert victim_link is not None
-        assert victim_link.is_unix == sys.platform.startswith("linux")  # (that refusal, too)
+        assert victim_link.is_unix == ABSTRACT_UNIX  # (that refusal, too)
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait()
         for _ in range(200):
