@@ -15,9 +15,11 @@ commands packed once per instance list (`_Lane`), which skips the pool's
 per-command work (13 snapshots, paired: 239 -> 173 us; with the ledger hashes 462 ->
 298 us), and under one deadline per exchange instead of redis-py's timeout per send
 and per reply (a further 22-36 us). A worker's snapshot writes (up to one per engine
-step, `[worker] snapshot_interval_ms` apart, on the core that runs the steps) take a
-lane of their own too: 84-100 -> 44-64 us of CPU per write against redis-py's
-registered script (5,000 sequential writes of a 400-byte snapshot, 2026-12-03).
+step, `[worker] snapshot_interval_ms` apart, on the core that runs the steps) go over
+a bare asyncio Protocol with hiredis packing and parsing (shared/resp_lane.py): on the
+cold caches a step leaves, 305-352 -> 199-207 us of the core's CPU per write over TCP
+(`_Lane` on redis-py's connection against it, alternated, 2026-12-04); a URL that asks
+for TLS or RESP3 keeps them on a `_Lane`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from redis.exceptions import NoScriptError
 from shared import keys
 from shared.messages import encode
 from shared.messages.registry import WORKER_INFO_DECODER, RegistryEpoch, WorkerInfo
+from shared.resp_lane import RespLane
 from shared.scheduling.snapshot import WorkloadSnapshot
 
 _HEADER = struct.Struct("<qd")  # version, wall time: the stored snapshot's first 16 bytes
@@ -178,7 +181,7 @@ class Store:
         self.namespace = namespace
         self._redis: redis.Redis | None = None
         self._hot: _Lane | None = None  # snapshot reads (module docstring)
-        self._writes: _Lane | None = None  # snapshot writes (module docstring)
+        self._writes: RespLane | _Lane | None = None  # snapshot writes (module docstring)
 
     @property
     def redis(self) -> redis.Redis:
@@ -197,7 +200,8 @@ class Store:
         )
         await self._redis.ping()
         self._hot = _Lane(self._redis.connection_pool)
-        self._writes = _Lane(self._redis.connection_pool)
+        pool = self._redis.connection_pool
+        self._writes = RespLane.for_pool(pool) or _Lane(pool)
 
     async def close(self) -> None:
         r, self._redis = self._redis, None
