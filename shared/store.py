@@ -17,9 +17,9 @@ per-command work (13 snapshots, paired: 239 -> 173 us; with the ledger hashes 46
 and per reply (a further 22-36 us). A worker's snapshot writes (up to one per engine
 step, `[worker] snapshot_interval_ms` apart, on the core that runs the steps) go over
 a bare asyncio Protocol with hiredis packing and parsing (shared/resp_lane.py): on the
-cold caches a step leaves, 305-352 -> 199-207 us of the core's CPU per write over TCP
-(`_Lane` on redis-py's connection against it, alternated, 2026-12-04); a URL that asks
-for TLS or RESP3 keeps them on a `_Lane`.
+cold caches a step leaves, 232-352 -> 139-207 us of the core's CPU per write over TCP
+(`_Lane` on redis-py's connection against it, alternated, 2026-12-04; docs/performance.md);
+a URL that asks for TLS or RESP3 keeps them on a `_Lane`.
 """
 
 from __future__ import annotations
