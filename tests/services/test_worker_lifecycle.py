@@ -17,6 +17,7 @@ from services.worker.service import ORPHAN_GRACE_TTLS, WorkerService
 from shared.config import parse_cluster
 from shared.messages.registry import WorkerInfo
 from shared.messages.worker import AbortRequest, SubmitRequest
+from shared.resp_lane import RespLane
 from shared.sampling import SamplingParams
 from tests.services.conftest import start_stack, start_worker, tiny_cluster_text
 
@@ -235,6 +236,40 @@ async def test_a_store_that_loses_its_data_fails_no_stream(nats_url: str, redis_
             assert resp.status_code == 200, resp.text
             await wait_for(lambda: reads[-1] == 2, 5)  # both registered again
         assert len(stack.estimator.workers) == 2
+    finally:
+        await stack.stop()
+
+
+async def test_a_worker_writes_its_snapshots_again_after_redis_drops_its_connections(
+    nats_url: str, redis_url: str
+) -> None:
+    """The snapshot writes' own connection (shared/resp_lane.py) is dropped by Redis:
+    the next write connects again, so the snapshots go on advancing."""
+    cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
+    stack = await start_stack(cluster, num_workers=1)
+    store = stack.gateway.store
+    try:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
+            resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
+            assert resp.status_code == 200, resp.text
+            lane = stack.workers[0]._store._writes
+            assert isinstance(lane, RespLane) and lane._protocol is not None
+            dropped = lane._protocol
+            before = (await store.read_snapshots(["w0"]))["w0"]
+            assert before is not None
+            # every client connection but this one (the workers' lane among them)
+            await store.redis.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+            await wait_for(lambda: dropped.is_lost)
+            resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
+            assert resp.status_code == 200, resp.text
+            deadline = time.monotonic() + 10
+            while True:
+                after = (await store.read_snapshots(["w0"]))["w0"]
+                if after is not None and after.version > before.version:
+                    break
+                assert time.monotonic() < deadline, "no snapshot written after the drop"
+                await asyncio.sleep(0.05)
+            assert lane._protocol is not None and lane._protocol is not dropped
     finally:
         await stack.stop()
 
