@@ -9,10 +9,11 @@ the parser, a lock and a deadline per exchange. Here hiredis packs the command a
 parses the reply (both in C), the loop hands received bytes straight to the parser
 (`data_received`), and each reply resolves the oldest waiting future.
 
-Only plain connections are spoken here: TCP or a Unix socket, with an optional
-AUTH, SELECT and CLIENT SETNAME at connect (RESP2). For anything else a URL can ask
-for (TLS, RESP3, a credential provider) `RespLane.for_pool` returns None and the
-caller keeps redis-py.
+Only plain connections are spoken here: TCP (with redis-py's keepalive settings) or a
+Unix socket, with an optional AUTH, SELECT and CLIENT SETNAME at connect, in RESP2 (the
+lane's own connection: what protocol the pool's connections speak does not matter to
+it). For what else a URL can ask for (TLS, a credential provider, decoded replies)
+`RespLane.for_pool` returns None and the caller keeps redis-py.
 
 Failure rules:
 - A lost connection fails every command waiting on it with redis.ConnectionError;
@@ -29,28 +30,58 @@ Failure rules:
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections import deque
+from collections.abc import Mapping
 from typing import Any, cast
 
 import hiredis
 import redis.asyncio as redis
-from redis.exceptions import NoScriptError
+from redis.exceptions import (
+    BusyLoadingError,
+    MaxClientsReachedError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+)
 
 
 def _pack(args: tuple[str | bytes | int | float, ...]) -> bytes:
-    # (hiredis's stub types the argument as a 1-tuple; it takes any length)
-    return hiredis.pack_command(args)  # type: ignore[arg-type]
+    try:
+        # (hiredis's stub types the argument as a 1-tuple; it takes any length)
+        return hiredis.pack_command(args)  # type: ignore[arg-type]
+    except TypeError as exc:  # (None, a bool, ...: redis-py raises DataError for them)
+        name = args[0] if args else ""
+        raise redis.DataError(f"invalid argument to Redis's {name!r}: {exc}") from None
 
 
-_AUTH_ERRORS = ("NOAUTH", "WRONGPASS", "invalid password", "Client sent AUTH")
+# Error replies as redis-py raises them (redis/_parsers/base.py), for those a caller
+# may tell apart: by their code, and by the message after "ERR ".
+_ERRORS_BY_CODE: dict[str, type[redis.RedisError]] = {
+    "NOSCRIPT": NoScriptError,
+    "NOAUTH": redis.AuthenticationError,
+    "WRONGPASS": redis.AuthenticationError,
+    "READONLY": ReadOnlyError,  # a replica (a failover left this client on one)
+    "LOADING": BusyLoadingError,
+    "OOM": OutOfMemoryError,
+}
+_ERRORS_BY_MESSAGE: tuple[tuple[str, type[redis.RedisError]], ...] = (
+    ("max number of clients reached", MaxClientsReachedError),  # a ConnectionError
+    ("invalid password", redis.AuthenticationError),
+    ("Client sent AUTH, but no password is set", redis.AuthenticationError),
+    ("AUTH <password> called without any password", redis.AuthenticationError),
+)
 
 
 def _reply_error(message: str) -> redis.RedisError:
     """An error reply as the exception redis-py would raise for it."""
-    if message.startswith("NOSCRIPT"):
-        return NoScriptError(message)
-    if message.startswith(_AUTH_ERRORS):
-        return redis.AuthenticationError(message)
+    code, _, rest = message.partition(" ")
+    if code in _ERRORS_BY_CODE:
+        return _ERRORS_BY_CODE[code](rest)
+    if code == "ERR":
+        for start, error in _ERRORS_BY_MESSAGE:
+            if rest.startswith(start):
+                return error(rest)
     return redis.ResponseError(message)
 
 
@@ -62,6 +93,12 @@ class _RespProtocol(asyncio.Protocol):
         self._reader = hiredis.Reader()
         self._waiting: deque[asyncio.Future[Any]] = deque()  # one per unanswered command
         self.is_lost = False
+        self.lost_because = ""  # why, once lost
+
+    @property
+    def is_usable(self) -> bool:
+        # (a transport closes before connection_lost runs: a server's EOF, an abort)
+        return not self.is_lost and self.transport is not None and not self.transport.is_closing()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # (a cast: uvloop's transports do not derive from asyncio.Transport)
@@ -69,7 +106,9 @@ class _RespProtocol(asyncio.Protocol):
 
     def send(self, packed: bytes) -> asyncio.Future[Any]:
         """Write one packed command; the future gets its reply."""
-        assert self.transport is not None and not self.is_lost
+        if not self.is_usable:
+            raise redis.ConnectionError(self.lost_because or "the Redis connection is closed")
+        assert self.transport is not None
         future = asyncio.get_running_loop().create_future()
         self._waiting.append(future)
         self.transport.write(packed)
@@ -79,7 +118,10 @@ class _RespProtocol(asyncio.Protocol):
         try:
             self._reader.feed(data)
             while (reply := self._reader.gets()) is not False:
-                # (IndexError: a reply nobody asked for; the server is not speaking RESP2)
+                if not self._waiting:  # a reply nobody asked for: the server gives up on
+                    # this connection ("max number of clients reached") or is not Redis
+                    self.abort(redis.ConnectionError, f"Redis said, unasked: {reply}")
+                    return
                 future = self._waiting.popleft()
                 if future.done():  # its caller was cancelled or timed out
                     continue
@@ -87,8 +129,8 @@ class _RespProtocol(asyncio.Protocol):
                     future.set_exception(_reply_error(str(reply)))
                 else:
                     future.set_result(reply)
-        except (hiredis.ProtocolError, IndexError) as exc:
-            self.abort(redis.ConnectionError, f"Redis protocol error: {exc!r}")
+        except hiredis.ProtocolError as exc:
+            self.abort(redis.ConnectionError, f"Redis protocol error: {exc}")
 
     def connection_lost(self, exc: Exception | None) -> None:
         reason = "Redis closed the connection" if exc is None else f"lost Redis: {exc}"
@@ -101,7 +143,8 @@ class _RespProtocol(asyncio.Protocol):
             self.transport.abort()
 
     def _fail_all(self, error: type[redis.RedisError], message: str) -> None:
-        self.is_lost = True
+        if not self.is_lost:
+            self.is_lost, self.lost_because = True, message
         while self._waiting:
             future = self._waiting.popleft()
             if not future.done():  # (an instance each: each caller raises its own)
@@ -125,45 +168,55 @@ class RespLane:
         client_name: str | None = None,
         connect_timeout_s: float | None = None,
         timeout_s: float | None = None,
+        keepalive: Mapping[int, int] | None = None,  # TCP: {TCP_KEEPIDLE: s, ...}, {} on
     ) -> None:
         self._host, self._port, self._path = host, port, path
-        self._setup = self._setup_commands(username, password, db, client_name)
+        self._auth = self._auth_args(username, password)
+        self._setup = self._setup_commands(self._auth, db, client_name)
         self._connect_timeout_s = connect_timeout_s
         self._timeout_s = timeout_s
+        self._keepalive = keepalive
         self._protocol: _RespProtocol | None = None
         self._connecting = asyncio.Lock()  # one connect at a time (only taken to connect)
+        self._opening: _RespProtocol | None = None  # connected, set-up under way
         self._closed = False
 
     @classmethod
     def for_pool(cls, pool: redis.ConnectionPool) -> RespLane | None:
-        """A lane to the pool's server with its settings, or None where the pool asks
-        for more than this lane speaks (TLS, RESP3, a credential provider)."""
-        kw = pool.connection_kwargs
-        if kw.get("credential_provider") is not None or kw.get("protocol") not in (None, 2, "2"):
+        """A lane to the pool's server with its settings (as redis-py reads them, with
+        its defaults), or None where the pool asks for more than this lane speaks."""
+        # exact classes: a subclass (SSLConnection is one of Connection) adds a layer
+        if pool.connection_class not in (redis.Connection, redis.UnixDomainSocketConnection):
+            return None
+        conn: Any = pool.connection_class(**pool.connection_kwargs)  # (no I/O until used)
+        if conn.credential_provider is not None or conn.encoder.decode_responses:
             return None
         common: dict[str, Any] = {
-            "username": kw.get("username"),
-            "password": kw.get("password"),
-            "db": int(kw.get("db") or 0),
-            "client_name": kw.get("client_name"),
-            "connect_timeout_s": kw.get("socket_connect_timeout"),
-            "timeout_s": kw.get("socket_timeout"),
+            "username": conn.username,
+            "password": conn.password,
+            "db": int(conn.db or 0),
+            "client_name": conn.client_name,
+            "connect_timeout_s": conn.socket_connect_timeout,
+            "timeout_s": conn.socket_timeout,
         }
-        # exact classes: a subclass (SSLConnection is one of Connection) adds a layer
-        if pool.connection_class is redis.Connection:
-            return cls(host=kw.get("host", "localhost"), port=int(kw.get("port", 6379)), **common)
-        if pool.connection_class is redis.UnixDomainSocketConnection:
-            return cls(path=kw["path"], **common)
-        return None
+        if isinstance(conn, redis.UnixDomainSocketConnection):
+            return cls(path=conn.path, **common)
+        keepalive = dict(conn.socket_keepalive_options or {}) if conn.socket_keepalive else None
+        return cls(host=conn.host, port=int(conn.port), keepalive=keepalive, **common)
+
+    @staticmethod
+    def _auth_args(username: str | None, password: str | None) -> tuple[str, ...]:
+        """AUTH's arguments as redis-py's RESP3 HELLO sends them: a password alone is the
+        default user's (a server without a password takes any), () for none."""
+        if not username and not password:
+            return ()
+        return ("AUTH", username or "default", password or "")
 
     @staticmethod
     def _setup_commands(
-        username: str | None, password: str | None, db: int, client_name: str | None
+        auth: tuple[str, ...], db: int, client_name: str | None
     ) -> list[tuple[str | bytes | int | float, ...]]:
-        setup: list[tuple[str | bytes | int | float, ...]] = []
-        if password is not None or username is not None:
-            creds = (password or "",) if username is None else (username, password or "")
-            setup.append(("AUTH", *creds))
+        setup: list[tuple[str | bytes | int | float, ...]] = [auth] if auth else []
         if db:
             setup.append(("SELECT", db))
         if client_name:
@@ -172,10 +225,11 @@ class RespLane:
 
     async def command(self, *args: str | bytes | int | float) -> Any:
         """The reply to one command (packed for this call)."""
+        packed = _pack(args)
         protocol = self._protocol
-        if protocol is None or protocol.is_lost:
+        if protocol is None or not protocol.is_usable:
             protocol = await self._connect()
-        return await self._await_reply(protocol, protocol.send(_pack(args)))
+        return await self._await_reply(protocol, protocol.send(packed))
 
     async def _await_reply(self, protocol: _RespProtocol, reply: asyncio.Future[Any]) -> Any:
         if self._timeout_s is None:
@@ -197,25 +251,10 @@ class RespLane:
         async with self._connecting:
             if self._closed:
                 raise redis.ConnectionError("the store is closed")
-            if self._protocol is not None and not self._protocol.is_lost:
+            if self._protocol is not None and self._protocol.is_usable:
                 return self._protocol  # another caller connected meanwhile
-            loop = asyncio.get_running_loop()
-            where = self._path or f"{self._host}:{self._port}"
-            try:
-                async with asyncio.timeout(self._connect_timeout_s):
-                    if self._path:
-                        _, protocol = await loop.create_unix_connection(_RespProtocol, self._path)
-                    else:
-                        _, protocol = await loop.create_connection(
-                            _RespProtocol, self._host, self._port
-                        )
-            except TimeoutError:
-                raise redis.ConnectionError(
-                    f"cannot connect to Redis at {where}: no answer within "
-                    f"{self._connect_timeout_s} s"
-                ) from None
-            except OSError as exc:
-                raise redis.ConnectionError(f"cannot connect to Redis at {where}: {exc}") from exc
+            protocol = await self._open()
+            self._opening = protocol  # (close() aborts it from here on)
             try:
                 await self._set_up(protocol)
                 if self._closed:  # closed while this connected
@@ -223,28 +262,73 @@ class RespLane:
             except BaseException:
                 protocol.abort(redis.ConnectionError, "the connection's set-up failed")
                 raise
+            finally:
+                self._opening = None
             self._protocol = protocol
             return protocol
+
+    async def _open(self) -> _RespProtocol:
+        loop = asyncio.get_running_loop()
+        where = self._path or f"{self._host}:{self._port}"
+        try:
+            async with asyncio.timeout(self._connect_timeout_s) as deadline:
+                if self._path:
+                    _, protocol = await loop.create_unix_connection(_RespProtocol, self._path)
+                else:
+                    _, protocol = await loop.create_connection(
+                        _RespProtocol, self._host, self._port
+                    )
+        except TimeoutError as exc:
+            if not deadline.expired():  # the OS's own ETIMEDOUT
+                raise redis.ConnectionError(f"cannot connect to Redis at {where}: {exc}") from exc
+            raise redis.ConnectionError(
+                f"cannot connect to Redis at {where}: no answer within {self._connect_timeout_s} s"
+            ) from None
+        except OSError as exc:
+            raise redis.ConnectionError(f"cannot connect to Redis at {where}: {exc}") from exc
+        if self._keepalive is not None:
+            self._set_keepalive(protocol)
+        return protocol
+
+    def _set_keepalive(self, protocol: _RespProtocol) -> None:
+        """TCP keepalive as redis-py sets it: a peer gone without a word is noticed."""
+        assert protocol.transport is not None and self._keepalive is not None
+        sock = protocol.transport.get_extra_info("socket")
+        if sock is None:
+            return
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in self._keepalive.items():
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
     async def _set_up(self, protocol: _RespProtocol) -> None:
         """AUTH, SELECT, CLIENT SETNAME as the URL asks, pipelined under one deadline.
         (gather: every reply is read, so no failed one is left unretrieved.)"""
         if not self._setup:
             return
-        replies = [protocol.send(_pack(cmd)) for cmd in self._setup]
-        outcomes = await self._await_reply(
-            protocol, asyncio.gather(*replies, return_exceptions=True)
-        )
-        errors = [e for e in outcomes if isinstance(e, BaseException)]
+        errors = await self._run_set_up(protocol)
+        if errors and self._auth and "wrong number of arguments" in str(errors[0]):
+            # a server older than Redis 6 (no ACL users): AUTH takes the password alone
+            self._auth = ("AUTH", self._auth[2])
+            self._setup[0] = self._auth
+            errors = await self._run_set_up(protocol)
         if not errors:
             return
         if isinstance(errors[0], redis.ResponseError):  # (a SELECT out of range, ...)
             raise redis.ConnectionError(f"Redis refused the connection's set-up: {errors[0]}")
         raise errors[0]  # AuthenticationError, TimeoutError, ConnectionError
 
+    async def _run_set_up(self, protocol: _RespProtocol) -> list[BaseException]:
+        replies = [protocol.send(_pack(cmd)) for cmd in self._setup]
+        outcomes = await self._await_reply(
+            protocol, asyncio.gather(*replies, return_exceptions=True)
+        )
+        return [e for e in outcomes if isinstance(e, BaseException)]
+
     async def close(self) -> None:
-        """Drop the connection; commands waiting fail, and none connects again."""
+        """Drop the connection (and one being set up); commands waiting fail, and none
+        connects again."""
         self._closed = True
-        protocol, self._protocol = self._protocol, None
-        if protocol is not None:
-            protocol.abort(redis.ConnectionError, "the store is closed")
+        for protocol in (self._protocol, self._opening):
+            if protocol is not None:
+                protocol.abort(redis.ConnectionError, "the store is closed")
+        self._protocol = None
