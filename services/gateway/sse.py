@@ -14,7 +14,8 @@ log = get_logger(component="gateway")
 
 
 class SSEResponse:
-    """Server-sent events from pre-encoded chunks: one ASGI body message per chunk.
+    """Server-sent events from pre-encoded chunks: one ASGI body message per chunk, the
+    last one (it ends with [DONE]) in the message that ends the body.
 
     `watcher` is the task that notices the client's disconnect; it is cancelled when the
     stream ends. On every way out the chunk generator is closed and `on_close` runs
@@ -43,6 +44,7 @@ class SSEResponse:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            last = b""  # sent with the end of the body, in the same write (below)
             while True:
                 try:
                     chunk = await anext(self.chunks)
@@ -51,11 +53,15 @@ class SSEResponse:
                 except Exception:  # a bug in the generation (a failing send is not caught)
                     log.exception("stream_crashed", path=scope.get("path"))
                     err = error_body("internal error in the gateway; see its log", "server_error")
-                    chunk = sse(err) + SSE_DONE
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    last = sse(err) + SSE_DONE
+                    break
+                if chunk.endswith(SSE_DONE):  # the stream's last chunk
+                    last = chunk
                     break
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            # The last chunk and the body's end in one write: one wake-up of the client
+            # instead of two (16 streams that finish together: 16 writes fewer at once).
+            await send({"type": "http.response.body", "body": last, "more_body": False})
         finally:
             try:
                 await self.chunks.aclose()
