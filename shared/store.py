@@ -19,7 +19,7 @@ step, `[worker] snapshot_interval_ms` apart, on the core that runs the steps) go
 a bare asyncio Protocol with hiredis packing and parsing (shared/resp_lane.py): on the
 cold caches a step leaves, 232-352 -> 139-207 us of the core's CPU per write over TCP
 (`_Lane` on redis-py's connection against it, alternated, 2026-12-04; docs/performance.md);
-a URL that asks for TLS or RESP3 keeps them on a `_Lane`.
+a URL that asks for TLS (or a credential provider) keeps them on a `_Lane`.
 """
 
 from __future__ import annotations
