@@ -685,11 +685,12 @@ class Stack(NamedTuple):
 
 def run_stack(args: argparse.Namespace, work: Path) -> Stack:
     nats = start_nats("127.0.0.1", None, work / "nats", cpus=args.rest_cpus)
-    redis = start_redis("127.0.0.1", None, cpus=args.rest_cpus)
+    # as the launcher starts it: the stack's processes on its Unix socket
+    redis = start_redis("127.0.0.1", None, cpus=args.rest_cpus, unix_socket=work / "redis.sock")
     port = free_port()
     text = CLUSTER.format(
         nats=nats.url,
-        redis=redis.url,
+        redis=redis.url_here,
         port=port,
         model=args.model,
         dtype=args.dtype,
@@ -733,7 +734,7 @@ def run_stack(args: argparse.Namespace, work: Path) -> Stack:
     while time.monotonic() < deadline:
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return Stack(procs, base, nats.url, redis.url)
+                return Stack(procs, base, nats.url, redis.url_here)
         except httpx.HTTPError:
             pass
         for name, proc in zip(("estimator", "worker", "gateway"), procs[2:], strict=True):

@@ -198,11 +198,15 @@ class Launcher:
             self.redis_url = self.cluster.redis_url
         else:
             log_path = self.log_dir / "redis.log"
-            self._start_server(
-                lambda: start_redis(host, port, log_path, self.cluster.server_cpus), log_path
+            # the services, all on this host, reach it over a Unix socket too (servers.py)
+            sock = self.log_dir / ".redis" / "redis.sock"
+            server = self._start_server(
+                lambda: start_redis(host, port, log_path, self.cluster.server_cpus, sock),
+                log_path,
             )
-            self.redis_url = self.cluster.redis_url
-            self.say(f"started redis-server at {self.redis_url}")
+            self.redis_url = server.url_here
+            where = "" if not server.local_url else f"; its services use {server.local_url}"
+            self.say(f"started redis-server at {self.cluster.redis_url}{where}")
 
     def _start_server(self, start: Callable[[], ServerProcess], log_path: Path) -> ServerProcess:
         """Start a server of step 1 and keep `start` to restart it on its port (step 4)."""

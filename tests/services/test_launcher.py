@@ -19,8 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.launcher.servers import free_port
+from services.launcher.servers import MAX_UNIX_PATH, free_port, start_redis
 from shared.messages.registry import WorkerInfo
+from shared.resp_lane import RespLane
 from shared.store import Store
 from tests.services.conftest import tiny_cluster_text
 
@@ -124,8 +125,12 @@ def test_launcher_serves_and_stops_cleanly(tmp_path: Path, repo_root: Path) -> N
         out = read_until_serving(proc)
         assert f"http://127.0.0.1:{port}/v1" in out, out
         assert "started nats-server" in out and "started redis-server" in out
+        # the Redis it started: its services reach it over a Unix socket
+        sock = tmp_path / "logs" / ".redis" / "redis.sock"
+        assert f"its services use unix://{sock}?db=0" in out, out
         kids = children_of(proc.pid)
         assert len(kids) == 6  # nats, redis, estimator, 2 workers, gateway
+        assert any(f"BATON_REDIS_URL=unix://{sock}" in environ_of(k) for k in kids)
         # "serving" is printed once every worker it started is ready, not just the first.
         health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
         assert set(health["workers"]) == {"random-tiny-0", "random-tiny-1"}, health
@@ -153,6 +158,43 @@ def test_launcher_serves_and_stops_cleanly(tmp_path: Path, repo_root: Path) -> N
         # started with the launcher's signals held inherited the mask)
         assert "ready to exit" in (tmp_path / "logs" / "redis.log").read_text()
         assert "Server Exiting" in (tmp_path / "logs" / "nats.log").read_text()
+
+
+def environ_of(pid: int) -> str:
+    """A process's environment, one VAR=value a line ("" if it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().replace(b"\0", b"\n").decode()
+    except OSError:
+        return ""
+
+
+def test_a_started_redis_listens_on_a_unix_socket_where_the_path_fits(tmp_path: Path) -> None:
+    sock = tmp_path / "r.sock"
+    server = start_redis("127.0.0.1", None, unix_socket=sock)
+    try:
+        assert server.local_url == server.url_here == f"unix://{sock}?db=0"
+        assert server.url.startswith("redis://127.0.0.1:")  # for clients elsewhere
+
+        async def ping() -> bool:
+            store = Store(server.url_here, "unix")
+            await store.connect()
+            try:  # snapshot writes over the lane, on the socket
+                assert isinstance(store._writes, RespLane) and store._writes._path == str(sock)
+                await store.write_snapshot("w", 1, b"s", ttl_s=5)
+                blob = (await store.read_snapshots(["w"]))["w"]
+                return blob is not None and blob.data == b"s"
+            finally:
+                await store.close()
+
+        assert asyncio.run(ping())
+    finally:
+        server.stop()
+    long = tmp_path / ("d" * (MAX_UNIX_PATH - len(str(tmp_path)))) / "r.sock"
+    server = start_redis("127.0.0.1", None, unix_socket=long)
+    try:  # a path too long for a socket: TCP alone
+        assert server.local_url == "" and server.url_here == server.url
+    finally:
+        server.stop()
 
 
 def service_pid(launcher_pid: int, *needles: str) -> int:
