@@ -1,7 +1,8 @@
 """Start a whole deployment on this machine and stop it cleanly.
 
 1. infrastructure: Redis, then NATS (JetStream), each started from local binaries
-   only when nothing answers at the cluster file's URLs; between the two, refuse a
+   only when nothing answers at the cluster file's URLs (a Redis started here also
+   listens on a Unix socket, which the services use); between the two, refuse a
    namespace whose workers are live on that Redis (two deployments would share them)
 2. services: estimator, relay and batcher (when a preset routes per token), one
    worker per instance replica, gateway, each
