@@ -224,8 +224,10 @@ def start_redis(
         "--protected-mode",
         "no",
     ]
-    if unix_socket is not None and len(str(unix_socket)) > MAX_UNIX_PATH:
-        unix_socket = None  # (TCP alone, as before)
+    if unix_socket is not None:  # (absolute: a URL has no room for a relative path)
+        unix_socket = unix_socket.absolute()
+        if len(str(unix_socket)) > MAX_UNIX_PATH:
+            unix_socket = None  # (TCP alone, as before)
     if unix_socket is not None:
         unix_socket.parent.mkdir(parents=True, exist_ok=True)
         unix_socket.unlink(missing_ok=True)  # an earlier run's: its appearing says "up"

@@ -189,6 +189,13 @@ def test_a_started_redis_listens_on_a_unix_socket_where_the_path_fits(tmp_path: 
         assert asyncio.run(ping())
     finally:
         server.stop()
+    # a relative path: made absolute (a unix:// URL's path is absolute)
+    with contextlib.chdir(tmp_path):
+        server = start_redis("127.0.0.1", None, unix_socket=Path("rel") / "r.sock")
+    try:
+        assert server.local_url == f"unix://{tmp_path / 'rel' / 'r.sock'}?db=0"
+    finally:
+        server.stop()
     long = tmp_path / ("d" * (MAX_UNIX_PATH - len(str(tmp_path)))) / "r.sock"
     server = start_redis("127.0.0.1", None, unix_socket=long)
     try:  # a path too long for a socket: TCP alone
