@@ -21,8 +21,11 @@ Failure rules:
 - A reply that does not come within the pool's socket timeout fails its command with
   redis.TimeoutError and drops the connection (a wedged Redis must not grow a queue
   of unanswered commands behind it).
-- An error reply fails only its own command (NoScriptError for NOSCRIPT, as redis-py
-  raises it, redis.ResponseError otherwise); the connection stays in step.
+- An error reply fails only its own command, with the class redis-py raises for it
+  (NoScriptError for NOSCRIPT, AuthenticationError, ReadOnlyError, ...; else
+  redis.ResponseError); the connection stays in step.
+- A reply nobody asked for (a server that gives up on the connection at once: "max
+  number of clients reached") drops the connection as a redis.ConnectionError.
 - A caller cancelled while it waits leaves its reply to be read and dropped, so the
   replies that follow still reach their own commands.
 """
