@@ -174,8 +174,7 @@ class RespLane:
         keepalive: Mapping[int, int] | None = None,  # TCP: {TCP_KEEPIDLE: s, ...}, {} on
     ) -> None:
         self._host, self._port, self._path = host, port, path
-        self._auth = self._auth_args(username, password)
-        self._setup = self._setup_commands(self._auth, db, client_name)
+        self._setup = self._setup_commands(username, password, db, client_name)
         self._connect_timeout_s = connect_timeout_s
         self._timeout_s = timeout_s
         self._keepalive = keepalive
@@ -208,18 +207,14 @@ class RespLane:
         return cls(host=conn.host, port=int(conn.port), keepalive=keepalive, **common)
 
     @staticmethod
-    def _auth_args(username: str | None, password: str | None) -> tuple[str, ...]:
-        """AUTH's arguments as redis-py's RESP3 HELLO sends them: a password alone is the
-        default user's (a server without a password takes any), () for none."""
-        if not username and not password:
-            return ()
-        return ("AUTH", username or "default", password or "")
-
-    @staticmethod
     def _setup_commands(
-        auth: tuple[str, ...], db: int, client_name: str | None
+        username: str | None, password: str | None, db: int, client_name: str | None
     ) -> list[tuple[str | bytes | int | float, ...]]:
-        setup: list[tuple[str | bytes | int | float, ...]] = [auth] if auth else []
+        """What a new connection sends first. AUTH as redis-py's RESP3 HELLO sends it: a
+        password alone is the default user's (a server without a password takes any)."""
+        setup: list[tuple[str | bytes | int | float, ...]] = []
+        if username or password:
+            setup.append(("AUTH", username or "default", password or ""))
         if db:
             setup.append(("SELECT", db))
         if client_name:
@@ -309,10 +304,10 @@ class RespLane:
         if not self._setup:
             return
         errors = await self._run_set_up(protocol)
-        if errors and self._auth and "wrong number of arguments" in str(errors[0]):
+        auth = self._setup[0]
+        if errors and auth[0] == "AUTH" and "wrong number of arguments" in str(errors[0]):
             # a server older than Redis 6 (no ACL users): AUTH takes the password alone
-            self._auth = ("AUTH", self._auth[2])
-            self._setup[0] = self._auth
+            self._setup[0] = ("AUTH", auth[2])
             errors = await self._run_set_up(protocol)
         if not errors:
             return
