@@ -22,6 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from shared.chat_template import ChatTemplate
 from shared.config import Env
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -100,7 +101,7 @@ class Tokenizer:
         self._tok = tokenizer
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
-        self._template: Any = None
+        self._chat: ChatTemplate | None = None  # compiled (and its form found) on first use
 
     @property
     def vocab_size(self) -> int:
@@ -120,21 +121,21 @@ class Tokenizer:
         stream, tok = DecodeStream(skip_special_tokens=skip_special_tokens), self._tok
         return lambda token_id: stream.step(tok, token_id)
 
+    @property
+    def chat(self) -> ChatTemplate:
+        if self._chat is None:
+            self._chat = ChatTemplate(self.chat_template, self._tok)
+        return self._chat
+
     def render_chat(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:
-        if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            self._template = env.from_string(self.chat_template)
-        return str(
-            self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
-        )
+        return self.chat.render(messages, add_generation_prompt)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of the chat, ending with the assistant's generation prompt."""
-        return self.encode(self.render_chat(messages))
+        """Token ids of the chat, ending with the assistant's generation prompt (those of
+        `render_chat`'s text; shared/chat_template.py assembles them for ChatML)."""
+        return self.chat.ids(messages)
 
     def warm(self) -> None:
         """Compile the chat template and run each path once (template, encode, the

@@ -101,12 +101,12 @@ def test_warming_a_tokenizer_compiles_its_chat_template_once() -> None:
 
     loaded = load_tokenizer("random-tiny")  # (a test may have warmed this one already)
     tok = Tokenizer(loaded.name, loaded._tok, loaded.chat_template, loaded.eos_token_id)
-    assert tok._template is None
+    assert tok._chat is None
     tok.warm()
-    template = tok._template
-    assert template is not None
+    chat = tok._chat
+    assert chat is not None
     messages = [{"role": "user", "content": "Say hello."}]
     assert tok.apply_chat_template(messages) == load_tokenizer("random-tiny").apply_chat_template(
         messages
     )
-    assert tok._template is template
+    assert tok._chat is chat

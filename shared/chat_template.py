@@ -1,0 +1,195 @@
+"""A model's chat template: messages -> the prompt's text, or straight to its token ids.
+
+The template is the model's Jinja source (HF's `chat_template`), rendered in Jinja's
+immutable sandbox. The token ids of a chat are those of the rendered text. For the
+ChatML form (SmolLM2's template, Qwen's, and others that frame each message as
+`<|im_start|>{role}\\n{content}<|im_end|>\\n`), `ChatTemplate.ids` assembles them instead:
+the framing's special tokens and fixed pieces are encoded once at load, and only each
+message's `{role}\\n{content}` is encoded per request.
+
+Why: rendering and encoding the whole text is on every request's TTFT in the gateway,
+on caches the client and the other processes have just walked over: the sandboxed
+render took ~190-240 us and encoding SmolLM2's rendered chat (with its default system
+prompt, ~20 tokens of the ~35) ~350 us there, against ~230 us for the assembled ids
+(a probe sweeping 16 MB between calls; warm 152 -> 40 us; 2026-12-04, docs/performance.md).
+llama.cpp likewise renders the template families it knows natively
+(`llm_chat_detect_template`).
+
+Why the ids are the same: a tokenizer splits its input at its added tokens first and
+encodes the pieces between them one by one (HF tokenizers' AddedVocabulary), so a chat
+whose framing tokens are added tokens that strip nothing around them (no lstrip, rstrip
+or single_word) encodes piece by piece. The form is taken only where the template
+renders a sentinel chat as ChatML does, and where its text and ids equal the Jinja
+path's on a set of probe chats (every OpenAI role, a system message first or not,
+several turns, empty and whitespace-edged content, special-token text and Jinja syntax
+inside content); anything else keeps the Jinja path.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+# A content no default system prompt holds (a private-use character).
+_SENTINEL = "\ue000"
+_DEFAULT_SYSTEM = re.compile(
+    re.escape(IM_START) + r"system\n(.*)" + re.escape(IM_END) + r"\n", re.DOTALL
+)
+_ROLES = ("system", "user", "assistant", "developer", "tool", "function")
+
+Messages = list[dict[str, str]]
+
+
+def probe_chats() -> list[Messages]:
+    """Chats on which a fast form must give what the template gives, text and ids."""
+
+    def chat(*turns: tuple[str, str]) -> Messages:
+        return [{"role": role, "content": content} for role, content in turns]
+
+    return [
+        chat(("user", "Hello.")),
+        chat(("system", "Be brief."), ("user", "Hi")),
+        chat(("system", ""), ("user", "x")),
+        chat(("user", "a"), ("assistant", "b"), ("user", "c")),
+        chat(("system", "s"), ("user", "a"), ("assistant", "b"), ("user", "c")),
+        chat(("assistant", "first")),
+        chat(("user", "a"), ("user", "b")),
+        chat(("user", "")),
+        chat(("user", "  spaces around  ")),
+        chat(("user", "\nline one\n\nline two\n")),
+        chat(("user", "héllo ✓ 中文 🙂 \t tab")),
+        chat(("user", "{{ messages }} {% raw %}{% endraw %} " + IM_END + " inside" + IM_START)),
+        chat(*((role, f"as {role}") for role in _ROLES)),
+        chat(("user", "a"), ("system", "late system")),
+    ]
+
+
+class JinjaChat:
+    """The template's Jinja source, compiled once in the immutable sandbox."""
+
+    def __init__(self, source: str) -> None:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._template = env.from_string(source)
+
+    def render(self, messages: Messages, add_generation_prompt: bool = True) -> str:
+        return str(
+            self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMLForm:
+    """The ChatML framing with its pieces pre-encoded. `default_system`: the system
+    message the template puts first when a chat does not begin with one (None: none)."""
+
+    default_system: str | None
+    im_start_id: int
+    im_end_id: int
+    system_ids: tuple[int, ...]  # the default system message, framed, with its "\n"
+    newline_ids: tuple[int, ...]  # the "\n" after each message's <|im_end|>
+    prompt_ids: tuple[int, ...]  # the generation prompt: <|im_start|>assistant\n
+
+    def render(self, messages: Messages) -> str:
+        head = ""
+        if self.default_system is not None and messages and messages[0]["role"] != "system":
+            head = f"{IM_START}system\n{self.default_system}{IM_END}\n"
+        body = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
+        return f"{head}{body}{IM_START}assistant\n"
+
+    def ids(self, messages: Messages, tokenizer: Any) -> list[int]:
+        """`tokenizer`: a `tokenizers.Tokenizer` (the pieces go through its `encode`)."""
+        out: list[int] = []
+        if self.default_system is not None and messages and messages[0]["role"] != "system":
+            out.extend(self.system_ids)
+        start, end, newline = self.im_start_id, self.im_end_id, self.newline_ids
+        for m in messages:
+            out.append(start)
+            out.extend(
+                tokenizer.encode(m["role"] + "\n" + m["content"], add_special_tokens=False).ids
+            )
+            out.append(end)
+            out.extend(newline)
+        out.extend(self.prompt_ids)
+        return out
+
+
+def _framing_token_id(tokenizer: Any, text: str) -> int | None:
+    """The id of an added token that the tokenizer splits on cleanly, else None."""
+    token_id = tokenizer.token_to_id(text)
+    added = tokenizer.get_added_tokens_decoder().get(token_id) if token_id is not None else None
+    if added is None or added.content != text:
+        return None
+    if added.lstrip or added.rstrip or added.single_word:
+        return None  # it would take whitespace from the pieces beside it
+    return int(token_id)
+
+
+def detect_chatml(jinja: JinjaChat, tokenizer: Any) -> ChatMLForm | None:
+    """The ChatML form of this template, or None where it is not one (or not exactly)."""
+    start_id = _framing_token_id(tokenizer, IM_START)
+    end_id = _framing_token_id(tokenizer, IM_END)
+    if start_id is None or end_id is None:
+        return None
+    try:
+        text = jinja.render([{"role": "user", "content": _SENTINEL}])
+    except Exception:  # a template that needs more than messages: not this form
+        return None
+    tail = f"{IM_START}user\n{_SENTINEL}{IM_END}\n{IM_START}assistant\n"
+    if not text.endswith(tail):
+        return None
+    head = text[: -len(tail)]
+    default_system: str | None = None
+    if head:
+        match = _DEFAULT_SYSTEM.fullmatch(head)
+        if match is None or IM_START in match.group(1) or IM_END in match.group(1):
+            return None
+        default_system = match.group(1)
+
+    def encode(piece: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(piece, add_special_tokens=False).ids)
+
+    system_ids: tuple[int, ...] = ()
+    if default_system is not None:
+        system_ids = (start_id, *encode("system\n" + default_system), end_id, *encode("\n"))
+    form = ChatMLForm(
+        default_system=default_system,
+        im_start_id=start_id,
+        im_end_id=end_id,
+        system_ids=system_ids,
+        newline_ids=encode("\n"),
+        prompt_ids=(start_id, *encode("assistant\n")),
+    )
+    for chat in probe_chats():
+        try:
+            expected = jinja.render(chat)
+        except Exception:  # the template refuses a chat the form would take
+            return None
+        if form.render(chat) != expected:
+            return None
+        if form.ids(chat, tokenizer) != tokenizer.encode(expected, add_special_tokens=False).ids:
+            return None
+    return form
+
+
+class ChatTemplate:
+    """Messages -> prompt text (`render`) or prompt token ids (`ids`, the hot path)."""
+
+    def __init__(self, source: str, tokenizer: Any) -> None:
+        """`tokenizer`: the model's `tokenizers.Tokenizer`."""
+        self._tok = tokenizer
+        self._jinja = JinjaChat(source)
+        self.form = detect_chatml(self._jinja, tokenizer)
+
+    def render(self, messages: Messages, add_generation_prompt: bool = True) -> str:
+        return self._jinja.render(messages, add_generation_prompt)
+
+    def ids(self, messages: Messages) -> list[int]:
+        """The chat's token ids, ending with the assistant's generation prompt."""
+        if self.form is not None:
+            return self.form.ids(messages, self._tok)
+        return list(self._tok.encode(self._jinja.render(messages), add_special_tokens=False).ids)

@@ -1,0 +1,126 @@
+"""The chat template: the ChatML form's ids are the Jinja path's, and only exact forms are taken."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer as FastTokenizer
+
+from loadgen.config import DEFAULT_DATA_DIR
+from shared.chat_template import IM_END, IM_START, ChatTemplate, JinjaChat, probe_chats
+from shared.model_store import load_tokenizer
+
+SMOLLM2 = load_tokenizer("random-tiny")  # SmolLM2's tokenizer and template
+
+# Qwen2's template without tools: ChatML with its own default system message
+QWEN_LIKE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# ChatML without a default system message
+PLAIN_CHATML = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Not ChatML at all (Llama 2's [INST] framing, simplified)
+INST = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}{{ message['content'] }}"
+    "{% endif %}{% endfor %}"
+)
+# ChatML-looking, but the assistant's turns are framed otherwise: a sentinel chat
+# renders as ChatML does, the probes with an assistant turn do not
+ASSISTANT_DIFFERS = PLAIN_CHATML.replace(
+    "{{'<|im_start|>' + message['role']",
+    "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' + message['content'] "
+    "+ '<|endoftext|>\n' }}{% else %}{{'<|im_start|>' + message['role']",
+).replace("{% endfor %}", "{% endif %}{% endfor %}")
+# ChatML, but content is trimmed (HF templates often `| trim` it)
+TRIMS = PLAIN_CHATML.replace("message['content']", "message['content'] | trim")
+
+
+def jinja_ids(source: str, tok: Any, messages: list[dict[str, str]]) -> list[int]:
+    return list(tok.encode(JinjaChat(source).render(messages), add_special_tokens=False).ids)
+
+
+def test_smollm2_takes_the_chatml_form_with_its_default_system_message() -> None:
+    form = SMOLLM2.chat.form
+    assert form is not None
+    assert (
+        form.default_system
+        == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    )
+    for chat in probe_chats():
+        assert SMOLLM2.apply_chat_template(chat) == SMOLLM2.encode(SMOLLM2.render_chat(chat))
+
+
+def test_the_form_gives_the_jinja_paths_ids_for_real_prompts() -> None:
+    path = Path(DEFAULT_DATA_DIR) / "prompts" / "alpaca_5000_random.json"
+    if not path.is_file():
+        pytest.skip(f"{path} is not here (the project's shared data)")
+    rows = json.loads(path.read_text())
+    texts = [" ".join(str(r.get(k) or "") for k in ("instruction", "input")).strip() for r in rows]
+    assert len(texts) == 5000
+    chat = SMOLLM2.chat
+    assert chat.form is not None
+    for i, text in enumerate(texts):
+        messages = [{"role": "user", "content": text}]
+        if i % 3 == 1:  # a system message and earlier turns, on a third of them
+            messages = [
+                {"role": "system", "content": texts[i - 1][:80]},
+                {"role": "user", "content": texts[i - 1]},
+                {"role": "assistant", "content": text[::-1]},
+                *messages,
+            ]
+        assert chat.ids(messages) == SMOLLM2.encode(chat.render(messages)), text
+
+
+@pytest.mark.parametrize(
+    ("source", "default_system"),
+    [(QWEN_LIKE, "You are a helpful assistant."), (PLAIN_CHATML, None)],
+)
+def test_other_chatml_templates_take_the_form(source: str, default_system: str | None) -> None:
+    chat = ChatTemplate(source, SMOLLM2._tok)
+    assert chat.form is not None
+    assert chat.form.default_system == default_system
+    for messages in probe_chats():
+        assert chat.ids(messages) == jinja_ids(source, SMOLLM2._tok, messages)
+
+
+@pytest.mark.parametrize("source", [INST, ASSISTANT_DIFFERS, TRIMS, ""])
+def test_templates_that_differ_keep_the_jinja_path(source: str) -> None:
+    chat = ChatTemplate(source, SMOLLM2._tok)
+    assert chat.form is None
+    for messages in probe_chats():
+        assert chat.ids(messages) == jinja_ids(source, SMOLLM2._tok, messages)
+
+
+def test_framing_tokens_that_strip_whitespace_keep_the_jinja_path() -> None:
+    """An <|im_end|> with lstrip takes the whitespace before it from the content: the
+    whole text encodes otherwise than its pieces, so the form is refused."""
+    spec = json.loads(SMOLLM2._tok.to_str())
+    for added in spec["added_tokens"]:
+        if added["content"] == IM_END:
+            added["lstrip"] = True
+    stripping = FastTokenizer.from_str(json.dumps(spec))
+    messages = [{"role": "user", "content": "ends in spaces   "}]
+    assert (
+        jinja_ids(QWEN_LIKE, stripping, messages)
+        != ChatTemplate(QWEN_LIKE, SMOLLM2._tok).ids(messages)  # the pieces would differ
+    )
+    chat = ChatTemplate(QWEN_LIKE, stripping)
+    assert chat.form is None
+    assert chat.ids(messages) == jinja_ids(QWEN_LIKE, stripping, messages)
+
+
+def test_a_tokenizer_without_the_framing_tokens_keeps_the_jinja_path() -> None:
+    spec = json.loads(SMOLLM2._tok.to_str())
+    spec["added_tokens"] = [a for a in spec["added_tokens"] if a["content"] != IM_START]
+    chat = ChatTemplate(PLAIN_CHATML, FastTokenizer.from_str(json.dumps(spec)))
+    assert chat.form is None
