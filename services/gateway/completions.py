@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +31,7 @@ from starlette.types import ASGIApp, Receive
 
 from services.gateway.dispatch import send_routed
 from services.gateway.generation import ClientDisconnected, Generation, failure
+from services.gateway.ids import new_request_id
 from services.gateway.protocol import (
     CHAT_DECODER,
     COMPLETION_DECODER,
@@ -173,9 +173,8 @@ def prepare(
             "max_tokens",
             "context_length_exceeded",
         )
-    prefix = "chatcmpl-" if is_chat else "cmpl-"
     return Prepared(
-        prefix + uuid.uuid4().hex,
+        new_request_id("chatcmpl-" if is_chat else "cmpl-"),
         is_chat,
         body,
         prompt_ids,
