@@ -13,9 +13,9 @@ a middleware inside FastAPI's stack: FastAPI's and Starlette's `__call__` and th
 middleware still ran first, 0.08 ms of a request after an idle gap against 0.02 now,
 perf_counter stamps in the gateway.)
 
-What FastAPI did for these routes and is done here instead: reading the body (with
-Starlette's `Request`, which FastAPI builds too; past `max_request_bytes` a 413 before
-the rest is read, the one size check), the optional API-key check, OpenAI-format
+What FastAPI did for these routes and is done here instead: reading the body (from the
+ASGI channel; past `max_request_bytes` a 413 before the rest is read, the one size
+check), the optional API-key check, OpenAI-format
 errors (GatewayError -> JSON with its status; an unexpected exception -> a logged 500
 in the same format), 405 for other methods, and streaming. A streaming client's
 disconnect is noticed by the handler's `watch_disconnect` task (it reads `receive` until http.disconnect and wakes the
@@ -27,7 +27,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Mapping
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
@@ -86,20 +86,37 @@ def body_too_large(limit: int) -> GatewayError:
     )
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+def request_headers(scope: Scope) -> dict[str, str]:
+    """The request's headers by name (ASGI names them in lower case); where a name
+    repeats, its first value, as Starlette's `Headers.get` gives it (the list is read
+    from its end, so earlier values overwrite later ones)."""
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in reversed(scope["headers"])}
+
+
+async def read_body(receive: Receive, headers: Mapping[str, str], limit: int) -> bytes:
     """The request body, refused with a 413 before more than `limit` bytes are held:
-    at once when its Content-Length says so, else as soon as the chunks pass it."""
-    declared = request.headers.get("content-length", "")
+    at once when its Content-Length says so, else as soon as the chunks pass it.
+    ClientDisconnect when the client leaves before the body is complete.
+
+    Read from the ASGI channel itself: Starlette's `Request` and its body stream took
+    ~140 us on the gateway's cold caches against ~58 for this and `request_headers`
+    (a probe sweeping 16 MB between calls, 2026-12-04)."""
+    declared = headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise body_too_large(limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise body_too_large(limit)
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 class CompletionRoutes:
@@ -123,14 +140,14 @@ class CompletionRoutes:
                     f"{scope['method']} is not allowed on {path}; use POST",
                     "invalid_request_error",
                 )
-            request = Request(scope, receive)
-            authorize(request.headers, self.api_keys)
+            headers = request_headers(scope)
+            authorize(headers, self.api_keys)
             try:
-                raw = await read_body(request, self.service.settings.max_request_bytes)
+                raw = await read_body(receive, headers, self.service.settings.max_request_bytes)
             except ClientDisconnect:  # gone before the body was complete: nobody to answer
                 return
             response = await completions.handle(
-                self.service, raw, is_chat=is_chat, headers=request.headers, receive=receive
+                self.service, raw, is_chat=is_chat, headers=headers, receive=receive
             )
         except GatewayError as exc:
             response = error_response(self.service, exc, path)

@@ -5,10 +5,10 @@ chunks pass the limit (asgi.read_body)."""
 from __future__ import annotations
 
 import pytest
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect
 from starlette.types import Message
 
-from services.gateway.asgi import read_body
+from services.gateway.asgi import read_body, request_headers
 from services.gateway.service import GatewayError
 
 CHUNK = b"x" * 1000
@@ -26,22 +26,21 @@ class Body:
         return {"type": "http.request", "body": CHUNK, "more_body": more}
 
 
-def request(receive: Body, content_length: int | None) -> Request:
-    headers = [] if content_length is None else [(b"content-length", b"%d" % content_length)]
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
-    return Request(scope, receive)
+def headers(content_length: int | None) -> dict[str, str]:
+    raw = [] if content_length is None else [(b"content-length", b"%d" % content_length)]
+    return request_headers({"type": "http", "headers": raw})
 
 
 async def test_a_body_within_the_limit_is_read_whole() -> None:
     body = Body(5)
-    assert await read_body(request(body, 5000), 5000) == CHUNK * 5
+    assert await read_body(body, headers(5000), 5000) == CHUNK * 5
     assert body.read == 5
 
 
 async def test_a_declared_length_over_the_limit_is_refused_unread() -> None:
     body = Body(1000)
     with pytest.raises(GatewayError) as exc:
-        await read_body(request(body, 1_000_000), 5000)
+        await read_body(body, headers(1_000_000), 5000)
     assert exc.value.status == 413 and "max_request_bytes" in exc.value.message
     assert body.read == 0
 
@@ -49,6 +48,26 @@ async def test_a_declared_length_over_the_limit_is_refused_unread() -> None:
 async def test_an_undeclared_body_is_refused_once_it_passes_the_limit() -> None:
     body = Body(1000)  # chunked: no Content-Length
     with pytest.raises(GatewayError) as exc:
-        await read_body(request(body, None), 5000)
+        await read_body(body, headers(None), 5000)
     assert exc.value.status == 413
     assert body.read == 6  # the chunk that crossed 5000 bytes, nothing after it
+
+
+async def test_a_client_gone_before_the_body_ends_is_noticed() -> None:
+    messages = iter(
+        [
+            {"type": "http.request", "body": CHUNK, "more_body": True},
+            {"type": "http.disconnect"},
+        ]
+    )
+
+    async def receive() -> Message:
+        return next(messages)
+
+    with pytest.raises(ClientDisconnect):
+        await read_body(receive, headers(None), 5000)
+
+
+def test_a_repeated_header_gives_its_first_value() -> None:
+    scope = {"type": "http", "headers": [(b"x-baton-task", b"first"), (b"x-baton-task", b"second")]}
+    assert request_headers(scope)["x-baton-task"] == "first"
