@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 
@@ -12,6 +13,9 @@ def test_ids_have_openai_shape_and_never_repeat() -> None:
     ids = [new_request_id("chatcmpl-") for _ in range(10_000)]
     assert all(re.fullmatch(r"chatcmpl-[0-9a-f]{32}", i) for i in ids)
     assert len(set(ids)) == len(ids)
+    suffixes = [int(i[-16:], 16) for i in ids[:100]]
+    steps = {b - a for a, b in itertools.pairwise(suffixes)}
+    assert len(steps) > 1  # the counter does not show through
     assert re.fullmatch(r"cmpl-[0-9a-f]{32}", new_request_id("cmpl-"))
 
 
