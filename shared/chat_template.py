@@ -18,11 +18,15 @@ llama.cpp likewise renders the template families it knows natively
 Why the ids are the same: a tokenizer splits its input at its added tokens first and
 encodes the pieces between them one by one (HF tokenizers' AddedVocabulary), so a chat
 whose framing tokens are added tokens that strip nothing around them (no lstrip, rstrip
-or single_word) encodes piece by piece. The form is taken only where the template
-renders a sentinel chat as ChatML does, and where its text and ids equal the Jinja
-path's on a set of probe chats (every OpenAI role, a system message first or not,
-several turns, empty and whitespace-edged content, special-token text and Jinja syntax
-inside content); anything else keeps the Jinja path.
+or single_word) encodes piece by piece. The form is taken only where the template's
+source is a known spelling of ChatML (`chatml_sources`: the common one, and SmolLM2's,
+which adds a default system message; its text is read off a sentinel chat's rendering),
+and where the form's text and ids then equal the Jinja path's on a set of probe chats
+(every OpenAI role, a system message first or not, several turns, empty and
+whitespace-edged content, special-token text and Jinja syntax inside content). Probes
+alone would not do: a template that differs only for chats they lack (a window over the
+last turns, a role treated as a system message, content cut to a length) renders them
+as ChatML does. Any other template keeps the Jinja path.
 """
 
 from __future__ import annotations
@@ -39,6 +43,28 @@ _DEFAULT_SYSTEM = re.compile(
     re.escape(IM_START) + r"system\n(.*)" + re.escape(IM_END) + r"\n", re.DOTALL
 )
 _ROLES = ("system", "user", "assistant", "developer", "tool", "function")
+# The known spellings' message loop and generation prompt (the Jinja source's own text)
+_CHATML_LOOP = (
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def chatml_sources(default_system: str | None) -> list[str]:
+    """The template sources taken as ChatML, for a form with this default system
+    message (None: none): the common spelling, or SmolLM2's, which puts the default
+    system message first when a chat does not begin with one; each with its newlines
+    as they are or escaped (`\\n` in a Jinja string literal renders the same)."""
+    source = "{% for message in messages %}"
+    if default_system is not None:
+        source += (
+            "{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+            + default_system
+            + "<|im_end|>\n' }}{% endif %}"
+        )
+    source += _CHATML_LOOP
+    return [source, source.replace("\n", "\\n")]
+
 
 Messages = list[dict[str, str]]
 
@@ -129,8 +155,9 @@ def _framing_token_id(tokenizer: Any, text: str) -> int | None:
     return int(token_id)
 
 
-def detect_chatml(jinja: JinjaChat, tokenizer: Any) -> ChatMLForm | None:
-    """The ChatML form of this template, or None where it is not one (or not exactly)."""
+def detect_chatml(source: str, jinja: JinjaChat, tokenizer: Any) -> ChatMLForm | None:
+    """The ChatML form of this template (`source`, compiled as `jinja`), or None where
+    it is not one (or not exactly)."""
     start_id = _framing_token_id(tokenizer, IM_START)
     end_id = _framing_token_id(tokenizer, IM_END)
     if start_id is None or end_id is None:
@@ -149,6 +176,8 @@ def detect_chatml(jinja: JinjaChat, tokenizer: Any) -> ChatMLForm | None:
         if match is None or IM_START in match.group(1) or IM_END in match.group(1):
             return None
         default_system = match.group(1)
+    if source.strip() not in chatml_sources(default_system):
+        return None  # ChatML-like, but not a spelling known to be exactly ChatML
 
     def encode(piece: str) -> tuple[int, ...]:
         return tuple(tokenizer.encode(piece, add_special_tokens=False).ids)
@@ -183,7 +212,7 @@ class ChatTemplate:
         """`tokenizer`: the model's `tokenizers.Tokenizer`."""
         self._tok = tokenizer
         self._jinja = JinjaChat(source)
-        self.form = detect_chatml(self._jinja, tokenizer)
+        self.form = detect_chatml(source, self._jinja, tokenizer)
 
     def render(self, messages: Messages, add_generation_prompt: bool = True) -> str:
         return self._jinja.render(messages, add_generation_prompt)

@@ -101,6 +101,69 @@ def test_templates_that_differ_keep_the_jinja_path(source: str) -> None:
         assert chat.ids(messages) == jinja_ids(source, SMOLLM2._tok, messages)
 
 
+def chat(*turns: tuple[str, str]) -> list[dict[str, str]]:
+    return [{"role": role, "content": content} for role, content in turns]
+
+
+SMOLLM2_LOOP = (
+    "{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}"
+)
+# SmolLM2's template changed where no probe chat looks (a review's cases): each renders
+# the probes as ChatML does, and the chat beside it otherwise
+NEAR_CHATML = {
+    "a developer message counts as the system one": (
+        ("messages[0]['role'] != 'system'", "messages[0]['role'] not in ['system', 'developer']"),
+        chat(("developer", "Be terse."), ("user", "hi")),
+    ),
+    "a window over the last six messages": (
+        ("{% for message in messages %}", "{% for message in messages[-6:] %}"),
+        chat(*[("user", str(i)) for i in range(7)]),
+    ),
+    "reasoning cut from assistant turns": (
+        (
+            SMOLLM2_LOOP,
+            "{'<|im_start|>' + message['role'] + '\n' + (message['content'].split('</think>')[-1]"
+            " if message['role'] == 'assistant' else message['content']) + '<|im_end|>' + '\n'}",
+        ),
+        chat(("user", "q"), ("assistant", "<think>hmm</think>A"), ("user", "q2")),
+    ),
+    "content cut to 2,000 characters": (
+        ("message['content']", "message['content'][:2000]"),
+        chat(("user", "x" * 3000)),
+    ),
+    "no generation prompt after a tool message": (
+        (
+            "{% if add_generation_prompt %}",
+            "{% if add_generation_prompt and messages[-1]['role'] != 'tool' %}",
+        ),
+        chat(("user", "q"), ("tool", "r")),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NEAR_CHATML))
+def test_a_template_near_chatml_keeps_the_jinja_path(case: str) -> None:
+    (old, new), messages = NEAR_CHATML[case]
+    assert old in SMOLLM2.chat_template
+    source = SMOLLM2.chat_template.replace(old, new)
+    chat_template = ChatTemplate(source, SMOLLM2._tok)
+    assert chat_template.form is None
+    expected = jinja_ids(source, SMOLLM2._tok, messages)
+    assert chat_template.ids(messages) == expected
+    assert SMOLLM2.apply_chat_template(messages) != expected  # the ChatML ids would be wrong
+
+
+def test_a_template_with_escaped_newlines_takes_the_form() -> None:
+    """`\\n` inside a Jinja string literal renders as a newline: the same template."""
+    source = QWEN_LIKE.replace("\n", "\\n")
+    assert source != QWEN_LIKE
+    chat_template = ChatTemplate(source, SMOLLM2._tok)
+    assert chat_template.form is not None
+    assert chat_template.form.default_system == "You are a helpful assistant."
+    for messages in probe_chats():
+        assert chat_template.ids(messages) == jinja_ids(source, SMOLLM2._tok, messages)
+
+
 def test_framing_tokens_that_strip_whitespace_keep_the_jinja_path() -> None:
     """An <|im_end|> with lstrip takes the whitespace before it from the content: the
     whole text encodes otherwise than its pieces, so the form is refused."""
