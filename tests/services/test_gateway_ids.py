@@ -15,7 +15,9 @@ def test_ids_have_openai_shape_and_never_repeat() -> None:
     assert len(set(ids)) == len(ids)
     suffixes = [int(i[-16:], 16) for i in ids[:100]]
     steps = {b - a for a, b in itertools.pairwise(suffixes)}
-    assert len(steps) > 1  # the counter does not show through
+    assert len(steps) > 1  # the counter does not show through,
+    # not even in the low bits (a bare multiplier repeats its last digit every 16 ids)
+    assert any(a[-1] != b[-1] for a, b in zip(ids[:100], ids[16:116], strict=True))
     assert re.fullmatch(r"cmpl-[0-9a-f]{32}", new_request_id("cmpl-"))
 
 
