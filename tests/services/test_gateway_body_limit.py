@@ -69,5 +69,12 @@ async def test_a_client_gone_before_the_body_ends_is_noticed() -> None:
 
 
 def test_a_repeated_header_gives_its_first_value() -> None:
-    scope = {"type": "http", "headers": [(b"x-baton-task", b"first"), (b"x-baton-task", b"second")]}
-    assert request_headers(scope)["x-baton-task"] == "first"
+    raw = [(b"x-baton-task", b"first"), (b"x-baton-task", b"second")]
+    assert request_headers({"type": "http", "headers": raw})["x-baton-task"] == "first"
+    # ASGI promises an iterable, not a list
+    assert request_headers({"type": "http", "headers": iter(raw)})["x-baton-task"] == "first"
+
+
+async def test_a_content_length_of_other_digits_is_not_a_length() -> None:
+    """ "²" is a digit to str.isdigit, not to int(): read the body, do not crash."""
+    assert await read_body(Body(1), {"content-length": "\u00b2"}, 5000) == CHUNK
