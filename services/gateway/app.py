@@ -4,9 +4,11 @@ before its machinery runs (asgi.py says why)."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from services.gateway.asgi import CompletionRoutes, authorize, error_response
 from services.gateway.config import GatewayServiceConfig
@@ -22,18 +25,33 @@ from services.gateway.service import GatewayError, GatewayService
 from shared.runtime import freeze_heap
 
 
+def forwarded_allow_ips() -> str:
+    """The proxies whose X-Forwarded-For/-Proto are believed: uvicorn's default."""
+    return os.environ.get("FORWARDED_ALLOW_IPS", "127.0.0.1")
+
+
 class GatewayApp(FastAPI):
     """FastAPI, with the completion routes served ahead of it (`completions`, set by
-    create_app)."""
+    create_app).
+
+    The rest of the app runs behind uvicorn's proxy-headers middleware (the client
+    address and scheme a reverse proxy forwards, which FastAPI's redirects use), applied
+    here rather than by uvicorn (server_config turns uvicorn's off): the completion
+    routes read neither, and the middleware cost them ~43 us of a request on cold
+    caches (a probe sweeping 16 MB between calls: 67 against 24 us, 2026-12-04)."""
 
     completions: CompletionRoutes
+    _framework: Any = None  # ProxyHeadersMiddleware (uvicorn types ASGI apart from Starlette)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         is_chat = CompletionRoutes.match(scope)
-        if is_chat is None:
-            await super().__call__(scope, receive, send)
-        else:
+        if is_chat is not None:
             await self.completions.serve(scope, receive, send, is_chat)
+            return
+        if self._framework is None:
+            framework: Any = super().__call__
+            self._framework = ProxyHeadersMiddleware(framework, trusted_hosts=forwarded_allow_ips())
+        await self._framework(scope, receive, send)
 
 
 def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False) -> GatewayApp:

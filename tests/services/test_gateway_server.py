@@ -91,3 +91,38 @@ def test_a_gateway_timeout_of_zero_is_refused(old: str, new: str) -> None:
     assert old in text
     with pytest.raises(ConfigError, match=new.split()[0]):
         parse_cluster(text.replace(old, f"{old}\n{new}" if "keep" in new else new, 1))
+
+
+async def test_the_framework_routes_see_a_proxys_forwarded_scheme(
+    nats_url: str, redis_url: str
+) -> None:
+    """uvicorn's proxy-headers middleware is off (server_config); the app applies it to
+    every route but the completion ones, so FastAPI's redirects behind a TLS proxy
+    still point at https."""
+    cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
+    app = create_app(GatewayServiceConfig.from_cluster(cluster, "gw-proxy"))
+    server = uvicorn.Server(server_config(app, cluster.gateway))
+    serving = asyncio.create_task(server.serve())
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            await asyncio.sleep(0.05)
+        assert server.started
+        reader, writer = await asyncio.open_connection("127.0.0.1", cluster.gateway.port)
+        writer.write(
+            b"GET /v1/models/ HTTP/1.1\r\nHost: baton.example\r\n"
+            b"X-Forwarded-Proto: https\r\nX-Forwarded-For: 203.0.113.7\r\n\r\n"
+        )
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 307 "), head
+        location = next(
+            line.split(b":", 1)[1].strip()
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"location:")
+        )
+        assert location == b"https://baton.example/v1/models"
+        writer.close()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, timeout=30)
