@@ -76,6 +76,9 @@ class GatewayService:
         self.metrics = GatewayMetrics()
         self.workers: dict[str, WorkerInfo] = {}  # live instances, refreshed from Redis
         self.num_in_flight = 0
+        # read when /metrics is scraped: a Gauge.set per admission and release was ~20-50
+        # us of each request's path on cold caches (its lock; 2026-12-04 probes)
+        self.metrics.in_flight.set_function(lambda: self.num_in_flight)
         self._tokenizers: dict[str, Any] = {}
         # (temperature, top_p) for requests that send neither, per model and preset name:
         # fixed by the cluster file, so worked out once rather than per request
@@ -272,11 +275,9 @@ class GatewayService:
                 retry_after_s=self.settings.retry_after_s,
             )
         self.num_in_flight += 1
-        self.metrics.in_flight.set(self.num_in_flight)
 
     def release(self) -> None:
         self.num_in_flight -= 1
-        self.metrics.in_flight.set(self.num_in_flight)
 
     async def route(self, req: RouteRequest, avoid: AbstractSet[str] = frozenset()) -> RouteReply:
         """Ask the estimator which instance serves this request.

@@ -584,12 +584,22 @@ async def test_admission_limit_answers_429_with_retry_after(stack: Stack) -> Non
 
 async def test_health_models_and_metrics(stack: Stack) -> None:
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        answer = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+        assert answer.status_code == 200
         health = await client.get("/health")
         assert health.status_code == 200 and sorted(health.json()["workers"]) == ["w0", "w1"]
         models = (await client.get("/v1/models")).json()["data"]
         by_id = {m["id"]: m for m in models}
         assert by_id["random-tiny"]["max_model_len"] == 256 and by_id["auto"]["is_preset"]
         text = (await client.get("/metrics")).text
+        # the in-flight gauge reads the admission count when scraped
+        saved = stack.gateway.num_in_flight
+        stack.gateway.num_in_flight = saved + 7
+        try:
+            scraped = (await client.get("/metrics")).text
+        finally:
+            stack.gateway.num_in_flight = saved
+    assert f"baton_in_flight_requests {float(saved + 7)}" in scraped
     for name in (
         "baton_requests_total",
         "baton_ttft_seconds_bucket",
@@ -597,6 +607,7 @@ async def test_health_models_and_metrics(stack: Stack) -> None:
         "baton_e2e_seconds_bucket",
         "baton_in_flight_requests",
         "baton_queued_requests",
+        "baton_router_overhead_seconds_bucket",
     ):
         assert name in text
     assert 'baton_requests_total{model="random-tiny",status="200"}' in text
