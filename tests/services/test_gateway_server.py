@@ -5,8 +5,10 @@ startup status when it cannot serve."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from msgspec import structs
 from services.gateway.app import create_app
 from services.gateway.config import GatewayServiceConfig
 from services.gateway.server import server_config
-from shared.config import ConfigError, parse_cluster
+from shared.config import ClusterConfig, ConfigError, parse_cluster
 from tests.services.conftest import run_service_process, tiny_cluster_text
 
 HEALTH = b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n"
@@ -34,12 +36,11 @@ async def read_response(reader: asyncio.StreamReader) -> bytes:
     return head.split(b"\r\n", 1)[0]
 
 
-async def test_an_idle_connection_is_kept_for_keep_alive_s_then_closed(
-    nats_url: str, redis_url: str
-) -> None:
-    cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
-    cluster = structs.replace(cluster, gateway=structs.replace(cluster.gateway, keep_alive_s=1))
-    app = create_app(GatewayServiceConfig.from_cluster(cluster, "gw-keepalive"))
+@contextlib.asynccontextmanager
+async def serving_gateway(cluster: ClusterConfig, gateway_id: str) -> AsyncIterator[None]:
+    """A gateway (no worker behind it) served by uvicorn as `python -m services.gateway`
+    configures it, on the cluster's port, until the block ends."""
+    app = create_app(GatewayServiceConfig.from_cluster(cluster, gateway_id))
     server = uvicorn.Server(server_config(app, cluster.gateway))
     serving = asyncio.create_task(server.serve())
     try:
@@ -48,6 +49,18 @@ async def test_an_idle_connection_is_kept_for_keep_alive_s_then_closed(
                 break
             await asyncio.sleep(0.05)
         assert server.started
+        yield
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, timeout=30)
+
+
+async def test_an_idle_connection_is_kept_for_keep_alive_s_then_closed(
+    nats_url: str, redis_url: str
+) -> None:
+    cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
+    cluster = structs.replace(cluster, gateway=structs.replace(cluster.gateway, keep_alive_s=1))
+    async with serving_gateway(cluster, "gw-keepalive"):
         reader, writer = await asyncio.open_connection("127.0.0.1", cluster.gateway.port)
         # no worker: /health answers 503, on a connection that stays open
         writer.write(HEALTH)
@@ -60,9 +73,6 @@ async def test_an_idle_connection_is_kept_for_keep_alive_s_then_closed(
         idle_s = time.monotonic() - idle_from
         assert idle_s >= 0.8, f"closed after {idle_s:.2f} s idle, before keep_alive_s = 1"
         writer.close()
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(serving, timeout=30)
 
 
 def test_a_gateway_that_cannot_bind_exits_with_uvicorns_startup_status(
@@ -100,15 +110,7 @@ async def test_the_framework_routes_see_a_proxys_forwarded_scheme(
     every route but the completion ones, so FastAPI's redirects behind a TLS proxy
     still point at https."""
     cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
-    app = create_app(GatewayServiceConfig.from_cluster(cluster, "gw-proxy"))
-    server = uvicorn.Server(server_config(app, cluster.gateway))
-    serving = asyncio.create_task(server.serve())
-    try:
-        for _ in range(200):
-            if server.started:
-                break
-            await asyncio.sleep(0.05)
-        assert server.started
+    async with serving_gateway(cluster, "gw-proxy"):
         reader, writer = await asyncio.open_connection("127.0.0.1", cluster.gateway.port)
         writer.write(
             b"GET /v1/models/ HTTP/1.1\r\nHost: baton.example\r\n"
@@ -123,6 +125,3 @@ async def test_the_framework_routes_see_a_proxys_forwarded_scheme(
         )
         assert location == b"https://baton.example/v1/models"
         writer.close()
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(serving, timeout=30)
