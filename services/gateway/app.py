@@ -8,7 +8,6 @@ import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,26 +31,21 @@ def forwarded_allow_ips() -> str:
 
 class GatewayApp(FastAPI):
     """FastAPI, with the completion routes served ahead of it (`completions`, set by
-    create_app).
-
-    The rest of the app runs behind uvicorn's proxy-headers middleware (the client
-    address and scheme a reverse proxy forwards, which FastAPI's redirects use), applied
-    here rather than by uvicorn (server_config turns uvicorn's off): the completion
-    routes read neither, and the middleware cost them ~43 us of a request on cold
-    caches (a probe sweeping 16 MB between calls: 67 against 24 us, 2026-12-04)."""
+    create_app): ahead of its middleware too, so of uvicorn's proxy-headers middleware,
+    which create_app adds to FastAPI's stack instead of uvicorn wrapping every request
+    in it (server_config turns uvicorn's off). FastAPI's routes use what a reverse proxy
+    forwards (their redirects use the scheme); the completion routes read neither, and
+    the middleware cost them ~43 us of a request on cold caches (a probe sweeping 16 MB
+    between calls: 67 against 24 us, 2026-12-04)."""
 
     completions: CompletionRoutes
-    _framework: Any = None  # ProxyHeadersMiddleware (uvicorn types ASGI apart from Starlette)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         is_chat = CompletionRoutes.match(scope)
-        if is_chat is not None:
+        if is_chat is None:
+            await super().__call__(scope, receive, send)
+        else:
             await self.completions.serve(scope, receive, send, is_chat)
-            return
-        if self._framework is None:
-            framework: Any = super().__call__
-            self._framework = ProxyHeadersMiddleware(framework, trusted_hosts=forwarded_allow_ips())
-        await self._framework(scope, receive, send)
 
 
 def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False) -> GatewayApp:
@@ -70,6 +64,7 @@ def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False
             await service.close()
 
     app = GatewayApp(title="Baton", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=forwarded_allow_ips())
     app.state.service = service
 
     @app.exception_handler(GatewayError)
