@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Iterator
 
 _MASK = (1 << 64) - 1
 
@@ -33,9 +34,9 @@ def _draw() -> None:
     _counter = itertools.count()
 
 
-_prefix = ""
-_key = 0
-_counter = itertools.count()
+_prefix: str
+_key: int
+_counter: Iterator[int]
 _draw()
 os.register_at_fork(after_in_child=_draw)
 
