@@ -119,7 +119,11 @@ class ServerProcess:
 
 
 def stop_process_group(process: subprocess.Popen[bytes], timeout_s: float) -> None:
-    """SIGTERM the process group, wait up to `timeout_s`, then SIGKILL it."""
+    """SIGTERM the process group, wait up to `timeout_s`, then SIGKILL it and wait up to
+    5 s more. Past that it returns all the same: the group is killed and the kernel ends
+    it, while a raise here would leave the processes stopped after this one running (a
+    stalled host once kept a SIGKILLed worker unreaped that long, and the launcher's
+    stop died before NATS and Redis)."""
     if process.poll() is not None:
         return
     try:
@@ -131,7 +135,8 @@ def stop_process_group(process: subprocess.Popen[bytes], timeout_s: float) -> No
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
-        process.wait(5.0)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(5.0)
 
 
 def _popen_logged(

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.launcher.servers import MAX_UNIX_PATH, free_port, start_redis
+from services.launcher.servers import MAX_UNIX_PATH, free_port, start_redis, stop_process_group
 from shared.messages.registry import WorkerInfo
 from shared.resp_lane import RespLane
 from shared.store import Store
@@ -538,3 +538,19 @@ def test_launcher_refuses_cpus_this_machine_lacks(
     assert main([str(path)]) == 2
     err = capsys.readouterr().err
     assert f"[[instances]] of 'a' cpus = [{beyond}]: CPU {beyond} is not available" in err
+
+
+def test_a_process_that_outlives_its_kill_does_not_stop_the_stopping(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process still unreaped 5 s after SIGKILL (a stalled host) must not raise out of
+    stop_process_group: the launcher stops the servers after it all the same."""
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    real_wait = proc.wait
+
+    def never(timeout: float | None = None) -> int:
+        raise subprocess.TimeoutExpired(proc.args, timeout or 0)
+
+    monkeypatch.setattr(proc, "wait", never)
+    stop_process_group(proc, 0.1)  # SIGTERM, "no exit", SIGKILL, "no exit": returns
+    assert real_wait(5) in (-signal.SIGTERM, -signal.SIGKILL)  # it was stopped all the same
