@@ -85,7 +85,7 @@ sys.path.insert(0, str(REPO))
 
 from services.launcher.servers import free_port, start_nats, start_redis, stop_process_group  # noqa: E402
 from shared.model_store import load_tokenizer  # noqa: E402
-from shared.runtime import compact_cpus  # noqa: E402
+from shared.runtime import compact_cpus, freeze_heap  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 PROMPTS = [
@@ -641,7 +641,7 @@ async def run_measure(
     args: argparse.Namespace, engine: EngineSide, stack: Stack
 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
     """The measurements, and with --breakdown their split: {"ttft": PathObserver's,
-    "rounds": RoundBreakdown's}."""
+    "rounds": RoundBreakdown's means, "rounds_each": each side's rounds}."""
     if not args.breakdown:
         return await measure(args, engine, stack.base_url, None), None
     from shared.store import Store
@@ -658,6 +658,7 @@ async def run_measure(
     return measured, {
         "ttft": observer.summary() if observer.rows else {},
         "rounds": rounds.summary(),
+        "rounds_each": {side: anatomy.rounds for side, anatomy in rounds.sides.items()},
     }
 
 
@@ -822,7 +823,14 @@ def main() -> int:
         stack = run_stack(args, Path(tmp))
         try:
             print(f"loading {args.model} ({args.dtype}) in process too ...", flush=True)
-            measured, breakdown = uvloop.run(run_measure(args, EngineSide(args), stack))
+            engine_side = EngineSide(args)
+            # As the services do once ready (shared/runtime.py): without it a full
+            # collection here walked torch's and the model's objects for ~150 ms in the
+            # middle of a round (seen in every 30-round run, mostly in a gateway round,
+            # whose client allocates the most), a stall of this process's client or
+            # in-process engine that neither path causes.
+            freeze_heap()
+            measured, breakdown = uvloop.run(run_measure(args, engine_side, stack))
             engine, gateway = measured["engine"], measured["gateway"]
             rtts = uvloop.run(nats_rtt_ms(stack.nats_url))
             floors = uvloop.run(http_floor_ms(args))
@@ -867,6 +875,7 @@ def main() -> int:
     if breakdown is not None:
         result["gateway_ttft_breakdown"] = breakdown["ttft"]
         result["round_breakdown"] = breakdown["rounds"]
+        result["round_breakdown_each"] = breakdown["rounds_each"]  # per round, in order
     print(f"\n{'':24}{'engine':>12}{'gateway':>12}{'added/ratio':>14}")
     print(
         f"{'TTFT p50 (ms)':24}{engine['ttft_ms_p50']:12.2f}{gateway['ttft_ms_p50']:12.2f}"
