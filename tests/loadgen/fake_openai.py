@@ -10,6 +10,7 @@ chunks without [DONE].
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import socket
 import threading
@@ -31,9 +32,13 @@ def _sse(obj: dict[str, Any]) -> bytes:
 
 
 def create_app() -> FastAPI:
-    """The fake server; `app.state.seen` keeps (headers, body) of every completion request."""
+    """The fake server; `app.state.seen` keeps (headers, body) of every completion request.
+    A test that sets `app.state.frozen` to a list gets how many objects the process had
+    frozen (gc.freeze) as each request came: the server runs in the client's process, in
+    a thread. (Off by default: the count walks the whole frozen list, ms per request.)"""
     app = FastAPI()
     app.state.seen = []
+    app.state.frozen = None
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -82,6 +87,8 @@ def create_app() -> FastAPI:
     ) -> StreamingResponse:
         body = await request.json()
         app.state.seen.append((dict(request.headers), body))
+        if app.state.frozen is not None:
+            app.state.frozen.append(gc.get_freeze_count())
         # as Baton's gateway: its own request id, and an instance header that the
         # body's `baton.instance` overrides
         headers = {"X-Request-Id": f"fake-{len(app.state.seen)}", "X-Instance-Id": "header/0"}
