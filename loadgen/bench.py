@@ -142,15 +142,19 @@ async def run_bench(config: BenchConfig) -> dict[str, Any]:
         # what the run allocates. Without it each one stalled the client's loop for
         # 28-48 ms (five in a 10 s run of 3,000 requests), and the TTFTs, ITLs and arrival
         # times it was measuring with them. Undone after, for a caller in a longer-lived
-        # process (frozen objects that later die in a reference cycle are never freed).
-        gc.collect()
-        gc.freeze()
+        # process (frozen objects that later die in a reference cycle are never freed);
+        # a caller that froze its own heap keeps it as it is.
+        is_ours = gc.get_freeze_count() == 0
+        if is_ours:
+            gc.collect()
+            gc.freeze()
         try:
             run = await BenchmarkRunner(client, limits).run(
                 plan.offsets_s, plan.specs(policy, counter), plan.total
             )
         finally:
-            gc.unfreeze()
+            if is_ours:
+                gc.unfreeze()
     finally:
         await client.close()
     metrics = MetricsConfig(config.percentiles, config.percentile_metric_names, goodput, utility)
