@@ -37,7 +37,8 @@ direct link to the worker, shared/link.py), and each side's
 throughput rounds are taken apart from the engines' batch samples (the in-process
 engine's own, the worker's from Redis): steps per round, compute per step, the gap
 between steps (time spent outside engine.step), the lead before the first step and
-the tail after the last, so the tok/s ratio shows where it goes.
+the tail after the last, so the tok/s ratio shows where it goes (the means printed and
+in JSON `round_breakdown`, each round in order in `round_breakdown_each`).
 
 With two CPUs or more the worker runs on a CPU of its own and every other process
 of the run (this one, with the client) on the rest, as the cluster file's `cpus`
