@@ -69,7 +69,7 @@ from loadgen.arrivals import arrival_offsets, constant_profile, mmpp_profile  # 
 from loadgen.config import DEFAULT_DATA_DIR  # noqa: E402
 from loadgen.tokens import WordCounter  # noqa: E402
 from loadgen.traces import read_trace  # noqa: E402
-from loadgen.workloads import load_prompt_set  # noqa: E402
+from loadgen.workloads import PROMPT_SET_FILES, load_prompt_set  # noqa: E402
 from services.estimator.instances import (  # noqa: E402
     InstanceState,
     LatencyEstimator,
@@ -1529,6 +1529,18 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def data_files(parts: set[int], trace: Path) -> list[Path]:
+    """The shared files the asked parts read: 1 and 5 the trace they replay and alpaca
+    (the length predictor's corpus), 2 and 3 every task's prompt set (their lengths)."""
+    prompts = DEFAULT_DATA_DIR / "prompts"
+    files: list[Path] = []
+    if parts & {1, 5}:
+        files += [trace, prompts / PROMPT_SET_FILES["alpaca"]]
+    if parts & {2, 3}:
+        files += [prompts / PROMPT_SET_FILES[t] for t in TASKS]
+    return list(dict.fromkeys(files))
+
+
 def main() -> None:
     ap = build_parser()
     args = ap.parse_args()
@@ -1538,6 +1550,13 @@ def main() -> None:
         ap.error("--length-error must be in [0, 1)")
     if not 0 <= args.snapshot_period_ms < math.inf:
         ap.error("--snapshot-period-ms must be a finite number >= 0")
+    missing = [str(p) for p in data_files(set(args.parts), args.trace) if not p.is_file()]
+    if missing:  # (before any part runs: part 2's worker pool would fail with a traceback)
+        ap.error(
+            "the shared data these parts read is not there: "
+            + ", ".join(missing)
+            + " (it lives beside the repository, in ../shared/data; --parts 4 needs none)"
+        )
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     img_dir = args.out.parent

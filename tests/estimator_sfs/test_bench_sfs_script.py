@@ -13,10 +13,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from loadgen.config import DEFAULT_DATA_DIR
+
 REPO = Path(__file__).resolve().parents[2]
 POLICIES = {"round-robin", "shortest-queue", "latency-agnostic", "sfs-constraint", "sfs-lagrangian"}
 
 
+@pytest.mark.skipif(not (DEFAULT_DATA_DIR / "prompts").is_dir(), reason="shared data not present")
 def test_bench_sfs_writes_every_figure_it_names(tmp_path: Path) -> None:
     out = tmp_path / "bench_sfs.json"
     cmd = [
@@ -54,3 +59,17 @@ def test_bench_sfs_writes_every_figure_it_names(tmp_path: Path) -> None:
 
     for png in ("sfs-ontime-utility.png", "sfs-frontier.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_sfs_without_the_shared_data_says_what_is_missing(tmp_path: Path) -> None:
+    """A clone without ../shared/data: a usage error naming the files, no traceback."""
+    missing = tmp_path / "no-trace.csv"
+    run = subprocess.run(
+        [sys.executable, "scripts/bench_sfs.py", "--parts", "1", "--trace", str(missing)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2
+    assert str(missing) in run.stderr and "Traceback" not in run.stderr
