@@ -59,6 +59,8 @@ class WorkerServiceConfig:
     # stays free to take the inbox and publish (docs/services.md, worker).
     max_inline_step_tokens: int = _WORKER_DEFAULTS.max_inline_step_tokens
     max_inline_step_ms: float = _WORKER_DEFAULTS.max_inline_step_ms
+    # tokens for a gateway written to more recently wait for the next step (pacing.py)
+    stream_interval_s: float = _WORKER_DEFAULTS.stream_interval_ms / 1000
     # the snapshot's batch_time_speed EWMA; 0: off
     batch_time_speed_alpha: float = _WORKER_DEFAULTS.batch_time_speed_alpha
     # the direct link gateways dial (shared/link.py); link = False: NATS only
@@ -97,6 +99,7 @@ class WorkerServiceConfig:
             snapshot_progress_interval_s=cluster.worker.snapshot_progress_interval_ms / 1000,
             max_inline_step_tokens=cluster.worker.max_inline_step_tokens,
             max_inline_step_ms=cluster.worker.max_inline_step_ms,
+            stream_interval_s=cluster.worker.stream_interval_ms / 1000,
             batch_time_speed_alpha=cluster.worker.batch_time_speed_alpha,
             link=cluster.worker.link,
             link_host=cluster.worker.link_host,

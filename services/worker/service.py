@@ -6,7 +6,8 @@
            2. step           engine.step() in a thread (the event loop stays free), or
                              inline when it is short (below)
            3. publish        one DeltaBatch per owning gateway, on the link its
-                             requests came on (shared/link.py), else over NATS
+                             requests came on (shared/link.py), else over NATS; a
+                             fast model's may wait for the next step's (pacing.py)
            4. record         snapshot + batch samples -> Redis (overlaps the next step;
                              one write at a time, the newest snapshot each)
 
@@ -50,6 +51,7 @@ from services.estimator.sfs.batch_time import BatchTimeModel
 from services.estimator.sfs.speed import RecentSpeed
 from services.worker.config import WorkerServiceConfig, create_engine
 from services.worker.links import GatewayLinks
+from services.worker.pacing import StreamPacer
 from services.worker.routing.link import RoutingLink
 from services.worker.routing.runtime import Outbox, TokenRouting
 from shared import subjects
@@ -138,6 +140,8 @@ class WorkerService:
         self._wakeup = asyncio.Event()
         self._stop = asyncio.Event()
         self._owners: dict[str, Owner] = {}  # request id -> its owning gateway
+        # deltas held back for the next step's write to their gateway (pacing.py)
+        self._pacer: StreamPacer[Dest] = StreamPacer(cfg.stream_interval_s)
         self._gone_since: dict[str, float] = {}  # gateway id -> monotonic time seen gone
         self._num_steps = 0
         self.num_inline_steps = 0  # of them, run on the event loop (short steps)
@@ -341,6 +345,7 @@ class WorkerService:
                 await self._link.publish(outbox)
             if not engine.has_unfinished():
                 if drain_deadline is not None:
+                    await self._flush_held()
                     return
                 is_after_idle = True
                 await self._idle()
@@ -371,8 +376,9 @@ class WorkerService:
                 self.routing.on_handoffs(engine.pop_handoffs(), engine, outbox)
                 await self._link.publish(outbox)
                 await self._link.maybe_send_stats()
-            # 3. publish deltas, one batch per owning gateway
-            await self._publish(self._deltas(outputs))
+            # 3. publish deltas, one batch per owning gateway (or held for the next
+            #    step's: pacing.py)
+            await self._publish(self._deltas(outputs), next_step_s=self._last_step_s)
             # One pass of the event loop: it reads what arrived (submits and aborts, on
             # links and NATS), and nats-py's flusher task writes what went over NATS
             # (once the next step runs, its thread holds the GIL and that write would
@@ -429,6 +435,7 @@ class WorkerService:
     async def _idle(self, wait_s: float | None = None) -> None:
         """Nothing to run: wait for the inbox (at most wait_s), refreshing the snapshot so
         it never goes stale."""
+        await self._flush_held()
         self._wakeup.clear()
         if self._inbox or self._stop.is_set():
             return
@@ -540,12 +547,22 @@ class WorkerService:
             events.append((dest, delta))
         return events
 
-    async def _publish(self, events: list[tuple[Dest, GatewayEvent]]) -> None:
-        """One DeltaBatch per destination: written to its link at once (a closed link's
-        are dropped: its requests are being aborted), or published over NATS."""
-        by_dest: dict[Dest, list[GatewayEvent]] = {}
-        for dest, event in events:
-            by_dest.setdefault(dest, []).append(event)
+    async def _publish(
+        self, events: list[tuple[Dest, GatewayEvent]], next_step_s: float | None = None
+    ) -> None:
+        """One DeltaBatch per destination, with what was held for it before: written to
+        its link at once (a closed link's are dropped: its requests are being aborted),
+        or published over NATS. With `next_step_s` (a step expected to follow in that
+        long) the pacer may hold a destination's batch for the next step's."""
+        now = time.monotonic()
+        await self._send(self._pacer.take(events, now, next_step_s))
+
+    async def _flush_held(self) -> None:
+        """Write what the pacer holds: the loop is about to wait, no step will."""
+        if self._pacer:
+            await self._send(self._pacer.take_all())
+
+    async def _send(self, by_dest: dict[Dest, list[GatewayEvent]]) -> None:
         for dest, batch in by_dest.items():
             msg = DeltaBatch(instance_id=self.cfg.instance_id, step=self._num_steps, events=batch)
             if isinstance(dest, str):
@@ -645,6 +662,7 @@ class WorkerService:
     def _on_link_lost(self, link: FrameLink) -> None:
         """A gateway's link closed: abort the requests it brought (their gateway died or
         was cut off, and fails them on its side), through the inbox as a client's abort."""
+        self._pacer.forget(link)
         lost = [rid for rid, owner in self._owners.items() if owner.link is link]
         # requests still in the inbox from it: admitted, then aborted right after
         lost += [

@@ -1,0 +1,89 @@
+"""How often a worker writes a gateway its requests' tokens: the stream interval.
+
+After every step the worker has a batch of token deltas per owning gateway. Each batch
+written is a syscall and a wake-up of the gateway, which then writes one SSE chunk per
+stream: with random-tiny's ~2.4 ms decode steps at 16 streams, ~50 us of the worker's
+core per step and most of the gateway's (docs/performance.md). No reader follows a
+stream at hundreds of tokens per second, so a step's batch for a gateway waits for the
+next step while that one is expected to end within `interval_s` of the oldest token
+held, and goes with the next step's in one write (the gateway merges the deltas it
+finds queued into one SSE chunk per stream).
+
+As vLLM's `stream_interval` (counted in tokens there), with three differences: it
+counts time, so a model whose step takes longer than the interval is never held; no
+token waits longer than the interval, unless the step after it runs longer than the
+one before; and what a client waits on is never held: a request's first tokens (its
+TTFT), its last (its end) and failures, which take what was held for their gateway
+with them, in order.
+
+Policy only: `WorkerService._publish` writes what `take` returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from typing import Generic, TypeVar
+
+from shared.messages.gateway import GatewayEvent, TokenDelta
+
+D = TypeVar("D", bound=Hashable)  # a destination: a gateway's link or NATS inbox
+
+
+def is_urgent(event: GatewayEvent) -> bool:
+    """Never held: a request's first tokens, its end, and failures."""
+    if not isinstance(event, TokenDelta):
+        return True
+    return event.position == 0 or event.finish_reason is not None
+
+
+class StreamPacer(Generic[D]):
+    """Holds each destination's deltas back for as long as a step's tokens may wait."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        # destination -> (its held events in order, monotonic time the oldest was held)
+        self._held: dict[D, tuple[list[GatewayEvent], float]] = {}
+
+    def __bool__(self) -> bool:
+        """Whether anything is held."""
+        return bool(self._held)
+
+    def take(
+        self,
+        events: Iterable[tuple[D, GatewayEvent]],
+        now_s: float,
+        next_step_s: float | None,
+    ) -> dict[D, list[GatewayEvent]]:
+        """The batches to write now, by destination, in the order events came (held
+        ones first). `next_step_s` is how long the next step is expected to take; None:
+        send everything now (no step follows soon: rejections, failures)."""
+        by_dest: dict[D, list[GatewayEvent]] = {}
+        for dest, event in events:
+            by_dest.setdefault(dest, []).append(event)
+        send: dict[D, list[GatewayEvent]] = {}
+        for dest, batch in by_dest.items():
+            held, since_s = self._held.pop(dest, (None, now_s))
+            # Hold while the oldest token would still be sent within the interval by
+            # the next step's write, and none that a client waits on is here.
+            may_hold = (
+                next_step_s is not None
+                and now_s - since_s + next_step_s < self.interval_s
+                and not any(is_urgent(event) for event in batch)
+            )
+            if held is not None:  # (never urgent: it was held)
+                batch = held + batch
+            if may_hold:
+                self._held[dest] = (batch, since_s)
+            else:
+                send[dest] = batch
+        return send
+
+    def take_all(self) -> dict[D, list[GatewayEvent]]:
+        """Everything held (before the worker waits: no step would send it)."""
+        send = {dest: batch for dest, (batch, _) in self._held.items()}
+        self._held.clear()
+        return send
+
+    def forget(self, dest: D) -> None:
+        """A destination gone for good (a closed link): drop what it had."""
+        self._held.pop(dest, None)
