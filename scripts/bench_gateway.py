@@ -778,9 +778,10 @@ def main() -> int:
     parser.add_argument(
         "--rounds",
         type=int,
-        default=6,
-        help="alternating engine/gateway throughput rounds (default 6: a 16-stream round "
-        "of random-tiny lasts ~0.25 s, so 3 gave a ratio that moved +-0.05 between runs)",
+        default=12,
+        help="alternating engine/gateway throughput rounds (default 12: a 16-stream round "
+        "of random-tiny lasts ~0.3 s; on a noisy 2-core host 6 gave ratios of 0.79-0.96 "
+        "between runs, 12 gave 0.90-0.95)",
     )
     parser.add_argument(
         "--breakdown",
