@@ -97,11 +97,16 @@ class Client:
             if event.finish_reason is not None:
                 self.finished[event.request_id].set()
 
-    async def generate(
-        self, worker: WorkerService, num_prompt_tokens: int, max_tokens: int = MAX_TOKENS
-    ) -> None:
-        request_id = uuid.uuid4().hex
+    def _track(self, request_id: str) -> None:
+        """A request about to be submitted (subclasses keep more of it)."""
         self.finished[request_id] = asyncio.Event()
+
+    async def submit(
+        self, worker: WorkerService, num_prompt_tokens: int = 8, max_tokens: int = MAX_TOKENS
+    ) -> str:
+        """Send the worker a greedy request; return its id."""
+        request_id = uuid.uuid4().hex
+        self._track(request_id)
         msg = SubmitRequest(
             request_id=request_id,
             prompt_token_ids=list(range(1, num_prompt_tokens + 1)),
@@ -110,6 +115,12 @@ class Client:
             arrival_time_s=0.0,
         )
         await self.bus.publish(worker.inbox_subject, msg)
+        return request_id
+
+    async def generate(
+        self, worker: WorkerService, num_prompt_tokens: int, max_tokens: int = MAX_TOKENS
+    ) -> None:
+        request_id = await self.submit(worker, num_prompt_tokens, max_tokens)
         await asyncio.wait_for(self.finished[request_id].wait(), 30)
 
 

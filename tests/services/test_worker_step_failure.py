@@ -19,8 +19,6 @@ from services.worker.service import MAX_CONSECUTIVE_STEP_FAILURES, WorkerService
 from shared.bus import Bus
 from shared.config import parse_cluster
 from shared.messages.gateway import DeltaBatch, RequestFailed, TokenDelta
-from shared.messages.worker import SubmitRequest
-from shared.sampling import SamplingParams
 from tests.services.conftest import kill, tiny_cluster_text
 from tests.services.test_worker_inline_step import Client
 
@@ -69,18 +67,8 @@ class Gateway(Client):
             if isinstance(event, RequestFailed) or event.finish_reason is not None:
                 self.done[event.request_id].set()
 
-    async def submit(self, worker: WorkerService, max_tokens: int = 4) -> str:
-        request_id = uuid.uuid4().hex
+    def _track(self, request_id: str) -> None:
         self.events[request_id], self.done[request_id] = [], asyncio.Event()
-        msg = SubmitRequest(
-            request_id=request_id,
-            prompt_token_ids=list(range(1, 9)),
-            params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-            reply_to=self.inbox,
-            arrival_time_s=0.0,
-        )
-        await self.bus.publish(worker.inbox_subject, msg)
-        return request_id
 
     async def outcome(self, request_id: str) -> TokenDelta | RequestFailed:
         await asyncio.wait_for(self.done[request_id].wait(), 30)

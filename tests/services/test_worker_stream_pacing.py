@@ -6,17 +6,13 @@ the interval 0, one batch per step."""
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import pytest
 
 from services.worker.config import WorkerServiceConfig
-from services.worker.service import WorkerService
 from shared.bus import Bus
 from shared.config import ConfigError, parse_cluster
 from shared.messages.gateway import DeltaBatch, TokenDelta
-from shared.messages.worker import SubmitRequest
-from shared.sampling import SamplingParams
 from tests.services.conftest import tiny_cluster_text
 from tests.services.test_worker_inline_step import Client, running_worker
 
@@ -34,19 +30,6 @@ class BatchRecorder(Client):
         self.batches.append(batch)
         await super()._on_batch(batch)
 
-    async def submit(self, worker: WorkerService, max_tokens: int) -> str:
-        request_id = uuid.uuid4().hex
-        self.finished[request_id] = asyncio.Event()
-        msg = SubmitRequest(
-            request_id=request_id,
-            prompt_token_ids=list(range(1, 9)),
-            params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-            reply_to=self.inbox,
-            arrival_time_s=0.0,
-        )
-        await self.bus.publish(worker.inbox_subject, msg)
-        return request_id
-
 
 async def run_requests(
     nats_url: str, redis_url: str, interval_s: float, max_tokens: list[int]
@@ -59,7 +42,7 @@ async def run_requests(
     ):
         recorder = BatchRecorder(client.bus, worker.cfg.namespace)
         await recorder.start()
-        ids = [await recorder.submit(worker, n) for n in max_tokens]
+        ids = [await recorder.submit(worker, max_tokens=n) for n in max_tokens]
         for rid in ids:
             await asyncio.wait_for(recorder.finished[rid].wait(), 30)
         return recorder.batches, ids
