@@ -55,8 +55,9 @@ class StreamPacer(Generic[D]):
         next_step_s: float | None,
     ) -> dict[D, list[GatewayEvent]]:
         """The batches to write now, by destination, in the order events came (held
-        ones first). `next_step_s` is how long the next step is expected to take; None:
-        send everything now (no step follows soon: rejections, failures)."""
+        ones first), and any other destination's held batch that would wait too long.
+        `next_step_s` is how long the next step is expected to take; None: send
+        everything now (no step follows soon)."""
         by_dest: dict[D, list[GatewayEvent]] = {}
         for dest, event in events:
             by_dest.setdefault(dest, []).append(event)
@@ -75,6 +76,14 @@ class StreamPacer(Generic[D]):
             if may_hold:
                 self._held[dest] = (batch, since_s)
             else:
+                send[dest] = batch
+        # A destination with nothing new (its requests preempted, or parked at a peer)
+        # still gets what it holds in time.
+        for dest, (batch, since_s) in list(self._held.items()):
+            if dest not in by_dest and (
+                next_step_s is None or now_s - since_s + next_step_s >= self.interval_s
+            ):
+                del self._held[dest]
                 send[dest] = batch
         return send
 

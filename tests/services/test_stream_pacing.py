@@ -83,3 +83,21 @@ def test_a_forgotten_destination_loses_what_was_held_for_it() -> None:
     assert pacer.take([("gone", delta("a", 1)), ("gw", delta("b", 1))], 0.0, STEP_S) == {}
     pacer.forget("gone")
     assert pacer.take_all() == {"gw": [delta("b", 1)]}
+
+
+def test_a_destination_with_nothing_new_still_gets_its_tokens_in_time() -> None:
+    # gw1's request was preempted (or parked at a peer): its later steps bring nothing.
+    pacer: StreamPacer[str] = StreamPacer(0.005)
+    assert pacer.take([("gw1", delta("a", 1)), ("gw2", delta("b", 1))], 0.0, STEP_S) == {}
+    assert pacer.take([("gw2", delta("b", 2))], 0.002, STEP_S) == {}
+    sent = pacer.take([("gw2", delta("b", 3))], 0.004, STEP_S)
+    assert {d: positions(b) for d, b in sent.items()} == {
+        "gw1": [("a", 1)],
+        "gw2": [("b", 1), ("b", 2), ("b", 3)],
+    }
+    # No step to follow: everything held goes, whoever it is for.
+    assert pacer.take([("gw2", delta("b", 4))], 0.006, STEP_S) == {}
+    assert pacer.take([("gw1", delta("a", 9, "abort"))], 0.007, None) == {
+        "gw1": [delta("a", 9, "abort")],
+        "gw2": [delta("b", 4)],
+    }
