@@ -237,8 +237,8 @@ class WorkerConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # hand-offs) or follows a step of at most max_inline_step_ms; 0: always a thread.
     max_inline_step_tokens: int = 256
     max_inline_step_ms: float = 20.0  # 0: only the first step after an idle wait
-    # A step's tokens for a gateway written to less than this many ms ago wait for the
-    # next step's write while that step is expected to end within it (a fast model's
+    # A step's tokens for a gateway wait for the next step's write while that step is
+    # expected to end within this many ms of the oldest token held (a fast model's
     # tokens go out every few steps, in one write and one SSE chunk per stream); a
     # request's first and last tokens and failures never wait. 0: a write every step.
     stream_interval_ms: float = 5.0
@@ -543,6 +543,11 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
             raise ConfigError("[worker] max_inline_step_ms must be >= 0")
         if not 0 <= self.worker.stream_interval_ms <= 1000:
             raise ConfigError("[worker] stream_interval_ms must be in [0, 1000]")
+        if self.worker.stream_interval_ms / 1000 >= self.gateway.event_timeout_s:
+            raise ConfigError(
+                "[worker] stream_interval_ms must be shorter than [gateway] event_timeout_s "
+                "(a stream silent that long is failed)"
+            )
         if not 0 <= self.worker.snapshot_interval_ms <= 1000:
             raise ConfigError("[worker] snapshot_interval_ms must be in [0, 1000]")
         if not 0.0 <= self.worker.batch_time_speed_alpha <= 1.0:

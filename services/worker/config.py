@@ -59,7 +59,7 @@ class WorkerServiceConfig:
     # stays free to take the inbox and publish (docs/services.md, worker).
     max_inline_step_tokens: int = _WORKER_DEFAULTS.max_inline_step_tokens
     max_inline_step_ms: float = _WORKER_DEFAULTS.max_inline_step_ms
-    # tokens for a gateway written to more recently wait for the next step (pacing.py)
+    # a step's tokens may wait for the next step's write, up to this long (pacing.py)
     stream_interval_s: float = _WORKER_DEFAULTS.stream_interval_ms / 1000
     # the snapshot's batch_time_speed EWMA; 0: off
     batch_time_speed_alpha: float = _WORKER_DEFAULTS.batch_time_speed_alpha

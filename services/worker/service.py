@@ -289,6 +289,9 @@ class WorkerService:
     async def close(self) -> None:
         """Deregister, flush, disconnect. Idempotent; each step bounded."""
         self._closing = True
+        if self._pacer:  # the loop ended some other way than a drain: send what it held
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._flush_held(), 2.0)
         if self._relay_query is not None:
             self._relay_query.cancel()  # its answer has nobody left to apply it
         if self._heartbeat_task is not None:
@@ -325,6 +328,7 @@ class WorkerService:
         has_peer_work = False  # peer messages applied since the last step
         while True:
             if self._stop.is_set() and drain_deadline is None:
+                await self._flush_held()  # (the drain's registration may take a while)
                 drain_deadline = await self._begin_drain()
             # 1. take inbox (rejections are answered at once)
             rejected = self._take_inbox()
@@ -355,6 +359,8 @@ class WorkerService:
                 await self._idle(wait_s)
                 continue
             # 2. step (off the event loop, unless it is short: see the module docstring)
+            if self._pacer and (has_peer_work or self._num_new_prompt_tokens):
+                await self._flush_held()  # a prefill or peer work: longer than the last step
             t_step = time.perf_counter()
             try:
                 if not has_peer_work and self._steps_inline(is_after_idle):

@@ -59,7 +59,7 @@ def test_an_urgent_event_takes_what_was_held_before_it_in_order() -> None:
     assert positions(sent["gw"]) == [("a", 4), ("c", 0)]
     assert pacer.take([("gw", delta("a", 5))], 0.010, STEP_S) == {}
     failure = RequestFailed("a", 500, "the model failed")
-    assert pacer.take([("gw", failure)], 0.012, None) == {"gw": [delta("a", 5), failure]}
+    assert pacer.take([("gw", failure)], 0.012, STEP_S) == {"gw": [delta("a", 5), failure]}
 
 
 def test_each_destination_is_paced_on_its_own() -> None:

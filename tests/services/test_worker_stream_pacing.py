@@ -80,10 +80,13 @@ async def test_a_request_ending_sends_the_others_held_tokens(nats_url: str, redi
     batches, (short, long) = await run_requests(nats_url, redis_url, 1.0, [3, MAX_TOKENS])
     for rid, n in ((short, 3), (long, MAX_TOKENS)):
         assert len(tokens_in_order(deltas_of(batches, rid))) == n
-    # The short answer's end went with the long one's tokens held until then.
+    # The long answer went in three batches: its first token, what was held of it when
+    # the short one ended (in that batch), its end.
+    groups = deltas_of(batches, long)
+    assert len(groups) == 3, [[d.position for d in g] for g in groups]
     end = next(i for i, b in enumerate(batches) for e in b.events if e.finish_reason)
-    held_long = deltas_of(batches[end : end + 1], long)[0]
-    assert len(held_long) >= 1 and held_long[-1].finish_reason is None
+    assert deltas_of(batches[end : end + 1], long) == [groups[1]]
+    assert groups[1][-1].finish_reason is None
 
 
 def test_the_cluster_file_sets_the_stream_interval() -> None:
@@ -99,3 +102,8 @@ def test_the_cluster_file_sets_the_stream_interval() -> None:
     for bad in ("-1", "5000"):
         with pytest.raises(ConfigError, match="stream_interval_ms"):
             parse_cluster(cluster(bad))
+    # never as long as the gateway waits for a stream's next event before failing it
+    short_wait = cluster("600").replace("event_timeout_s = 60.0", "event_timeout_s = 0.5", 1)
+    assert short_wait != cluster("600")
+    with pytest.raises(ConfigError, match="event_timeout_s"):
+        parse_cluster(short_wait)
