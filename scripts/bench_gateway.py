@@ -781,7 +781,7 @@ def main() -> int:
         default=12,
         help="alternating engine/gateway throughput rounds (default 12: a 16-stream round "
         "of random-tiny lasts ~0.3 s; on a noisy 2-core host 6 gave ratios of 0.79-0.96 "
-        "between runs, 12 gave 0.90-0.95)",
+        "between runs, 12 gave 0.895-0.947 in twenty)",
     )
     parser.add_argument(
         "--breakdown",
