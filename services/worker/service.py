@@ -564,7 +564,8 @@ class WorkerService:
         await self._send(self._pacer.take(events, now, next_step_s))
 
     async def _flush_held(self) -> None:
-        """Write what the pacer holds: the loop is about to wait, no step will."""
+        """Write everything the pacer holds: before the loop waits (no step would), a
+        step longer than the last, a drain, or close."""
         if self._pacer:
             await self._send(self._pacer.take_all())
 
