@@ -56,6 +56,16 @@ def test_six_term_features_by_hand() -> None:
     assert features(EIGHT_TERM, decode_only)[-1] == 0
 
 
+def test_a_prediction_is_the_dot_product_and_refuses_a_wrong_length() -> None:
+    model = BatchTimeModel(SIX_TERM, (1e-3, 2e-6, 3e-10, 4e-5, 5e-8, 6e-13))
+    x = [1.0, 15.0, 225.0, 1.0, 21.0, 261.0]
+    assert model.predict_features(x) == sum(c * v for c, v in zip(model.coefs, x, strict=True))
+    raw = [1.0, 15.0, 225.0, 1.0, 21.0, 261.0, 5.0, 120.0, 1.0, 1.0]
+    assert model.predict_raw(raw) == model.predict_features(x)  # zeros on the extra sums
+    with pytest.raises(ValueError, match="5 features for 6 coefficients"):
+        model.predict_features(x[:5])
+
+
 def synthetic_samples(
     model: BatchTimeModel, n: int, stall_fraction: float, seed: int, noise: float = 0.01
 ) -> tuple[list[BatchSample], int]:

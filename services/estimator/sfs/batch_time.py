@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import mul
 
 from shared.scheduling.scheduler import ScheduledBatch
 from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot
@@ -135,17 +136,23 @@ def raw_from_sample(sample: BatchSample) -> list[float]:
     ctx = sample.context_lens
     n_pre = len(sample.chunk_sizes)
     s = sum(ctx)
-    s2 = sum(c * c for c in ctx)
+    s2 = sum(map(mul, ctx, ctx))  # (a worker prices every iteration: ~2x a generator's speed)
     decode_ends = ctx[: len(ctx) - n_pre]
     prefill_ends = ctx[len(ctx) - n_pre :]
     dc = sum(decode_ends) - len(decode_ends)
     pc = 0
     for n, end in zip(sample.chunk_sizes, prefill_ends, strict=True):
         pc += n * (end - n) + n * (n + 1) // 2
-    pp = sum(n * n for n in sample.chunk_sizes)
+    pp = sum(map(mul, sample.chunk_sizes, sample.chunk_sizes))
     d = sample.num_decode_tokens
     hp = float(bool(sample.chunk_sizes))
     return [1.0, sample.num_prefill_tokens, pp, d, s, s2, dc, pc, d * d, hp]
+
+
+def _dot(coefs: Sequence[float], x: Sequence[float]) -> float:
+    if len(coefs) != len(x):
+        raise ValueError(f"{len(x)} features for {len(coefs)} coefficients")
+    return float(sum(map(mul, coefs, x)))  # (the same sum, in the same order, as a loop)
 
 
 def features(feature_set: str, batch: BatchSample | ScheduledBatch) -> list[float]:
@@ -177,10 +184,10 @@ class BatchTimeModel:
         return self.predict_features(features(self.feature_set, batch))
 
     def predict_features(self, x: Sequence[float]) -> float:
-        return float(sum(c * v for c, v in zip(self.coefs, x, strict=True)))
+        return _dot(self.coefs, x)
 
     def predict_raw(self, raw: Sequence[float]) -> float:
-        return float(sum(c * v for c, v in zip(self.raw, raw, strict=True)))
+        return _dot(self.raw, raw)
 
     @classmethod
     def from_snapshot(cls, snapshot: WorkloadSnapshot) -> BatchTimeModel | None:
