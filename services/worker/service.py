@@ -115,6 +115,11 @@ def _request_set(snapshot: Any) -> tuple[int, int, list[str]]:
     return snapshot.num_running, snapshot.num_pending, snapshot.request_ids
 
 
+def _wake(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
+
+
 def _timed(step: Callable[[], list[Any]]) -> tuple[list[Any], float]:
     """step() and the seconds it took, timed where it runs (the loop or the thread)."""
     t0 = time.perf_counter()
@@ -168,7 +173,10 @@ class WorkerService:
         # ... and changed the request set (arrived, finished, changed queue) since the
         # last write: written within snapshot_interval_s, not snapshot_progress_interval_s
         self._record_changed = False
-        self._record_change = asyncio.Event()  # wakes a writer waiting out progress
+        # a writer waiting out the progress interval waits on this: a change resolves
+        # it early, a timer at the interval's end otherwise (a future and a timer
+        # handle: no task cancelled every 20 ms, as asyncio.timeout would)
+        self._record_wake: asyncio.Future[None] | None = None
         self._written_sig: tuple[int, int, list[str]] | None = None  # (`_request_set`)
         self._last_write_s = float("-inf")  # monotonic time the writer last took one
         self._unsent_samples: list[BatchSample] = []  # not yet written (at most
@@ -301,6 +309,7 @@ class WorkerService:
             )
             self._heartbeat_task = None
         if self._record_task is not None:
+            _wake(self._record_wake)  # a writer waiting out progress writes the last state now
             await asyncio.gather(self._record_task, return_exceptions=True)
             self._record_task = None
         if self._store.is_connected:
@@ -598,7 +607,7 @@ class WorkerService:
             del self._unsent_samples[: -self.cfg.max_batch_samples]
         if not self._record_changed and _request_set(self._engine.snapshot()) != self._written_sig:
             self._record_changed = True
-            self._record_change.set()
+            _wake(self._record_wake)
         self._record_pending = True
         if self._record_task is None or self._record_task.done():
             self._record_task = asyncio.create_task(self._write_records())
@@ -616,10 +625,14 @@ class WorkerService:
                 if self._record_changed:
                     await asyncio.sleep(wait_s)
                 else:
-                    self._record_change.clear()
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(wait_s):
-                            await self._record_change.wait()
+                    loop = asyncio.get_running_loop()
+                    self._record_wake = wake = loop.create_future()
+                    timer = loop.call_later(wait_s, _wake, wake)
+                    try:
+                        await wake
+                    finally:
+                        timer.cancel()
+                        self._record_wake = None
                 continue  # (a change came: its shorter interval may be over already)
             # 2. Write the newest state.
             self._last_write_s = time.monotonic()
