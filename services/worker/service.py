@@ -297,9 +297,8 @@ class WorkerService:
     async def close(self) -> None:
         """Deregister, flush, disconnect. Idempotent; each step bounded."""
         self._closing = True
-        if self._pacer:  # the loop ended some other way than a drain: send what it held
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._flush_held(), 2.0)
+        with contextlib.suppress(Exception):  # whatever ended the loop: send what it held
+            await asyncio.wait_for(self._flush_held(), 2.0)
         if self._relay_query is not None:
             self._relay_query.cancel()  # its answer has nobody left to apply it
         if self._heartbeat_task is not None:
@@ -358,8 +357,7 @@ class WorkerService:
                 await self._link.publish(outbox)
             if not engine.has_unfinished():
                 if drain_deadline is not None:
-                    await self._flush_held()
-                    return
+                    return  # (close() sends anything still held)
                 is_after_idle = True
                 await self._idle()
                 continue
@@ -368,7 +366,7 @@ class WorkerService:
                 await self._idle(wait_s)
                 continue
             # 2. step (off the event loop, unless it is short: see the module docstring)
-            if self._pacer and (has_peer_work or self._num_new_prompt_tokens):
+            if has_peer_work or self._num_new_prompt_tokens:
                 await self._flush_held()  # a prefill or peer work: longer than the last step
             t_step = time.perf_counter()
             try:
@@ -574,7 +572,7 @@ class WorkerService:
 
     async def _flush_held(self) -> None:
         """Write everything the pacer holds: before the loop waits (no step would), a
-        step longer than the last, a drain, or close."""
+        step longer than the last, a drain, and in close."""
         if self._pacer:
             await self._send(self._pacer.take_all())
 
