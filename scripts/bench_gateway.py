@@ -303,14 +303,26 @@ class RoundAnatomy:
     and end here, so a round of `wall` seconds splits into
       lead    round start -> first step (adding the requests; through the gateway also
               HTTP, tokenization and the bus)
-      steps   the iterations' own compute (how many, and the mean per step)
+      steps   the iterations' own compute (how many, and the mean per step; and the
+              median of the decode-only steps of the round's largest batch, which two
+              sides share whatever their prefill came as: where the gateway side's is
+              slower, the engine ran slower, e.g. for the other CPU's work beside it)
       gaps    between one iteration's end and the next one's start (the engine's
               bookkeeping outside the timed part; in the worker also publishing the
               deltas, the snapshot writes, the event loop)
       tail    last step's end -> the client has every token
     """
 
-    FIELDS = ("lead_ms", "steps", "step_ms", "gap_us_p50", "gaps_ms", "tail_ms", "wall_ms")
+    FIELDS = (
+        "lead_ms",
+        "steps",
+        "step_ms",
+        "decode_step_ms_p50",
+        "gap_us_p50",
+        "gaps_ms",
+        "tail_ms",
+        "wall_ms",
+    )
 
     def __init__(self) -> None:
         self.rounds: list[dict[str, float]] = []
@@ -323,11 +335,14 @@ class RoundAnatomy:
             return
         ends = [b.wall_time_s + b.duration_s for b in steps]
         gaps = [nxt.wall_time_s - end for nxt, end in zip(steps[1:], ends, strict=False)]
+        full = max(b.num_decode_tokens for b in steps)
+        decodes = [b.duration_s for b in steps if not b.chunk_sizes and b.num_decode_tokens == full]
         self.rounds.append(
             {
                 "lead_ms": 1e3 * (steps[0].wall_time_s - t0),
                 "steps": len(steps),
                 "step_ms": 1e3 * sum(b.duration_s for b in steps) / len(steps),
+                "decode_step_ms_p50": 1e3 * percentile(decodes, 0.5) if decodes else 0.0,
                 "gap_us_p50": 1e6 * percentile(gaps, 0.5) if gaps else 0.0,
                 "gaps_ms": 1e3 * sum(gaps),
                 "tail_ms": 1e3 * (t1 - ends[-1]),
@@ -945,6 +960,7 @@ def print_round_breakdown(sides: dict[str, dict[str, float]]) -> None:
         ("lead before the 1st step (ms)", "lead_ms", ".2f"),
         ("steps", "steps", ".1f"),
         ("compute per step (ms)", "step_ms", ".3f"),
+        ("  decode-only, full batch p50", "decode_step_ms_p50", ".3f"),
         ("gap between steps p50 (us)", "gap_us_p50", ".0f"),
         ("gaps in all (ms)", "gaps_ms", ".1f"),
         ("tail after the last step (ms)", "tail_ms", ".2f"),

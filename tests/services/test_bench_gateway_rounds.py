@@ -15,14 +15,16 @@ from tests.scripts import load_script
 bench = load_script("bench_gateway")
 
 
-def sample(start_s: float, duration_s: float) -> BatchSample:
+def sample(
+    start_s: float, duration_s: float, num_decodes: int = 16, prefill: int = 0
+) -> BatchSample:
     return BatchSample(
         wall_time_s=start_s,
         duration_s=duration_s,
-        num_prefill_tokens=0,
-        num_decode_tokens=16,
-        chunk_sizes=[],
-        context_lens=[40] * 16,
+        num_prefill_tokens=prefill,
+        num_decode_tokens=num_decodes,
+        chunk_sizes=[prefill] if prefill else [],
+        context_lens=[40] * (num_decodes + bool(prefill)),
         num_running=16,
         num_waiting=0,
     )
@@ -46,6 +48,21 @@ def test_a_round_splits_into_lead_steps_gaps_and_tail() -> None:
     assert got["gaps_ms"] == pytest.approx(1.5)
     assert got["tail_ms"] == pytest.approx(0.5)
     assert got["wall_ms"] == pytest.approx(9.0)
+
+
+def test_the_decode_step_is_the_median_of_the_largest_decode_only_batches() -> None:
+    anatomy = bench.RoundAnatomy()
+    steps = [
+        sample(100.000, 0.008, num_decodes=3, prefill=30),  # prefill: not a decode step
+        sample(100.010, 0.003, num_decodes=15),  # a smaller batch
+        sample(100.020, 0.004),
+        sample(100.030, 0.005),
+        sample(100.040, 0.009),
+    ]
+    anatomy.add(steps, 100.0, 100.05)
+    got = anatomy.summary()
+    assert got["decode_step_ms_p50"] == pytest.approx(5.0)
+    assert got["step_ms"] == pytest.approx(5.8)  # every step's mean
 
 
 def test_the_summary_is_the_mean_of_the_rounds_and_empty_windows_are_skipped() -> None:
