@@ -21,7 +21,7 @@ Policy only: `WorkerService._publish` writes what `take` returns.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Container, Hashable, Iterable
 from typing import Generic, TypeVar
 
 from shared.messages.gateway import GatewayEvent, TokenDelta
@@ -34,6 +34,18 @@ def is_urgent(event: GatewayEvent) -> bool:
     if not isinstance(event, TokenDelta):
         return True
     return event.position == 0 or event.finish_reason is not None
+
+
+def group(events: Iterable[tuple[D, GatewayEvent]]) -> tuple[dict[D, list[GatewayEvent]], set[D]]:
+    """Events by destination, in the order they came, and the destinations that have
+    an urgent one (`is_urgent`): what `StreamPacer.take` takes."""
+    by_dest: dict[D, list[GatewayEvent]] = {}
+    urgent: set[D] = set()
+    for dest, event in events:
+        by_dest.setdefault(dest, []).append(event)
+        if is_urgent(event):
+            urgent.add(dest)
+    return by_dest, urgent
 
 
 class StreamPacer(Generic[D]):
@@ -50,40 +62,39 @@ class StreamPacer(Generic[D]):
 
     def take(
         self,
-        events: Iterable[tuple[D, GatewayEvent]],
+        by_dest: dict[D, list[GatewayEvent]],
+        urgent: Container[D],
         now_s: float,
         next_step_s: float | None,
     ) -> dict[D, list[GatewayEvent]]:
-        """The batches to write now, by destination, in the order events came (held
-        ones first), and any other destination's held batch that would wait too long.
+        """The batches to write now, by destination, each in the order its events came
+        (held ones first), and any other destination's held batch that would wait too
+        long. `by_dest`: a step's new events by destination (`group`), `urgent`: the
+        destinations among them with an urgent event.
         `next_step_s` is how long the next step is expected to take; None: send
         everything now (no step follows soon)."""
-        by_dest: dict[D, list[GatewayEvent]] = {}
-        for dest, event in events:
-            by_dest.setdefault(dest, []).append(event)
+        # Hold while the oldest token would still be sent within the interval by the
+        # next step's write (now - held since < limit), and none that a client waits on
+        # is here.
+        limit_s = -1.0 if next_step_s is None else self.interval_s - next_step_s
         send: dict[D, list[GatewayEvent]] = {}
+        held_for = self._held
         for dest, batch in by_dest.items():
-            held, since_s = self._held.pop(dest, (None, now_s))
-            # Hold while the oldest token would still be sent within the interval by
-            # the next step's write, and none that a client waits on is here.
-            may_hold = (
-                next_step_s is not None
-                and now_s - since_s + next_step_s < self.interval_s
-                and not any(is_urgent(event) for event in batch)
-            )
-            if held is not None:  # (never urgent: it was held)
-                batch = held + batch
-            if may_hold:
-                self._held[dest] = (batch, since_s)
+            held = held_for.pop(dest, None)
+            if held is None:
+                since_s = now_s
+            else:  # (never urgent: it was held)
+                held[0].extend(batch)
+                batch, since_s = held
+            if now_s - since_s < limit_s and dest not in urgent:
+                held_for[dest] = (batch, since_s)
             else:
                 send[dest] = batch
         # A destination with nothing new (its requests preempted, or parked at a peer)
         # still gets what it holds in time.
-        for dest, (batch, since_s) in list(self._held.items()):
-            if dest not in by_dest and (
-                next_step_s is None or now_s - since_s + next_step_s >= self.interval_s
-            ):
-                del self._held[dest]
+        for dest, (batch, since_s) in list(held_for.items()):
+            if now_s - since_s >= limit_s and dest not in by_dest:
+                del held_for[dest]
                 send[dest] = batch
         return send
 

@@ -42,7 +42,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any, NamedTuple
 
 import msgspec
@@ -51,7 +51,7 @@ from services.estimator.sfs.batch_time import BatchTimeModel
 from services.estimator.sfs.speed import RecentSpeed
 from services.worker.config import WorkerServiceConfig, create_engine
 from services.worker.links import GatewayLinks
-from services.worker.pacing import StreamPacer
+from services.worker.pacing import StreamPacer, group
 from services.worker.routing.link import RoutingLink
 from services.worker.routing.runtime import Outbox, TokenRouting
 from shared import subjects
@@ -92,11 +92,8 @@ class Owner(NamedTuple):
 
     reply_to: str  # the owning gateway's inbox subject
     gateway: str  # its liveness token (SubmitRequest.owner; `_abort_orphans`); "": unchecked
-    link: FrameLink | None = None  # the direct link it came on: its answers go there
-
-    @property
-    def dest(self) -> Dest:
-        return answer_to(self.reply_to, self.link)
+    link: FrameLink | None  # the direct link it came on: its answers go there
+    dest: Dest  # answer_to(reply_to, link)
 
 
 # Where a gateway event goes: a direct link, or a NATS subject (the gateway's inbox).
@@ -344,7 +341,7 @@ class WorkerService:
                 rejected += self._abort_all("the worker shut down before the request finished")
                 drain_deadline = float("inf")  # abort once, then let the step report it
             if rejected:
-                await self._publish(rejected)
+                await self._publish(*group(rejected))
             outbox = Outbox()
             if self._link is not None:  # peer messages: start, resume or release copies
                 if self._link.has_messages:
@@ -391,7 +388,7 @@ class WorkerService:
                 await self._link.maybe_send_stats()
             # 3. publish deltas, one batch per owning gateway (or held for the next
             #    step's: pacing.py)
-            await self._publish(self._deltas(outputs), next_step_s=self._last_step_s)
+            await self._publish(*self._deltas(outputs), next_step_s=self._last_step_s)
             # One pass of the event loop: it reads what arrived (submits and aborts, on
             # links and NATS), and nats-py's flusher task writes what went over NATS
             # (once the next step runs, its thread holds the GIL and that write would
@@ -526,7 +523,10 @@ class WorkerService:
             return RequestFailed(msg.request_id, 400, str(exc))
         # an owner that is not a valid key part is never checked (as none)
         self._owners[msg.request_id] = Owner(
-            msg.reply_to, msg.owner if is_token(msg.owner) else "", link
+            msg.reply_to,
+            msg.owner if is_token(msg.owner) else "",
+            link,
+            answer_to(msg.reply_to, link),
         )
         self._num_new_prompt_tokens += len(msg.prompt_token_ids)
         self.num_link_requests += link is not None
@@ -534,41 +534,58 @@ class WorkerService:
             self.routing.add_origin(msg.request_id, msg.preset, msg.prompt_token_ids, msg.params)
         return None
 
-    def _deltas(self, outputs: list[Any]) -> list[tuple[Dest, GatewayEvent]]:
-        events: list[tuple[Dest, GatewayEvent]] = []
+    def _deltas(self, outputs: list[Any]) -> tuple[dict[Dest, list[GatewayEvent]], set[Dest]]:
+        """A step's outputs as token deltas by destination (pacing.group's form, built in
+        one pass: this runs after every step, with the caches cold from it)."""
+        by_dest: dict[Dest, list[GatewayEvent]] = {}
+        urgent: set[Dest] = set()
+        owners = self._owners
         for out in outputs:
-            owner = self._owners.get(out.request_id)
+            owner = owners.get(out.request_id)
             if owner is None:
                 continue
             dest = owner.dest
             counts = None
             if out.finished:
-                del self._owners[out.request_id]
+                del owners[out.request_id]
+                urgent.add(dest)
                 if self.routing is not None:
                     counts = self.routing.final_counts.pop(out.request_id, None)
-            position = out.num_output_tokens - len(out.new_token_ids)
+            new = out.new_token_ids  # (the engine's own lists, made for this output)
+            position = out.num_output_tokens - len(new)
+            if position == 0:
+                urgent.add(dest)  # (pacing.is_urgent, known here without a second pass)
+            top = out.new_top_logprobs
             delta = TokenDelta(
                 out.request_id,
                 position,
-                list(out.new_token_ids),
-                None if out.new_logprobs is None else list(out.new_logprobs),
+                new,
+                out.new_logprobs,
                 out.finish_reason if out.finished else None,
                 out.num_prompt_tokens,
                 counts,
-                out.new_top_logprobs if out.new_top_logprobs and out.new_top_logprobs[0] else None,
+                top if top and top[0] else None,
             )
-            events.append((dest, delta))
-        return events
+            batch = by_dest.get(dest)
+            if batch is None:
+                by_dest[dest] = [delta]
+            else:
+                batch.append(delta)
+        return by_dest, urgent
 
     async def _publish(
-        self, events: list[tuple[Dest, GatewayEvent]], next_step_s: float | None = None
+        self,
+        by_dest: dict[Dest, list[GatewayEvent]],
+        urgent: Container[Dest],
+        next_step_s: float | None = None,
     ) -> None:
         """One DeltaBatch per destination, with what was held for it before: written to
         its link at once (a closed link's are dropped: its requests are being aborted),
         or published over NATS. With `next_step_s` (a step expected to follow in that
-        long) the pacer may hold a destination's batch for the next step's."""
+        long) the pacer may hold a destination's batch for the next step's; never one
+        in `urgent` (pacing.is_urgent)."""
         now = time.monotonic()
-        await self._send(self._pacer.take(events, now, next_step_s))
+        await self._send(self._pacer.take(by_dest, urgent, now, next_step_s))
 
     async def _flush_held(self) -> None:
         """Write everything the pacer holds: before the loop waits (no step would), a
@@ -821,7 +838,7 @@ class WorkerService:
                 "the worker exits for its supervisor to restart it"
             ) from exc
         reason = f"the model failed on this request's batch ({type(exc).__name__}: {exc})"
-        await self._publish(self._fail_all(500, reason))
+        await self._publish(*group(self._fail_all(500, reason)))
 
     def _abort_all(self, reason: str) -> list[tuple[Dest, GatewayEvent]]:
         """Drain timed out: abort what still runs; return the failures to send its gateways."""
