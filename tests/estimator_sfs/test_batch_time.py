@@ -10,6 +10,7 @@ import pytest
 
 from services.estimator.sfs.batch_time import (
     EIGHT_TERM,
+    FEATURE_SETS,
     FOUR_TERM,
     SEVEN_TERM,
     SFS_H100_QWEN3,
@@ -28,12 +29,34 @@ def test_sample_and_batch_give_the_same_features(feature_set: str) -> None:
     s.add("a", 5, 20)
     s.add("b", 3, 20)
     step(s)
-    s.add("c", 40, 4)  # chunked behind the two decodes
-    for _ in range(3):
+    s.add("c", 40, 4)  # chunked behind the two decodes, then decodes only
+    num_decode_only = 0
+    for _ in range(6):
         batch = s.schedule()
         planned = features(feature_set, batch)
         sample = describe_batch(batch, s, 0.0, 0.01)
         assert features(feature_set, sample) == planned
+        num_decode_only += not sample.chunk_sizes
+        s.commit(batch)
+    assert num_decode_only >= 2  # (raw_from_sample's own path for those)
+
+
+@pytest.mark.parametrize("feature_set", [SIX_TERM, FOUR_TERM, SEVEN_TERM, EIGHT_TERM])
+def test_a_sample_priced_over_its_raw_sums_is_priced_as_its_features(feature_set: str) -> None:
+    coefs = (2e-3, 3e-6, 4e-10, 5e-5, 6e-8, 7e-13, 8e-7, 9e-4)[: len(FEATURE_SETS[feature_set])]
+    model = BatchTimeModel(feature_set, coefs)
+    s = make_scheduler(max_num_batched_tokens=16)
+    s.add("a", 5, 20)
+    s.add("b", 3, 20)
+    step(s)
+    s.add("c", 40, 4)
+    for _ in range(6):
+        batch = s.schedule()
+        sample = describe_batch(batch, s, 0.0, 0.01)
+        # the same sum in the same order (four-term: b1 * P + b1 * D, last bit aside)
+        assert model.predict_sample(sample) == pytest.approx(model.predict(sample), rel=1e-12)
+        if feature_set != FOUR_TERM:
+            assert model.predict_sample(sample) == model.predict(sample)
         s.commit(batch)
 
 

@@ -39,7 +39,7 @@ Context "after the step" is what `BatchSample.context_lens` records (chunk end).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import mul
 
 from shared.scheduling.scheduler import ScheduledBatch
@@ -134,9 +134,12 @@ def raw_from_sample(sample: BatchSample) -> list[float]:
     pairing; P, PP, D, S, S2 do not.
     """
     ctx = sample.context_lens
-    n_pre = len(sample.chunk_sizes)
     s = sum(ctx)
     s2 = sum(map(mul, ctx, ctx))  # (a worker prices every iteration: ~2x a generator's speed)
+    d = sample.num_decode_tokens
+    if not sample.chunk_sizes:  # decode only (most iterations): P = PP = PC = 0
+        return [1.0, sample.num_prefill_tokens, 0, d, s, s2, s - len(ctx), 0, d * d, 0.0]
+    n_pre = len(sample.chunk_sizes)
     decode_ends = ctx[: len(ctx) - n_pre]
     prefill_ends = ctx[len(ctx) - n_pre :]
     dc = sum(decode_ends) - len(decode_ends)
@@ -144,9 +147,7 @@ def raw_from_sample(sample: BatchSample) -> list[float]:
     for n, end in zip(sample.chunk_sizes, prefill_ends, strict=True):
         pc += n * (end - n) + n * (n + 1) // 2
     pp = sum(map(mul, sample.chunk_sizes, sample.chunk_sizes))
-    d = sample.num_decode_tokens
-    hp = float(bool(sample.chunk_sizes))
-    return [1.0, sample.num_prefill_tokens, pp, d, s, s2, dc, pc, d * d, hp]
+    return [1.0, sample.num_prefill_tokens, pp, d, s, s2, dc, pc, d * d, 1.0]
 
 
 def _dot(coefs: Sequence[float], x: Sequence[float]) -> float:
@@ -167,17 +168,21 @@ class BatchTimeModel:
 
     feature_set: str
     coefs: tuple[float, ...]  # seconds per feature unit, names in FEATURE_SETS
+    # raw_coefs(feature_set, coefs), made once: the replay and a worker's speed price
+    # with it on every decision and every written iteration
+    _raw: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "coefs", tuple(float(c) for c in self.coefs))
         num_features(self.feature_set)  # validates the name
         if len(self.coefs) != num_features(self.feature_set):
             raise ValueError(f"{self.feature_set} takes {num_features(self.feature_set)} coefs")
+        object.__setattr__(self, "_raw", raw_coefs(self.feature_set, self.coefs))
 
     @property
     def raw(self) -> tuple[float, ...]:
         """Coefficients over RAW_SUMS (what the replay kernel multiplies)."""
-        return raw_coefs(self.feature_set, self.coefs)
+        return self._raw
 
     def predict(self, batch: BatchSample | ScheduledBatch) -> float:
         """Modeled seconds of one iteration."""
@@ -187,7 +192,13 @@ class BatchTimeModel:
         return _dot(self.coefs, x)
 
     def predict_raw(self, raw: Sequence[float]) -> float:
-        return _dot(self.raw, raw)
+        return _dot(self._raw, raw)
+
+    def predict_sample(self, sample: BatchSample) -> float:
+        """`predict` of a recorded iteration, over its raw sums: the same sums in the
+        same order (a zero coefficient adds nothing), but for four-term, whose
+        b1 * (P + D) becomes b1 * P + b1 * D (the last bit may differ)."""
+        return float(sum(map(mul, self._raw, raw_from_sample(sample))))
 
     @classmethod
     def from_snapshot(cls, snapshot: WorkloadSnapshot) -> BatchTimeModel | None:

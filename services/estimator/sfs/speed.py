@@ -68,28 +68,33 @@ class RecentSpeed:
         """Iterations that ended, oldest first, priced with `model` (the calibration the
         snapshot carries). When the model changes (a refit), the kept iterations are
         priced again with the new one: residuals of the old model say nothing of it."""
-        if model != self._model:
+        if model is not self._model and model != self._model:
             self._model, self._log_ratio, self._count = model, 0.0, 0
             self._add(model, list(self._kept))
         samples = list(samples)
+        if not samples:
+            return
         self._kept.extend(samples)
         self._add(model, samples)
-        for sample in samples:
-            self._last_end_s = max(self._last_end_s, sample.wall_time_s + sample.duration_s)
+        self._last_end_s = max(
+            self._last_end_s, max(s.wall_time_s + s.duration_s for s in samples)
+        )
 
     def _add(self, model: BatchTimeModel, samples: list[BatchSample]) -> None:
+        # (a worker runs this for every iteration it writes, with its caches cold from
+        # the step: one pass, the state in locals)
+        alpha, bound, cap = self.alpha, self._bound, MAX_STEP_LOG_RATIO
+        log_ratio, count = self._log_ratio, self._count
         for sample in samples:
-            modeled = model.predict(sample)
-            if not (modeled > 0.0 and sample.duration_s > 0.0):
+            measured = sample.duration_s
+            modeled = model.predict_sample(sample)
+            if not (modeled > 0.0 and measured > 0.0):
                 continue
-            x = math.log(sample.duration_s / modeled)
-            x = min(MAX_STEP_LOG_RATIO, max(-MAX_STEP_LOG_RATIO, x))
-            if self._count == 0:
-                self._log_ratio = x
-            else:
-                self._log_ratio += self.alpha * (x - self._log_ratio)
-            self._log_ratio = min(self._bound, max(-self._bound, self._log_ratio))
-            self._count += 1
+            x = min(cap, max(-cap, math.log(measured / modeled)))
+            log_ratio = x if count == 0 else log_ratio + alpha * (x - log_ratio)
+            log_ratio = min(bound, max(-bound, log_ratio))
+            count += 1
+        self._log_ratio, self._count = log_ratio, count
 
     def factor(self, now_s: float | None = None) -> float:
         """Measured / modeled batch time now (1.0 until `min_samples` iterations); with
