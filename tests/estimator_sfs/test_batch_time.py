@@ -199,6 +199,39 @@ def test_huber_resists_outliers() -> None:
     assert huber_irls(x, y) == pytest.approx([1.0, 2.0], abs=0.05)
 
 
+def reference_huber(x: np.ndarray, y: np.ndarray, max_iter: int = 100) -> np.ndarray:
+    """The same IRLS with each weighted solve on the n x k system itself (an SVD)."""
+    beta = np.linalg.lstsq(x, y, rcond=None)[0]
+    for _ in range(max_iter):
+        r = y - x @ beta
+        scale = 1.4826 * float(np.median(np.abs(r - np.median(r))))
+        if scale <= 1e-15:
+            break
+        sw = np.sqrt(np.minimum(1.0, 1.35 * scale / np.maximum(np.abs(r), 1e-300)))
+        new = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)[0]
+        done = np.linalg.norm(new - beta) <= 1e-10 * max(1.0, float(np.linalg.norm(beta)))
+        beta = new
+        if done:
+            break
+    return beta
+
+
+def test_huber_through_the_normal_equations_solves_as_the_full_system() -> None:
+    # Columns scaled to unit max as fit_features scales them, correlated as a decode
+    # window's are (S grows with D), one all zero (no prefill in the window), stalls.
+    rng = np.random.default_rng(3)
+    n = 4096
+    d = rng.integers(1, 17, n).astype(float)
+    s = d * rng.uniform(30, 300, n)
+    x = np.column_stack([np.ones(n), np.zeros(n), d, s, s * s, d * d])
+    x /= np.max(np.abs(x), axis=0) + (np.max(np.abs(x), axis=0) == 0)
+    y = x @ np.array([2e-3, 0.0, 8e-4, 5e-4, 1e-4, 3e-4]) * rng.normal(1.0, 0.03, n)
+    y[rng.random(n) < 0.01] += 0.01
+    got, want = huber_irls(x, y), reference_huber(x, y)
+    assert abs(got[1]) < 1e-12 and abs(want[1]) < 1e-12  # minimum norm: nothing on it
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-12)
+
+
 def test_online_fitter_refits_every_k_samples() -> None:
     true = SFS_H100_QWEN3["qwen3-0.6b"]
     samples, _ = synthetic_samples(true, 300, 0.0, seed=5)

@@ -57,17 +57,25 @@ def huber_irls(
     """Huber M-estimate of y ~ x @ beta by iteratively reweighted least squares.
 
     Weights w_i = min(1, epsilon * s / |r_i|) with s = 1.4826 * MAD(r) re-estimated
-    every iteration; stops when beta moves by less than 1e-10 relative.
+    every iteration; stops when beta moves by less than 1e-10 relative. Each weighted
+    solve goes through the k x k normal equations (x' W x) beta = x' W y rather than a
+    least-squares solve of the n x k system: ~7x less work for a window of 8,192
+    samples (an estimator refits every instance about once a second; the SVD solves
+    were 70% of its CPU at 16 streams). Their conditioning is x's squared, fine for
+    columns scaled to unit max; lstsq on the small system gives the minimum-norm
+    solution where a column is all zero (a window without prefills), as on x itself.
+    The weights only pick the stalls: the coefficients come from NNLS after.
     """
-    beta = np.linalg.lstsq(x, y, rcond=None)[0]
+    xt = x.T
+    beta = np.linalg.lstsq(xt @ x, xt @ y, rcond=None)[0]
     for _ in range(max_iter):
         r = y - x @ beta
         scale = 1.4826 * float(np.median(np.abs(r - np.median(r))))
         if scale <= 1e-15:
             break
         w = np.minimum(1.0, epsilon * scale / np.maximum(np.abs(r), 1e-300))
-        sw = np.sqrt(w)
-        new = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)[0]
+        xtw = xt * w
+        new = np.linalg.lstsq(xtw @ x, xtw @ y, rcond=None)[0]
         done = np.linalg.norm(new - beta) <= 1e-10 * max(1.0, float(np.linalg.norm(beta)))
         beta = new
         if done:
