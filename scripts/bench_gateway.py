@@ -66,6 +66,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -730,41 +731,53 @@ def run_stack(args: argparse.Namespace, work: Path) -> Stack:
         "BATON_LOG_LEVEL": "warning",
     }
     procs = [nats.process, redis.process]
-    for cmd in (
-        ["services.estimator"],
-        ["services.worker", "--model", args.model, "--instance-id", "bench-0"],
-        ["services.gateway"],
-    ):
-        log = open(work / f"{cmd[0]}.log", "ab")  # noqa: SIM115
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", *cmd],
-                cwd=REPO,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+    try:
+        for cmd in (
+            ["services.estimator"],
+            ["services.worker", "--model", args.model, "--instance-id", "bench-0"],
+            ["services.gateway"],
+        ):
+            log = open(work / f"{cmd[0]}.log", "ab")  # noqa: SIM115
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", *cmd],
+                    cwd=REPO,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             )
-        )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return Stack(procs, base, nats.url, redis.url_here)
-        except httpx.HTTPError:
-            pass
-        for name, proc in zip(("estimator", "worker", "gateway"), procs[2:], strict=True):
-            if proc.poll() is not None:  # e.g. a cluster setting the worker refuses
-                for p in procs:
-                    stop_process_group(p, 15)
-                tail = (work / f"services.{name}.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"the {name} exited ({proc.returncode}) at start:\n{tail}")
-        time.sleep(0.2)
-    raise RuntimeError(f"the stack did not become ready; logs in {work}")
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    return Stack(procs, base, nats.url, redis.url_here)
+            except httpx.HTTPError:
+                pass
+            for name, proc in zip(("estimator", "worker", "gateway"), procs[2:], strict=True):
+                if proc.poll() is not None:  # e.g. a cluster setting the worker refuses
+                    tail = (work / f"services.{name}.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"the {name} exited ({proc.returncode}) at start:\n{tail}")
+            time.sleep(0.2)
+        raise RuntimeError(f"the stack did not become ready; logs in {work}")
+    except BaseException:  # a service that failed to start, a SIGTERM, Ctrl-C
+        for p in reversed(procs):
+            stop_process_group(p, 15)
+        raise
+
+
+def exit_on_sigterm() -> None:
+    """A SIGTERM (a CI timeout, `kill`) ends the run as Ctrl-C does: through the finally
+    blocks that stop what it started. The services run in sessions of their own, so no
+    signal sent to this process reaches them, and the default action would leave them
+    running."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 def main() -> int:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

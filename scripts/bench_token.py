@@ -674,6 +674,9 @@ def selected(cells: list[Cell], only: list[str]) -> list[Cell]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # A SIGTERM ends the run as Ctrl-C does, through the finally that stops the launcher
+    # (its own session: no signal sent here reaches it, and it would run on).
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     args = parse_args(argv)
     base = load_cluster(args.base_cluster)
     prompts = load_prompts(args.prompts)
@@ -688,9 +691,9 @@ def main(argv: list[str] | None = None) -> None:
     dep = Deployment(cluster_path, args.log_dir or work / "logs", base_url)
     print(f"bench_token: cluster {cluster_path}, logs {dep.log_dir}", flush=True)
     t_start = time.time()
-    dep.start()
     references: dict[int, str] = {}
     try:
+        dep.start()  # (in the try: a SIGTERM while it waits for the workers stops them too)
         warm = sorted({c.policy for c in cells if c.mode == "baton" and c.policy})
         for policy in warm:
             if args.warmup:

@@ -1,8 +1,17 @@
 """`bench_gateway.py --breakdown`'s throughput-round anatomy: a round split from batch
 samples (lead, steps, gaps, tail), and the worker's samples read back from Redis where
-the worker writes them (Store.write_snapshot, the bench's namespace and instance id)."""
+the worker writes them (Store.write_snapshot, the bench's namespace and instance id);
+and a SIGTERM to the bench leaves none of the services it started running."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -10,7 +19,7 @@ import pytest
 from shared import keys
 from shared.scheduling.snapshot import BatchSample
 from shared.store import Store
-from tests.scripts import load_script
+from tests.scripts import SCRIPTS, load_script
 
 bench = load_script("bench_gateway")
 
@@ -122,3 +131,64 @@ def test_the_gateway_ttft_splits_by_its_own_stamps() -> None:
             "submit_to_first_token_ms_p50": 4.0,
         }
     )
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (the services run in their own sessions, but stay
+    its children)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            children.setdefault(ppid, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process tree from /proc")
+def test_a_sigterm_stops_every_service_the_bench_started() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "bench_gateway.py"), "--rounds", "200", "--cpus", "none"],
+        cwd=SCRIPTS.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        # 1. Wait until its NATS, Redis and three services run (5 processes at least),
+        #    while it waits for them to be ready.
+        started: set[int] = set()
+        deadline = time.monotonic() + 120
+        while len(started) < 5 and proc.poll() is None and time.monotonic() < deadline:
+            started = descendants(proc.pid)
+            time.sleep(0.2)
+        assert len(started) >= 5, f"the bench started {len(started)} processes"
+        # 2. Stop it as a CI timeout would.
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in started if alive(p)]
+    finally:
+        for pid in started | descendants(proc.pid):  # (left only when the test failed)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
