@@ -8,6 +8,7 @@ expected answer is computable by one process."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -69,6 +70,9 @@ async def routed(nats_url: str, redis_url: str) -> AsyncIterator[tuple[Stack, Re
     await stack.stop()
     await asyncio.wait_for(relay_task, 10)
     del TOKEN_POLICIES["every-third"]
+
+
+HOP_DELAY_S = 0.3
 
 
 def reference(prompt: list[int], n: int) -> list[int]:
@@ -210,6 +214,46 @@ async def test_streamed_routed_answers_and_aborts_leave_no_kv(
 
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
         await asyncio.gather(*(limited(i, client) for i in range(40)))
+    await wait_idle(stack, relay)
+
+
+async def test_tokens_held_when_a_request_parks_at_a_peer_go_out_while_it_waits(
+    routed: tuple[Stack, RelayService],
+) -> None:
+    """The origin's pacer holds a step's tokens for the next step's write; a request
+    handed to the peer leaves the origin with no step to come, so the loop sends what
+    it holds before it waits (WorkerService._idle), not when the request comes back."""
+    stack, relay = routed
+    origin = stack.workers[0]  # random-tiny: the pair preset's entry model
+    relayed = relay._send
+
+    async def slow_relay(sends: Any) -> None:  # each hop of a hand-off takes 0.3 s more
+        await asyncio.sleep(HOP_DELAY_S)
+        await relayed(sends)
+
+    sent: list[tuple[float, int]] = []  # (when, position) of the origin's token deltas
+    send = origin._send
+
+    async def recording_send(by_dest: Any) -> None:
+        for batch in by_dest.values():
+            sent.extend((time.monotonic(), e.position) for e in batch if hasattr(e, "position"))
+        await send(by_dest)
+
+    interval_s = origin._pacer.interval_s
+    relay._send, origin._send = slow_relay, recording_send  # type: ignore[method-assign]
+    origin._pacer.interval_s = 30.0  # hold whatever may be held
+    try:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+            resp = await post_pair(client, "parked at the peer", 4)
+    finally:
+        relay._send, origin._send = relayed, send  # type: ignore[method-assign]
+        origin._pacer.interval_s = interval_s
+    assert resp.status_code == 200, resp.text
+    when = {position: t for t, position in sent}
+    assert sorted(when) == [0, 1, 2, 3]
+    # Position 1 (held: neither the first token nor the end) went out when the request
+    # parked for position 2, two slowed relay hops before position 2 came back.
+    assert when[2] - when[1] >= 1.5 * HOP_DELAY_S
     await wait_idle(stack, relay)
 
 
