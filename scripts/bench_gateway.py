@@ -806,10 +806,10 @@ def main() -> int:
     parser.add_argument(
         "--rounds",
         type=int,
-        default=12,
-        help="alternating engine/gateway throughput rounds (default 12: a 16-stream round "
-        "of random-tiny lasts ~0.3 s; on a noisy 2-core host 6 gave ratios of 0.79-0.96 "
-        "between runs, 12 gave 0.895-0.947 in twenty)",
+        default=24,
+        help="alternating engine/gateway throughput rounds (default 24: a 16-stream round "
+        "of random-tiny lasts ~0.3-0.5 s and one round pair's ratio spreads 0.79-1.05 on a "
+        "noisy 2-core host; 6 gave run ratios of 0.79-0.96, 12 of 0.895-0.970)",
     )
     parser.add_argument(
         "--breakdown",
