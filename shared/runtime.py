@@ -22,6 +22,13 @@ class StoppableService(Protocol):
     def run(self) -> Awaitable[None]: ...
 
 
+def started_event(service: object) -> asyncio.Event | None:
+    """The service's `started` event (set once its start is over: connected, subscribed,
+    serving), if it has one."""
+    started = getattr(service, "started", None)
+    return started if isinstance(started, asyncio.Event) else None
+
+
 def freeze_heap() -> None:
     """Put every object alive now (imported modules, a loaded model, long-lived state)
     out of the cyclic garbage collector's reach; later collections walk only newer ones.
@@ -130,10 +137,21 @@ def pin_cpus(cpus: Collection[int], where: str) -> None:
         )
 
 
-def run_service(service: StoppableService, name: str, ready: asyncio.Event | None = None) -> int:
+def run_service(
+    service: StoppableService,
+    name: str,
+    ready: asyncio.Event | None = None,
+    started: asyncio.Event | None = None,
+) -> int:
     """Run service on uvloop until it returns; signals begin its graceful stop. The heap
     is frozen (freeze_heap) once `ready` is set (best before the service can be sent
     work: the collection stalls the process once), or at once without one.
+
+    A signal before `started` is set (the service still loading its model, or waiting
+    for NATS or Redis to answer, which it does for as long as they do not) ends the
+    start at once instead: nothing was accepted yet, so there is nothing to drain, and
+    the graceful stop would only begin once the start is over (with NATS down, never:
+    `docker stop` or the launcher had to kill the process).
 
     Returns the process exit code: 0 after a clean stop, 1 if the service failed
     (logged with its traceback; compose or the launcher restarts the process).
@@ -147,11 +165,25 @@ def run_service(service: StoppableService, name: str, ready: asyncio.Event | Non
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
+        main = asyncio.current_task()
+        cut_short = False
+
+        def on_signal() -> None:
+            nonlocal cut_short
+            service.request_stop()
+            if started is not None and not started.is_set() and main is not None:
+                cut_short = True
+                main.cancel()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, service.request_stop)
+            loop.add_signal_handler(sig, on_signal)
         freezing = asyncio.create_task(freeze_when_ready(), name="freeze-heap")
         try:
             await service.run()
+        except asyncio.CancelledError:
+            if not cut_short:
+                raise
+            log.info(f"{name}_stopped_while_starting")
         finally:
             freezing.cancel()
 
@@ -173,6 +205,7 @@ __all__ = [
     "freeze_heap",
     "pin_cpus",
     "run_service",
+    "started_event",
     "usable_cpus",
 ]
 
@@ -200,4 +233,4 @@ def cluster_service_main(
     except (ConfigError, ValueError) as exc:
         log.error("bad_config", error=str(exc))
         return 2
-    return run_service(service, name)
+    return run_service(service, name, started=started_event(service))

@@ -106,6 +106,7 @@ class BatcherService:
         )
         self.presets: dict[str, PresetState] = {}
         self._stop = asyncio.Event()
+        self.started = asyncio.Event()  # set once subscribed (shared.runtime.run_service)
         self.num_rejected = 0  # reports that failed check_stats
         self.num_recomputes = 0
         # Monotonic time before which no chain is recomputed ([batcher] max_compute_share).
@@ -124,6 +125,7 @@ class BatcherService:
             subjects.health(self.cluster.namespace, "batcher"), HEALTH_PROBE_DECODER, self._health
         )
         await self.bus.flush()
+        self.started.set()
         log.info("batcher_ready", max_n=self.settings.max_n)
 
     async def _health(self, probe: HealthProbe) -> HealthReply:

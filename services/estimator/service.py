@@ -92,6 +92,7 @@ class EstimatorService:
         self.instances: dict[str, InstanceState] = {}
         self.predictors: Predictors | None = None  # loaded in start()
         self._stop = asyncio.Event()
+        self.started = asyncio.Event()  # set once serving (shared.runtime.run_service)
         self._loops: list[asyncio.Task[None]] = []
         self.num_decisions = 0
 
@@ -135,6 +136,7 @@ class EstimatorService:
         ]
         if self.settings.shared_ledger:
             self._loops.append(asyncio.create_task(self._write_ledger(), name="ledger-writer"))
+        self.started.set()
         log.info(
             "estimator_ready",
             policy=self._default_policy.name,

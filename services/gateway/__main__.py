@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 
-import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 
 from shared.config import ConfigError, load_cluster
@@ -33,12 +33,16 @@ def main(argv: list[str] | None = None) -> int:
         log.error("bad_config", error=str(exc))
         return 2
     from services.gateway.app import create_app
-    from services.gateway.server import server_config
+    from services.gateway.server import GatewayServer, server_config
 
     app = create_app(cfg, freeze_heap_when_started=True)
     log.info("gateway_listening", url=f"http://{cluster.gateway.host}:{cluster.gateway.port}/v1")
-    server = uvicorn.Server(server_config(app, cluster.gateway))
-    server.run()
+    server = GatewayServer(server_config(app, cluster.gateway))
+    try:
+        server.run()
+    except asyncio.CancelledError:  # a signal while starting (GatewayServer)
+        log.info("gateway_stopped_while_starting")
+        return 0
     # uvicorn (>= 0.53) exits with STARTUP_FAILURE itself when it cannot bind or the
     # start-up fails, having logged why; this covers a server stopped before it started
     return 0 if server.started else STARTUP_FAILURE

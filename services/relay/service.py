@@ -63,6 +63,7 @@ class RelayService:
         self._refresh_failures = RetryLog(log, "registry_refresh_failed")
         self._registry_epoch = RegistryEpoch(cluster.worker.heartbeat_ttl_s)
         self._stop = asyncio.Event()
+        self.started = asyncio.Event()  # set once serving (shared.runtime.run_service)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -167,6 +168,7 @@ class RelayService:
                 self._health,
             )
             await self.bus.flush()
+            self.started.set()
             log.info("relay_ready", live_workers=len(self.workers))
             next_refresh = time.monotonic() + self.settings.registry_refresh_s
             while not self._stop.is_set():
