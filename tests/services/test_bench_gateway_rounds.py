@@ -20,6 +20,7 @@ from shared import keys
 from shared.scheduling.snapshot import BatchSample
 from shared.store import Store
 from tests.scripts import SCRIPTS, load_script
+from tests.services.test_launcher import assert_no_orphans, children_of
 
 bench = load_script("bench_gateway")
 
@@ -133,61 +134,29 @@ def test_the_gateway_ttft_splits_by_its_own_stamps() -> None:
     )
 
 
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (the services run in their own sessions, but stay
-    its children)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
-            children.setdefault(ppid, []).append(int(entry.name))
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process tree from /proc")
 def test_a_sigterm_stops_every_service_the_bench_started() -> None:
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPTS / "bench_gateway.py"), "--rounds", "200", "--cpus", "none"],
         cwd=SCRIPTS.parent,
-        stdout=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
-        text=True,
     )
     try:
-        # 1. Wait until its NATS, Redis and three services run (5 processes at least),
+        # 1. Wait until its NATS, Redis and three services run (5 children at least),
         #    while it waits for them to be ready.
         started: set[int] = set()
         deadline = time.monotonic() + 120
         while len(started) < 5 and proc.poll() is None and time.monotonic() < deadline:
-            started = descendants(proc.pid)
+            started = children_of(proc.pid)
             time.sleep(0.2)
         assert len(started) >= 5, f"the bench started {len(started)} processes"
         # 2. Stop it as a CI timeout would.
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
-        deadline = time.monotonic() + 10
-        while any(alive(p) for p in started) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in started if alive(p)]
+        assert_no_orphans(started, timeout_s=10)
     finally:
-        for pid in started | descendants(proc.pid):  # (left only when the test failed)
+        for pid in started | children_of(proc.pid):  # (left only when the test failed)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         proc.kill()
