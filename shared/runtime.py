@@ -17,16 +17,12 @@ from shared.logging import configure_logging, get_logger
 
 
 class StoppableService(Protocol):
+    # set once the service's start is over (connected, subscribed, serving)
+    started: asyncio.Event
+
     def request_stop(self) -> None: ...
 
     def run(self) -> Awaitable[None]: ...
-
-
-def started_event(service: object) -> asyncio.Event | None:
-    """The service's `started` event (set once its start is over: connected, subscribed,
-    serving), if it has one."""
-    started = getattr(service, "started", None)
-    return started if isinstance(started, asyncio.Event) else None
 
 
 def freeze_heap() -> None:
@@ -137,17 +133,12 @@ def pin_cpus(cpus: Collection[int], where: str) -> None:
         )
 
 
-def run_service(
-    service: StoppableService,
-    name: str,
-    ready: asyncio.Event | None = None,
-    started: asyncio.Event | None = None,
-) -> int:
+def run_service(service: StoppableService, name: str, ready: asyncio.Event | None = None) -> int:
     """Run service on uvloop until it returns; signals begin its graceful stop. The heap
     is frozen (freeze_heap) once `ready` is set (best before the service can be sent
     work: the collection stalls the process once), or at once without one.
 
-    A signal before `started` is set (the service still loading its model, or waiting
+    A signal before `service.started` is set (the service still loading its model, or waiting
     for NATS or Redis to answer, which it does for as long as they do not) ends the
     start at once instead: nothing was accepted yet, so there is nothing to drain, and
     the graceful stop would only begin once the start is over (with NATS down, never:
@@ -171,7 +162,7 @@ def run_service(
         def on_signal() -> None:
             nonlocal cut_short
             service.request_stop()
-            if started is not None and not started.is_set() and main is not None:
+            if not service.started.is_set() and main is not None:
                 cut_short = True
                 main.cancel()
 
@@ -205,7 +196,6 @@ __all__ = [
     "freeze_heap",
     "pin_cpus",
     "run_service",
-    "started_event",
     "usable_cpus",
 ]
 
@@ -233,4 +223,4 @@ def cluster_service_main(
     except (ConfigError, ValueError) as exc:
         log.error("bad_config", error=str(exc))
         return 2
-    return run_service(service, name, started=started_event(service))
+    return run_service(service, name)

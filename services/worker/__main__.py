@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(0.001)
     service = WorkerService(cfg)
 
-    return run_service(service, "worker", ready=service.loaded, started=service.loaded)
+    return run_service(service, "worker", ready=service.started)
 
 
 if __name__ == "__main__":

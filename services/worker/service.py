@@ -189,9 +189,10 @@ class WorkerService:
         alpha = cfg.batch_time_speed_alpha
         self._speed = RecentSpeed(alpha=alpha) if alpha > 0 else None
         self.ready = asyncio.Event()  # set once the engine is loaded and the inbox subscribed
-        # set just before the worker registers: its process freezes the heap then
-        # (shared.runtime.freeze_heap), so the collection runs before any request can come
-        self.loaded = asyncio.Event()
+        # set once its start is over, just before the worker registers: its process
+        # freezes the heap then (shared.runtime.freeze_heap), so the collection runs
+        # before any request can come; a signal before it ends the start at once
+        self.started = asyncio.Event()
         # Token-level routing (only when a token-level preset names this model).
         self.routing: TokenRouting | None = None
         self._link: RoutingLink | None = None
@@ -244,7 +245,7 @@ class WorkerService:
         if self.cfg.token_presets:
             await self._start_routing()
         await self._bus.flush()
-        self.loaded.set()
+        self.started.set()
         await asyncio.sleep(0)  # the process freezes its heap now, before it can be routed to
         await self._register()
         self._heartbeat_task = asyncio.create_task(self._heartbeat(), name="heartbeat")
