@@ -66,7 +66,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -87,7 +86,7 @@ sys.path.insert(0, str(REPO))
 
 from services.launcher.servers import free_port, start_nats, start_redis, stop_process_group  # noqa: E402
 from shared.model_store import load_tokenizer  # noqa: E402
-from shared.runtime import compact_cpus, freeze_heap  # noqa: E402
+from shared.runtime import compact_cpus, exit_on_sigterm, freeze_heap  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 PROMPTS = [
@@ -766,14 +765,6 @@ def run_stack(args: argparse.Namespace, work: Path) -> Stack:
         for p in reversed(procs):
             stop_process_group(p, 15)
         raise
-
-
-def exit_on_sigterm() -> None:
-    """A SIGTERM (a CI timeout, `kill`) ends the run as Ctrl-C does: through the finally
-    blocks that stop what it started. The services run in sessions of their own, so no
-    signal sent to this process reaches them, and the default action would leave them
-    running."""
-    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 def main() -> int:

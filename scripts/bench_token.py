@@ -66,6 +66,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from shared.config import ClusterConfig, PresetConfig, load_cluster  # noqa: E402
+from shared.runtime import exit_on_sigterm  # noqa: E402
 
 DEFAULT_PROMPTS = REPO.parent / "shared" / "data" / "prompts" / "alpaca_5000_random.json"
 HELDOUT = (4500, 5000)
@@ -674,9 +675,7 @@ def selected(cells: list[Cell], only: list[str]) -> list[Cell]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # A SIGTERM ends the run as Ctrl-C does, through the finally that stops the launcher
-    # (its own session: no signal sent here reaches it, and it would run on).
-    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    exit_on_sigterm()  # (the launcher runs in its own session)
     args = parse_args(argv)
     base = load_cluster(args.base_cluster)
     prompts = load_prompts(args.prompts)

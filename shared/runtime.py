@@ -8,6 +8,7 @@ import contextlib
 import gc
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Collection, Iterable
 from pathlib import Path
 from typing import Protocol
@@ -23,6 +24,13 @@ class StoppableService(Protocol):
     def request_stop(self) -> None: ...
 
     def run(self) -> Awaitable[None]: ...
+
+
+def exit_on_sigterm() -> None:
+    """For a script that starts servers in sessions of their own (no signal sent to it
+    reaches them): a SIGTERM (a CI timeout, `kill`) ends it as Ctrl-C does, through the
+    finally blocks that stop them, instead of killing it and leaving them running."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 def freeze_heap() -> None:
@@ -193,6 +201,7 @@ __all__ = [
     "check_cpus",
     "cluster_service_main",
     "compact_cpus",
+    "exit_on_sigterm",
     "freeze_heap",
     "pin_cpus",
     "run_service",
