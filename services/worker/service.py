@@ -51,7 +51,7 @@ from services.estimator.sfs.batch_time import BatchTimeModel
 from services.estimator.sfs.speed import RecentSpeed
 from services.worker.config import WorkerServiceConfig, create_engine
 from services.worker.links import GatewayLinks
-from services.worker.pacing import StreamPacer, group
+from services.worker.pacing import StreamPacer, group, is_urgent
 from services.worker.routing.link import RoutingLink
 from services.worker.routing.runtime import Outbox, TokenRouting
 from shared import subjects
@@ -549,13 +549,10 @@ class WorkerService:
             counts = None
             if out.finished:
                 del owners[out.request_id]
-                urgent.add(dest)
                 if self.routing is not None:
                     counts = self.routing.final_counts.pop(out.request_id, None)
             new = out.new_token_ids  # (the engine's own lists, made for this output)
             position = out.num_output_tokens - len(new)
-            if position == 0:
-                urgent.add(dest)  # (pacing.is_urgent, known here without a second pass)
             top = out.new_top_logprobs
             delta = TokenDelta(
                 out.request_id,
@@ -572,6 +569,8 @@ class WorkerService:
                 by_dest[dest] = [delta]
             else:
                 batch.append(delta)
+            if is_urgent(delta):
+                urgent.add(dest)
         return by_dest, urgent
 
     async def _publish(

@@ -76,9 +76,7 @@ class RecentSpeed:
             return
         self._kept.extend(samples)
         self._add(model, samples)
-        self._last_end_s = max(
-            self._last_end_s, max(s.wall_time_s + s.duration_s for s in samples)
-        )
+        self._last_end_s = max(self._last_end_s, max(s.wall_time_s + s.duration_s for s in samples))
 
     def _add(self, model: BatchTimeModel, samples: list[BatchSample]) -> None:
         # (a worker runs this for every iteration it writes, with its caches cold from
