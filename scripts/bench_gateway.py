@@ -17,12 +17,16 @@ processes, as under steady load) and reported beside them.
 Prints the added TTFT p50/p99 and the tokens/s ratio (all rounds' tokens over all
 their time, and beside it the median of each gateway round against the engine round
 next to it, with their spread: a slow phase of the host that hit one side's rounds
-shows there), and as anchors the bare
+shows there), the two targets' figures each with its 95% bootstrap interval over the
+run's request pairs and round pairs (how far the host's noise leaves a run's figure
+from what more runs would give; --pool combines runs' --out files into one figure and
+interval), and as anchors the bare
 NATS request/reply time between two processes, the HTTP floor (the same client
 against a server that answers at once: what HTTP alone adds, no gateway behind
 it; also for the other client) and the load average; JSON to --out:
 
-  {"added_ttft_ms_p50": ..., "added_ttft_ms_p99": ..., "stream_tok_s_ratio": ..., ...}
+  {"added_ttft_ms_p50": ..., "added_ttft_ms_p99": ..., "stream_tok_s_ratio": ...,
+   "added_ttft_ms_p50_ci95": [low, high], "stream_tok_s_ratio_ci95": [low, high], ...}
 
 It also takes the gateway TTFT apart (after the idle gap and back to back, p50) with
 the gateway's own stamps from each answer's `baton` object: prepare (parse, chat
@@ -57,6 +61,7 @@ Targets (issue 3): added TTFT p50 <= 2 ms; the gateway keeps >= 90% of the
 engine's token rate at 16 streams.
 
     python scripts/bench_gateway.py --model random-tiny --out results/bench_gateway.json
+    python scripts/bench_gateway.py --pool results/run1.json results/run2.json
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import aiohttp
 import httpx
 import msgspec
+import numpy as np
+import scipy.stats
 import uvloop
 
 REPO = Path(__file__).resolve().parent.parent
@@ -137,6 +144,66 @@ def percentile(values: list[float], q: float) -> float:
     k = (len(ordered) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+# -- how precise a run is ----------------------------------------------------------
+#
+# On a shared 2-core VM one 16-stream round of the in-process engine alone ran at
+# 3,760-6,070 tok/s within a run (random-tiny, 24 rounds), and a pure matmul loop
+# pinned to one core varied 7% (CV) from one 0.3 s slice to the next: a run's ratio
+# carries that noise. The bench says how much, with a bootstrap confidence interval
+# over what it measured in pairs (scipy.stats.bootstrap, paired: each resample keeps
+# a round's engine and gateway halves, or a TTFT request's two sides, together, so a
+# slow phase of the host that hit both is not counted as a difference).
+
+CI_LEVEL = 0.95
+CI_RESAMPLES = 9999
+
+
+def _ci(samples: tuple[Sequence[float], ...], statistic: Any) -> tuple[float, float] | None:
+    """The CI_LEVEL percentile-bootstrap interval of `statistic` over paired samples
+    (None with fewer than two pairs). Seeded: one run's numbers give one interval."""
+    if len(samples[0]) < 2:
+        return None
+    res = scipy.stats.bootstrap(
+        tuple(np.asarray(x, dtype=float) for x in samples),
+        statistic,
+        paired=True,
+        vectorized=True,
+        confidence_level=CI_LEVEL,
+        n_resamples=CI_RESAMPLES,
+        method="percentile",
+        random_state=np.random.default_rng(0),
+    )
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def _rate_ratio(ne: Any, we: Any, ng: Any, wg: Any, axis: int = -1) -> Any:
+    """The gateway's token rate over the engine's, each all its rounds' tokens over
+    all their time (stream_tok_s_ratio)."""
+    return (ng.sum(axis) / wg.sum(axis)) / (ne.sum(axis) / we.sum(axis))
+
+
+def ratio_ci(
+    engine_tokens: Sequence[float],
+    engine_wall_s: Sequence[float],
+    gateway_tokens: Sequence[float],
+    gateway_wall_s: Sequence[float],
+) -> tuple[float, float] | None:
+    """The interval of the tok/s ratio, resampling round pairs."""
+    return _ci((engine_tokens, engine_wall_s, gateway_tokens, gateway_wall_s), _rate_ratio)
+
+
+def _added_p50(engine: Any, gateway: Any, axis: int = -1) -> Any:
+    return np.percentile(gateway, 50, axis=axis) - np.percentile(engine, 50, axis=axis)
+
+
+def added_p50_ci(
+    engine_ms: Sequence[float], gateway_ms: Sequence[float]
+) -> tuple[float, float] | None:
+    """The interval of the added TTFT p50, resampling request pairs (the engine's i-th
+    TTFT request and the gateway's ran back to back)."""
+    return _ci((engine_ms, gateway_ms), _added_p50)
 
 
 def chat_ids(tok: object, i: int) -> list[int]:
@@ -497,7 +564,9 @@ async def measure(
     warm: dict[str, list[float]] = {"engine": [], "gateway": []}
     tokens = {"engine": 0, "gateway": 0}
     wall = {"engine": 0.0, "gateway": 0.0}
-    round_rates: dict[str, list[float]] = {"engine": [], "gateway": []}  # tok/s per round
+    # per throughput round, in order: its tokens and its wall time, s
+    round_tokens: dict[str, list[int]] = {"engine": [], "gateway": []}
+    round_wall: dict[str, list[float]] = {"engine": [], "gateway": []}
     splits = {"after_idle": ServerSplit(), "back_to_back": ServerSplit()}
     async with Client(args.client, base_url, args.streams + 4) as client:
         for i in range(3):  # warm-up both
@@ -535,7 +604,8 @@ async def measure(
                     await rounds.record(side, engine, t_start, time.time())
                 tokens[side] += n
                 wall[side] += w
-                round_rates[side].append(n / w)
+                round_tokens[side].append(n)
+                round_wall[side].append(w)
             print(f"  round {r + 1}/{args.rounds} done", flush=True)
     out: dict[str, dict[str, Any]] = {
         side: {
@@ -544,7 +614,13 @@ async def measure(
             "ttft_ms_p99_back_to_back": 1e3 * percentile(warm[side], 0.99),
             "ttft_ms_p99": 1e3 * percentile(ttft[side], 0.99),
             "tok_s": tokens[side] / wall[side],
-            "round_tok_s": round_rates[side],
+            "round_tok_s": [
+                n / w for n, w in zip(round_tokens[side], round_wall[side], strict=True)
+            ],
+            # the raw samples, for the confidence intervals and --pool
+            "ttft_ms": [1e3 * t for t in ttft[side]],
+            "round_tokens": round_tokens[side],
+            "round_wall_s": round_wall[side],
             "num_tokens": tokens[side],
             "wall_s": wall[side],
         }
@@ -828,7 +904,17 @@ def main() -> int:
         metavar="KEY=VALUE",
         help="a [worker] setting of the cluster file (TOML value), e.g. max_inline_step_ms=0",
     )
+    parser.add_argument(
+        "--pool",
+        nargs="+",
+        type=Path,
+        metavar="FILE",
+        help="run nothing: combine earlier runs' --out files (same model, dtype, streams, "
+        "tokens) into the two figures and their intervals over all their samples",
+    )
     args = parser.parse_args()
+    if args.pool:
+        return pool(args.pool, args.out)
     args.worker_cpus, args.rest_cpus = cpu_layout(args.cpus)
     layout = "not pinned"
     if args.worker_cpus:
@@ -892,6 +978,7 @@ def main() -> int:
         "load_average_1m": os.getloadavg()[0],
         # the gateway TTFT taken apart by the gateway's own stamps (ServerSplit)
         "gateway_ttft_split": gateway["ttft_split"],
+        **intervals(engine, gateway),
     }
     if breakdown is not None:
         result["gateway_ttft_breakdown"] = breakdown["ttft"]
@@ -902,6 +989,7 @@ def main() -> int:
         f"{'TTFT p50 (ms)':24}{engine['ttft_ms_p50']:12.2f}{gateway['ttft_ms_p50']:12.2f}"
         f"{result['added_ttft_ms_p50']:+14.2f}   target <= +2 ms"
     )
+    print_ci("added_ttft_ms_p50_ci95", result, "+.2f", f"{len(engine['ttft_ms'])} request pairs")
     print(
         f"{'TTFT p99 (ms)':24}{engine['ttft_ms_p99']:12.2f}{gateway['ttft_ms_p99']:12.2f}"
         f"{result['added_ttft_ms_p99']:+14.2f}"
@@ -915,6 +1003,7 @@ def main() -> int:
         f"{f'tok/s @ {args.streams} streams':24}{engine['tok_s']:12.1f}{gateway['tok_s']:12.1f}"
         f"{result['stream_tok_s_ratio']:14.3f}   target >= 0.90"
     )
+    print_ci("stream_tok_s_ratio_ci95", result, ".3f", f"{args.rounds} round pairs")
     by_round = result["stream_tok_s_ratio_by_round"]
     print(
         f"{'  per round pair':24}{'':24}{percentile(by_round, 0.5):14.3f}   median; "
@@ -953,6 +1042,95 @@ def main() -> int:
         args.out.write_text(json.dumps(result, indent=2))
         print(f"\nwrote {args.out}")
     return 0
+
+
+def intervals(engine: Mapping[str, Any], gateway: Mapping[str, Any]) -> dict[str, Any]:
+    """The bootstrap intervals of the two targets' figures from a run's raw samples
+    (null where too few)."""
+    return {
+        "added_ttft_ms_p50_ci95": added_p50_ci(engine["ttft_ms"], gateway["ttft_ms"]),
+        "stream_tok_s_ratio_ci95": ratio_ci(
+            engine["round_tokens"],
+            engine["round_wall_s"],
+            gateway["round_tokens"],
+            gateway["round_wall_s"],
+        ),
+    }
+
+
+RAW = ("ttft_ms", "round_tokens", "round_wall_s")  # a run's samples, per side
+SAME = ("model", "dtype", "streams", "new_tokens")  # what pooled runs must share
+
+
+def pool(paths: list[Path], out: Path | None) -> int:
+    """--pool: the figures over several runs' samples together, each run's beside them.
+    (The intervals treat every pair as drawn alike, so they do not widen for a run
+    that ran in a slower phase than the others.)"""
+    runs: list[dict[str, Any]] = []
+    for path in paths:
+        try:
+            run = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            print(f"error: cannot read {path}: {exc}", file=sys.stderr)
+            return 2
+        if not all(k in run.get(side, {}) for side in ("engine", "gateway") for k in RAW):
+            print(
+                f"error: {path} holds no raw samples (written before bench_gateway kept "
+                "them): run it again",
+                file=sys.stderr,
+            )
+            return 2
+        runs.append(run)
+    kinds = {tuple(run[k] for k in SAME) for run in runs}
+    if len(kinds) > 1:
+        print(f"error: the runs differ in {', '.join(SAME)}: {sorted(kinds)}", file=sys.stderr)
+        return 2
+    joined = {
+        side: {k: [x for run in runs for x in run[side][k]] for k in RAW}
+        for side in ("engine", "gateway")
+    }
+    engine, gateway = joined["engine"], joined["gateway"]
+    result: dict[str, Any] = {
+        **dict(zip(SAME, kinds.pop(), strict=True)),
+        "runs": [str(p) for p in paths],
+        "added_ttft_ms_p50": percentile(gateway["ttft_ms"], 0.5)
+        - percentile(engine["ttft_ms"], 0.5),
+        "stream_tok_s_ratio": (sum(gateway["round_tokens"]) / sum(gateway["round_wall_s"]))
+        / (sum(engine["round_tokens"]) / sum(engine["round_wall_s"])),
+        **intervals(engine, gateway),
+    }
+    print(f"{'run':40}{'added TTFT p50':>16}{'tok/s ratio':>14}")
+    for path, run in zip(paths, runs, strict=True):
+        print(
+            f"{str(path)[-40:]:40}{run['added_ttft_ms_p50']:+16.2f}"
+            f"{run['stream_tok_s_ratio']:14.3f}"
+        )
+    print(
+        f"{f'pooled ({len(runs)} runs)':40}{result['added_ttft_ms_p50']:+16.2f}"
+        f"{result['stream_tok_s_ratio']:14.3f}   targets <= +2 ms, >= 0.90"
+    )
+    for key, fmt, over in (
+        ("added_ttft_ms_p50_ci95", "+.2f", f"{len(engine['ttft_ms'])} request pairs"),
+        ("stream_tok_s_ratio_ci95", ".3f", f"{len(engine['round_tokens'])} round pairs"),
+    ):
+        ci = result[key]
+        if ci is not None:
+            print(
+                f"  {key.removesuffix('_ci95')}: {CI_LEVEL:.0%} interval "
+                f"{format(ci[0], fmt)} to {format(ci[1], fmt)}, bootstrap over {over}"
+            )
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {out}")
+    return 0
+
+
+def print_ci(key: str, result: Mapping[str, Any], fmt: str, over: str) -> None:
+    ci = result[key]
+    if ci is not None:
+        text = f"{format(ci[0], fmt)} to {format(ci[1], fmt)}"
+        print(f"{f'  {CI_LEVEL:.0%} interval':24}{'':24}{text:>14}   bootstrap over {over}")
 
 
 def print_round_breakdown(sides: dict[str, dict[str, float]]) -> None:

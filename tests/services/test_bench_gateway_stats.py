@@ -1,0 +1,123 @@
+"""`bench_gateway.py`'s precision: bootstrap intervals over paired samples, and
+`--pool`, which combines earlier runs' samples."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.scripts import load_script
+
+bench = load_script("bench_gateway")
+
+ROUND_TOKENS = 16 * 128
+
+
+def noisy_rounds(ratio: float, n: int = 24, seed: int = 1) -> tuple[list[float], ...]:
+    """Round pairs whose engine rate swings +-25% with the host, the gateway's round
+    at `ratio` of the engine's beside it: (engine tokens, engine wall, gateway tokens,
+    gateway wall)."""
+    rate = 4800 * np.random.default_rng(seed).uniform(0.75, 1.25, n)
+    tokens = [float(ROUND_TOKENS)] * n
+    return tokens, list(ROUND_TOKENS / rate), tokens, list(ROUND_TOKENS / (ratio * rate))
+
+
+def test_the_ratio_interval_pairs_rounds_so_a_shared_slow_phase_is_no_difference() -> None:
+    ci = bench.ratio_ci(*noisy_rounds(0.92))
+    assert ci is not None
+    # every pair has the ratio 0.92: resampled pairs still do (an unpaired resample
+    # would mix one side's fast rounds with the other's slow ones: ~0.85-1.0)
+    assert ci[0] == pytest.approx(0.92, abs=0.005)
+    assert ci[1] == pytest.approx(0.92, abs=0.005)
+
+
+def test_the_ratio_interval_widens_with_noise_in_the_pairs_and_holds_the_ratio() -> None:
+    ne, we, ng, wg = noisy_rounds(0.92)
+    jitter = np.random.default_rng(2).uniform(0.85, 1.15, len(wg))
+    wg = list(np.asarray(wg) * jitter)
+    point = bench._rate_ratio(*(np.asarray(x) for x in (ne, we, ng, wg)))
+    ci = bench.ratio_ci(ne, we, ng, wg)
+    assert ci is not None
+    assert ci[0] < point < ci[1]
+    assert 0.02 < ci[1] - ci[0] < 0.2
+
+
+def test_the_added_ttft_interval_pairs_requests() -> None:
+    engine = list(np.random.default_rng(3).uniform(2.5, 4.0, 50))
+    gateway = [e + 1.5 for e in engine]
+    ci = bench.added_p50_ci(engine, gateway)
+    assert ci is not None
+    assert ci[0] <= 1.5 + 1e-9 and ci[1] >= 1.5 - 1e-9
+    assert ci[1] - ci[0] < 0.4  # unpaired, the 2.5-4.0 ms spread would show
+
+
+def test_no_interval_from_one_pair() -> None:
+    assert bench.added_p50_ci([3.0], [4.5]) is None
+    assert bench.ratio_ci([2048.0], [0.4], [2048.0], [0.44]) is None
+
+
+def run_file(path: Path, ratio: float, added_ms: float, seed: int, **over: Any) -> Path:
+    ne, we, ng, wg = noisy_rounds(ratio, n=6, seed=seed)
+    engine_ttft = list(np.random.default_rng(seed).uniform(2.5, 3.5, 10))
+    gateway_ttft = [t + added_ms for t in engine_ttft]
+    side = {"engine": (engine_ttft, ne, we), "gateway": (gateway_ttft, ng, wg)}
+    run: dict[str, Any] = {
+        "model": "random-tiny",
+        "dtype": "float32",
+        "streams": 16,
+        "new_tokens": 128,
+        "added_ttft_ms_p50": added_ms,
+        "stream_tok_s_ratio": ratio,
+        **{
+            name: {"ttft_ms": t, "round_tokens": n, "round_wall_s": w}
+            for name, (t, n, w) in side.items()
+        },
+        **over,
+    }
+    path.write_text(json.dumps(run))
+    return path
+
+
+def test_pool_combines_the_runs_samples(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = run_file(tmp_path / "a.json", 0.90, 1.5, seed=4)
+    b = run_file(tmp_path / "b.json", 0.95, 1.5, seed=5)
+    out = tmp_path / "pooled.json"
+    assert bench.pool([a, b], out) == 0
+    got = json.loads(out.read_text())
+    runs = [json.loads(p.read_text()) for p in (a, b)]
+
+    def total(side: str, key: str) -> float:
+        return sum(sum(r[side][key]) for r in runs)
+
+    expected = (total("gateway", "round_tokens") / total("gateway", "round_wall_s")) / (
+        total("engine", "round_tokens") / total("engine", "round_wall_s")
+    )
+    assert got["stream_tok_s_ratio"] == pytest.approx(expected)
+    assert 0.90 < got["stream_tok_s_ratio"] < 0.95
+    assert got["added_ttft_ms_p50"] == pytest.approx(1.5)
+    lo, hi = got["stream_tok_s_ratio_ci95"]
+    assert 0.90 - 1e-9 <= lo < got["stream_tok_s_ratio"] < hi <= 0.95 + 1e-9
+    assert got["runs"] == [str(a), str(b)]
+    printed = capsys.readouterr().out
+    assert "pooled (2 runs)" in printed and "12 round pairs" in printed
+
+
+def test_pool_refuses_runs_it_cannot_combine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a = run_file(tmp_path / "a.json", 0.92, 1.5, seed=6)
+    smol = run_file(tmp_path / "smol.json", 0.97, 1.8, seed=7, model="smollm2-135m")
+    assert bench.pool([a, smol], None) == 2
+    assert "differ in model" in capsys.readouterr().err
+    old = tmp_path / "old.json"
+    run = json.loads(a.read_text())
+    del run["engine"]["ttft_ms"]
+    old.write_text(json.dumps(run))
+    assert bench.pool([a, old], None) == 2
+    assert "no raw samples" in capsys.readouterr().err
+    assert bench.pool([tmp_path / "missing.json"], None) == 2
+    assert "cannot read" in capsys.readouterr().err
