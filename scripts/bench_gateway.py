@@ -378,6 +378,10 @@ class RoundAnatomy:
               bookkeeping outside the timed part; in the worker also publishing the
               deltas, the snapshot writes, the event loop)
       tail    last step's end -> the client has every token
+    and, of the steps, how many took prompt tokens and the time from the first step's
+    start to the last such step's (`intake`: a round's requests reach the engine one
+    at a time through the gateway, all at once in process; a later last prompt ends
+    the round later).
     """
 
     FIELDS = (
@@ -389,6 +393,8 @@ class RoundAnatomy:
         "gaps_ms",
         "tail_ms",
         "wall_ms",
+        "prefill_steps",
+        "intake_ms",
     )
 
     def __init__(self) -> None:
@@ -404,6 +410,7 @@ class RoundAnatomy:
         gaps = [nxt.wall_time_s - end for nxt, end in zip(steps[1:], ends, strict=False)]
         full = max(b.num_decode_tokens for b in steps)
         decodes = [b.duration_s for b in steps if not b.chunk_sizes and b.num_decode_tokens == full]
+        prefills = [b for b in steps if b.num_prefill_tokens]
         self.rounds.append(
             {
                 "lead_ms": 1e3 * (steps[0].wall_time_s - t0),
@@ -414,6 +421,10 @@ class RoundAnatomy:
                 "gaps_ms": 1e3 * sum(gaps),
                 "tail_ms": 1e3 * (t1 - ends[-1]),
                 "wall_ms": 1e3 * (t1 - t0),
+                "prefill_steps": len(prefills),
+                "intake_ms": 1e3 * (prefills[-1].wall_time_s - steps[0].wall_time_s)
+                if prefills
+                else 0.0,
             }
         )
 
@@ -1147,6 +1158,8 @@ def print_round_breakdown(sides: dict[str, dict[str, float]]) -> None:
         ("gaps in all (ms)", "gaps_ms", ".1f"),
         ("tail after the last step (ms)", "tail_ms", ".2f"),
         ("round (ms)", "wall_ms", ".1f"),
+        ("steps with prompt tokens", "prefill_steps", ".1f"),
+        ("1st step -> last prompt's (ms)", "intake_ms", ".2f"),
     )
     print(
         f"{'throughput round, mean (batch samples)':34}{'engine':>12}{'gateway':>12}{'added':>14}"

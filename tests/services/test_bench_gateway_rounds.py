@@ -75,6 +75,24 @@ def test_the_decode_step_is_the_median_of_the_largest_decode_only_batches() -> N
     assert got["step_ms"] == pytest.approx(5.8)  # every step's mean
 
 
+def test_intake_runs_from_the_first_step_to_the_last_with_prompt_tokens() -> None:
+    anatomy = bench.RoundAnatomy()
+    steps = [
+        sample(100.001, 0.001, num_decodes=0, prefill=30),  # the first request alone
+        sample(100.003, 0.002, num_decodes=1, prefill=60),  # two more came meanwhile
+        sample(100.006, 0.002, num_decodes=3),
+        sample(100.009, 0.002, num_decodes=3, prefill=30),  # the last one
+        sample(100.012, 0.002, num_decodes=4),
+    ]
+    anatomy.add(steps, 100.0, 100.015)
+    got = anatomy.summary()
+    assert got["prefill_steps"] == 3
+    assert got["intake_ms"] == pytest.approx(8.0)
+    anatomy = bench.RoundAnatomy()
+    anatomy.add(ROUND, 100.0, 100.009)  # decode steps only: nothing taken in
+    assert anatomy.summary()["intake_ms"] == 0.0
+
+
 def test_the_summary_is_the_mean_of_the_rounds_and_empty_windows_are_skipped() -> None:
     anatomy = bench.RoundAnatomy()
     anatomy.add(ROUND, 100.0, 100.009)
