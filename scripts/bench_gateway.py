@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import json
 import os
@@ -160,7 +161,7 @@ CI_LEVEL = 0.95
 CI_RESAMPLES = 9999
 
 
-def _ci(samples: tuple[Sequence[float], ...], statistic: Any) -> tuple[float, float] | None:
+def _ci(samples: tuple[Sequence[float] | Any, ...], statistic: Any) -> tuple[float, float] | None:
     """The CI_LEVEL percentile-bootstrap interval of `statistic` over paired samples
     (None with fewer than two pairs). Seeded: one run's numbers give one interval."""
     if len(samples[0]) < 2:
@@ -198,6 +199,43 @@ def _added_p50(engine: Any, gateway: Any, axis: int = -1) -> Any:
     return np.percentile(gateway, 50, axis=axis) - np.percentile(engine, 50, axis=axis)
 
 
+def _added_p50_outside(e_ttft: Any, e_step: Any, g_ttft: Any, g_step: Any, axis: int = -1) -> Any:
+    return _added_p50(e_ttft - e_step, g_ttft - g_step, axis)
+
+
+def outside_first_step(
+    engine: Mapping[str, Any], gateway: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """The added TTFT without the prefill's own time: each side's TTFT less its first
+    step's compute (the request pairs where the worker's step was found), p50 and its
+    interval, and each side's first step p50. Where the prefill is long (SmolLM2's
+    ~80-130 ms here) its run-to-run noise buries the path's ~2 ms in the plain
+    figure; this one is what the path adds around the compute. None without steps."""
+    pairs = [
+        (et, es, gt, gs)
+        for et, es, gt, gs in zip(
+            engine.get("ttft_ms", []),
+            engine.get("first_step_ms", []),
+            gateway.get("ttft_ms", []),
+            gateway.get("first_step_ms", []),
+            strict=False,
+        )
+        if gs is not None
+    ]
+    if not pairs:
+        return None
+    e_ttft, e_step, g_ttft, g_step = (np.asarray(c, dtype=float) for c in zip(*pairs, strict=True))
+    return {
+        "added_ttft_ms_p50": float(_added_p50_outside(e_ttft, e_step, g_ttft, g_step)),
+        "added_ttft_ms_p50_ci95": _ci((e_ttft, e_step, g_ttft, g_step), _added_p50_outside),
+        "first_step_ms_p50": {
+            "engine": float(np.percentile(e_step, 50)),
+            "gateway": float(np.percentile(g_step, 50)),
+        },
+        "pairs": len(pairs),
+    }
+
+
 def added_p50_ci(
     engine_ms: Sequence[float], gateway_ms: Sequence[float]
 ) -> tuple[float, float] | None:
@@ -233,6 +271,8 @@ class EngineSide:
         )
         self.engine = LLMEngine.create(cfg)
         self.num_requests = 0
+        # the duration of each ttft_s request's first step (its prefill), s
+        self.first_steps_s: list[float] = []
 
     def _add(self, i: int, max_tokens: int) -> None:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -261,6 +301,7 @@ class EngineSide:
             return self._streams(num, max_tokens)
 
     def _ttft_s(self, i: int, max_tokens: int) -> float:
+        self.engine.pop_batch_samples()  # (earlier rounds': --breakdown has read them)
         t0 = time.perf_counter()
         self._add(i, max_tokens)
         first = 0.0
@@ -268,6 +309,7 @@ class EngineSide:
             for out in self.engine.step():
                 if not first and out.new_token_ids:
                     first = time.perf_counter() - t0
+        self.first_steps_s.append(self.engine.pop_batch_samples()[0].duration_s)
         return first
 
     def _streams(self, num: int, max_tokens: int) -> tuple[int, float]:
@@ -579,6 +621,8 @@ async def measure(
     round_tokens: dict[str, list[int]] = {"engine": [], "gateway": []}
     round_wall: dict[str, list[float]] = {"engine": [], "gateway": []}
     splits = {"after_idle": ServerSplit(), "back_to_back": ServerSplit()}
+    engine_steps: list[float] = []  # each TTFT request's first step in process, s
+    ttft_at: list[float] = []  # each gateway TTFT request's start, wall clock
     async with Client(args.client, base_url, args.streams + 4) as client:
         for i in range(3):  # warm-up both
             engine.ttft_s(i, args.ttft_tokens)
@@ -596,8 +640,10 @@ async def measure(
                 # the in-process engine would run hot and the worker cold.
                 await asyncio.sleep(args.idle_ms / 1e3)
                 ttft["engine"].append(engine.ttft_s(i, args.ttft_tokens))
+                engine_steps.append(engine.first_steps_s[-1])
                 await asyncio.sleep(args.idle_ms / 1e3)
                 split = splits["after_idle"]
+                ttft_at.append(time.time())  # (the worker's batch samples' clock)
                 t, _ = await stream_one(client, i, args.ttft_tokens, observer, split)
                 ttft["gateway"].append(t)
             for i in range(per_round):
@@ -638,7 +684,43 @@ async def measure(
         for side in ("engine", "gateway")
     }
     out["gateway"]["ttft_split"] = {k: v.summary() for k, v in splits.items()}
+    out["engine"]["first_step_ms"] = [1e3 * t for t in engine_steps]
+    out["gateway"]["ttft_at_wall_s"] = ttft_at  # (run_measure matches the worker's steps)
     return out
+
+
+def first_steps_ms(
+    samples: Sequence[Any], starts_s: Sequence[float], ttfts_ms: Sequence[float]
+) -> list[float | None]:
+    """For each TTFT request (its wall-clock start and TTFT), the duration of the first
+    engine step that began inside it (its prefill: the requests run one at a time),
+    ms; None where no sample is there (the worker keeps its newest max_batch_samples)."""
+    steps = sorted(samples, key=lambda b: b.wall_time_s)
+    begins = [b.wall_time_s for b in steps]
+    found: list[float | None] = []
+    for start, ttft_ms in zip(starts_s, ttfts_ms, strict=True):
+        k = bisect.bisect_left(begins, start)
+        inside = k < len(steps) and begins[k] <= start + ttft_ms / 1e3
+        found.append(1e3 * steps[k].duration_s if inside else None)
+    return found
+
+
+async def worker_first_steps(redis_url: str, gateway: dict[str, Any]) -> None:
+    """Set gateway["first_step_ms"]: the worker's first step in each TTFT request, from
+    the batch samples it wrote to Redis (the bench's namespace and instance id)."""
+    from shared.scheduling.snapshot import BatchSample
+    from shared.store import Store
+
+    store = Store(redis_url, "bench")
+    await store.connect()
+    try:
+        raw = await store.read_samples("bench-0", 1 << 20)
+    finally:
+        await store.close()
+    decoder = msgspec.msgpack.Decoder(BatchSample)
+    gateway["first_step_ms"] = first_steps_ms(
+        [decoder.decode(b) for b in raw], gateway.pop("ttft_at_wall_s"), gateway["ttft_ms"]
+    )
 
 
 ECHO = """
@@ -746,7 +828,9 @@ async def run_measure(
     """The measurements, and with --breakdown their split: {"ttft": PathObserver's,
     "rounds": RoundBreakdown's means, "rounds_each": each side's rounds}."""
     if not args.breakdown:
-        return await measure(args, engine, stack.base_url, None), None
+        measured = await measure(args, engine, stack.base_url, None)
+        await worker_first_steps(stack.redis_url, measured["gateway"])
+        return measured, None
     from shared.store import Store
 
     observer, store = PathObserver(), Store(stack.redis_url, "bench")
@@ -755,6 +839,7 @@ async def run_measure(
     await store.connect()
     try:
         measured = await measure(args, engine, stack.base_url, observer, rounds)
+        await worker_first_steps(stack.redis_url, measured["gateway"])
     finally:
         await observer.close()
         await store.close()
@@ -1001,6 +1086,7 @@ def main() -> int:
         f"{result['added_ttft_ms_p50']:+14.2f}   target <= +2 ms"
     )
     print_ci("added_ttft_ms_p50_ci95", result, "+.2f", f"{len(engine['ttft_ms'])} request pairs")
+    print_outside(result["outside_first_step"])
     print(
         f"{'TTFT p99 (ms)':24}{engine['ttft_ms_p99']:12.2f}{gateway['ttft_ms_p99']:12.2f}"
         f"{result['added_ttft_ms_p99']:+14.2f}"
@@ -1060,6 +1146,7 @@ def intervals(engine: Mapping[str, Any], gateway: Mapping[str, Any]) -> dict[str
     (null where too few)."""
     return {
         "added_ttft_ms_p50_ci95": added_p50_ci(engine["ttft_ms"], gateway["ttft_ms"]),
+        "outside_first_step": outside_first_step(engine, gateway),
         "stream_tok_s_ratio_ci95": ratio_ci(
             engine["round_tokens"],
             engine["round_wall_s"],
@@ -1070,6 +1157,7 @@ def intervals(engine: Mapping[str, Any], gateway: Mapping[str, Any]) -> dict[str
 
 
 RAW = ("ttft_ms", "round_tokens", "round_wall_s")  # a run's samples, per side
+STEPS = "first_step_ms"  # and each TTFT request's first step, where every run has them
 SAME = ("model", "dtype", "streams", "new_tokens")  # what pooled runs must share
 
 
@@ -1096,8 +1184,13 @@ def pool(paths: list[Path], out: Path | None) -> int:
     if len(kinds) > 1:
         print(f"error: the runs differ in {', '.join(SAME)}: {sorted(kinds)}", file=sys.stderr)
         return 2
+    raw = (
+        (*RAW, STEPS)
+        if all(STEPS in run[s] for run in runs for s in ("engine", "gateway"))
+        else RAW
+    )
     joined = {
-        side: {k: [x for run in runs for x in run[side][k]] for k in RAW}
+        side: {k: [x for run in runs for x in run[side][k]] for k in raw}
         for side in ("engine", "gateway")
     }
     engine, gateway = joined["engine"], joined["gateway"]
@@ -1130,11 +1223,26 @@ def pool(paths: list[Path], out: Path | None) -> int:
                 f"  {key.removesuffix('_ci95')}: {CI_LEVEL:.0%} interval "
                 f"{format(ci[0], fmt)} to {format(ci[1], fmt)}, bootstrap over {over}"
             )
+    if STEPS in raw:
+        print_outside(result["outside_first_step"])
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
         print(f"\nwrote {out}")
     return 0
+
+
+def print_outside(outside: Mapping[str, Any] | None) -> None:
+    """The added TTFT less each side's prefill step (outside_first_step)."""
+    if outside is None:
+        print("  outside the 1st step: no worker batch samples matched the TTFT requests")
+        return
+    ci, steps = outside["added_ttft_ms_p50_ci95"], outside["first_step_ms_p50"]
+    interval = f"95% {ci[0]:+.2f} to {ci[1]:+.2f}; " if ci else ""
+    print(
+        f"{'  outside the 1st step':24}{'':24}{outside['added_ttft_ms_p50']:+14.2f}   "
+        f"{interval}1st step p50 {steps['engine']:.2f} / {steps['gateway']:.2f} ms"
+    )
 
 
 def print_ci(key: str, result: Mapping[str, Any], fmt: str, over: str) -> None:

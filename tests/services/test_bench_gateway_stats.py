@@ -121,3 +121,40 @@ def test_pool_refuses_runs_it_cannot_combine(
     assert "no raw samples" in capsys.readouterr().err
     assert bench.pool([tmp_path / "missing.json"], None) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_each_ttft_request_finds_the_first_step_that_began_inside_it() -> None:
+    class Step:
+        def __init__(self, at: float, ms: float) -> None:
+            self.wall_time_s, self.duration_s = at, ms / 1e3
+
+    steps = [Step(10.0, 1.0), Step(10.0015, 0.5), Step(20.002, 3.0), Step(5.0, 9.0)]
+    starts = [9.9995, 20.0, 30.0]  # the third: its step was trimmed away
+    got = bench.first_steps_ms(steps, starts, [2.0, 4.0, 3.0])
+    assert got[0] == pytest.approx(1.0)  # the earliest inside, not the second
+    assert got[1] == pytest.approx(3.0)
+    assert got[2] is None
+    # a step that began after the request's first token is not its prefill
+    assert bench.first_steps_ms(steps, [19.990], [5.0]) == [None]
+
+
+def test_the_added_ttft_outside_the_first_step_sets_the_prefill_noise_aside() -> None:
+    rng = np.random.default_rng(8)
+    e_step = rng.uniform(70.0, 100.0, 48)  # a long prefill that drifts with the host
+    g_step = rng.uniform(70.0, 100.0, 48)
+    engine = {"ttft_ms": list(e_step + 0.3), "first_step_ms": list(e_step)}
+    gateway = {"ttft_ms": list(g_step + 1.8), "first_step_ms": list(g_step)}
+    plain = bench.added_p50_ci(engine["ttft_ms"], gateway["ttft_ms"])
+    assert plain is not None and plain[1] - plain[0] > 5  # the prefill noise
+    got = bench.outside_first_step(engine, gateway)
+    assert got is not None
+    assert got["added_ttft_ms_p50"] == pytest.approx(1.5)
+    lo, hi = got["added_ttft_ms_p50_ci95"]
+    assert lo == pytest.approx(1.5) and hi == pytest.approx(1.5)
+    assert got["first_step_ms_p50"]["engine"] == pytest.approx(np.percentile(e_step, 50))
+    assert got["pairs"] == 48
+    # pairs without the worker's step are left out; none at all: no figure
+    gateway["first_step_ms"] = [None] * 47 + [g_step[-1]]
+    assert bench.outside_first_step(engine, gateway)["pairs"] == 1  # type: ignore[index]
+    gateway["first_step_ms"] = [None] * 48
+    assert bench.outside_first_step(engine, gateway) is None
