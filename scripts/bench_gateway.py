@@ -20,7 +20,10 @@ next to it, with their spread: a slow phase of the host that hit one side's roun
 shows there), the two targets' figures each with its 95% bootstrap interval over the
 run's request pairs and round pairs (how far the host's noise leaves a run's figure
 from what more runs would give; --pool combines runs' --out files into one figure and
-interval), and as anchors the bare
+interval), the added TTFT once more with each side's first step (the prefill's own
+compute, the worker's from the batch samples it writes to Redis) taken out of each
+request's TTFT: what the path adds around the compute, which a long prefill's noise
+buries in the plain figure (JSON `outside_first_step`), and as anchors the bare
 NATS request/reply time between two processes, the HTTP floor (the same client
 against a server that answers at once: what HTTP alone adds, no gateway behind
 it; also for the other client) and the load average; JSON to --out:
