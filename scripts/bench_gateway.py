@@ -162,6 +162,9 @@ def percentile(values: list[float], q: float) -> float:
 
 CI_LEVEL = 0.95
 CI_RESAMPLES = 9999
+RAW = ("ttft_ms", "round_tokens", "round_wall_s")  # a run's samples, per side
+STEPS = "first_step_ms"  # and each TTFT request's first step, where every run has them
+SAME = ("model", "dtype", "streams", "new_tokens")  # what pooled runs must share
 
 
 def _ci(samples: tuple[Sequence[float] | Any, ...], statistic: Any) -> tuple[float, float] | None:
@@ -214,14 +217,12 @@ def outside_first_step(
     interval, and each side's first step p50. Where the prefill is long (SmolLM2's
     ~80-130 ms here) its run-to-run noise buries the path's ~2 ms in the plain
     figure; this one is what the path adds around the compute. None without steps."""
+    if STEPS not in engine or STEPS not in gateway:  # (a run from before they were kept)
+        return None
     pairs = [
         (et, es, gt, gs)
         for et, es, gt, gs in zip(
-            engine.get("ttft_ms", []),
-            engine.get("first_step_ms", []),
-            gateway.get("ttft_ms", []),
-            gateway.get("first_step_ms", []),
-            strict=False,
+            engine["ttft_ms"], engine[STEPS], gateway["ttft_ms"], gateway[STEPS], strict=True
         )
         if gs is not None
     ]
@@ -488,11 +489,8 @@ class RoundBreakdown:
     SAMPLES_SETTLE_S = 0.1
 
     def __init__(self, store: Any) -> None:  # shared.store.Store, namespace "bench"
-        from shared.scheduling.snapshot import BatchSample
-
         self.store = store
         self.sides = {"engine": RoundAnatomy(), "gateway": RoundAnatomy()}
-        self._decoder = msgspec.msgpack.Decoder(BatchSample)
 
     async def record(self, side: str, engine: EngineSide | None, t0: float, t1: float) -> None:
         """Add the round [t0, t1] of `side` ("engine": the in-process engine's samples,
@@ -502,8 +500,7 @@ class RoundBreakdown:
             samples = engine.engine.pop_batch_samples()
         else:
             await asyncio.sleep(self.SAMPLES_SETTLE_S)
-            raw = await self.store.read_samples("bench-0", 2000)
-            samples = [self._decoder.decode(b) for b in raw]
+            samples = await worker_samples(self.store, 2000)
         self.sides[side].add(samples, t0, t1)
 
     def summary(self) -> dict[str, dict[str, float]]:
@@ -708,21 +705,20 @@ def first_steps_ms(
     return found
 
 
-async def worker_first_steps(redis_url: str, gateway: dict[str, Any]) -> None:
-    """Set gateway["first_step_ms"]: the worker's first step in each TTFT request, from
-    the batch samples it wrote to Redis (the bench's namespace and instance id)."""
+async def worker_samples(store: Any, count: int) -> list[Any]:
+    """The worker's newest `count` batch samples, oldest first, as it wrote them to
+    Redis (Store.write_snapshot; the bench's namespace and instance id)."""
     from shared.scheduling.snapshot import BatchSample
-    from shared.store import Store
 
-    store = Store(redis_url, "bench")
-    await store.connect()
-    try:
-        raw = await store.read_samples("bench-0", 1 << 20)
-    finally:
-        await store.close()
     decoder = msgspec.msgpack.Decoder(BatchSample)
+    return [decoder.decode(b) for b in await store.read_samples("bench-0", count)]
+
+
+async def worker_first_steps(store: Any, gateway: dict[str, Any]) -> None:
+    """Set gateway["first_step_ms"]: the worker's first step in each TTFT request (all
+    its samples kept: 10,000 by default, a default run writes ~3,500)."""
     gateway["first_step_ms"] = first_steps_ms(
-        [decoder.decode(b) for b in raw], gateway.pop("ttft_at_wall_s"), gateway["ttft_ms"]
+        await worker_samples(store, 1 << 20), gateway.pop("ttft_at_wall_s"), gateway["ttft_ms"]
     )
 
 
@@ -830,21 +826,23 @@ async def run_measure(
 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
     """The measurements, and with --breakdown their split: {"ttft": PathObserver's,
     "rounds": RoundBreakdown's means, "rounds_each": each side's rounds}."""
-    if not args.breakdown:
-        measured = await measure(args, engine, stack.base_url, None)
-        await worker_first_steps(stack.redis_url, measured["gateway"])
-        return measured, None
     from shared.store import Store
 
-    observer, store = PathObserver(), Store(stack.redis_url, "bench")
-    rounds = RoundBreakdown(store)
-    await observer.start(stack.nats_url)
+    store = Store(stack.redis_url, "bench")  # the worker's batch samples
     await store.connect()
     try:
-        measured = await measure(args, engine, stack.base_url, observer, rounds)
-        await worker_first_steps(stack.redis_url, measured["gateway"])
+        if not args.breakdown:
+            measured = await measure(args, engine, stack.base_url, None)
+            await worker_first_steps(store, measured["gateway"])
+            return measured, None
+        observer, rounds = PathObserver(), RoundBreakdown(store)
+        await observer.start(stack.nats_url)
+        try:
+            measured = await measure(args, engine, stack.base_url, observer, rounds)
+            await worker_first_steps(store, measured["gateway"])
+        finally:
+            await observer.close()
     finally:
-        await observer.close()
         await store.close()
     return measured, {
         "ttft": observer.summary() if observer.rows else {},
@@ -1159,11 +1157,6 @@ def intervals(engine: Mapping[str, Any], gateway: Mapping[str, Any]) -> dict[str
     }
 
 
-RAW = ("ttft_ms", "round_tokens", "round_wall_s")  # a run's samples, per side
-STEPS = "first_step_ms"  # and each TTFT request's first step, where every run has them
-SAME = ("model", "dtype", "streams", "new_tokens")  # what pooled runs must share
-
-
 def pool(paths: list[Path], out: Path | None) -> int:
     """--pool: the figures over several runs' samples together, each run's beside them.
     (The intervals treat every pair as drawn alike, so they do not widen for a run
@@ -1216,16 +1209,21 @@ def pool(paths: list[Path], out: Path | None) -> int:
         f"{f'pooled ({len(runs)} runs)':40}{result['added_ttft_ms_p50']:+16.2f}"
         f"{result['stream_tok_s_ratio']:14.3f}   targets <= +2 ms, >= 0.90"
     )
-    for key, fmt, over in (
-        ("added_ttft_ms_p50_ci95", "+.2f", f"{len(engine['ttft_ms'])} request pairs"),
-        ("stream_tok_s_ratio_ci95", ".3f", f"{len(engine['round_tokens'])} round pairs"),
-    ):
-        ci = result[key]
-        if ci is not None:
-            print(
-                f"  {key.removesuffix('_ci95')}: {CI_LEVEL:.0%} interval "
-                f"{format(ci[0], fmt)} to {format(ci[1], fmt)}, bootstrap over {over}"
-            )
+    interval = f"{CI_LEVEL:.0%} interval"
+    print_ci(
+        "added_ttft_ms_p50_ci95",
+        result,
+        "+.2f",
+        f"{len(engine['ttft_ms'])} request pairs",
+        label=f"  added TTFT, {interval}",
+    )
+    print_ci(
+        "stream_tok_s_ratio_ci95",
+        result,
+        ".3f",
+        f"{len(engine['round_tokens'])} round pairs",
+        label=f"  tok/s ratio, {interval}",
+    )
     if STEPS in raw:
         print_outside(result["outside_first_step"])
     if out:
@@ -1248,11 +1246,13 @@ def print_outside(outside: Mapping[str, Any] | None) -> None:
     )
 
 
-def print_ci(key: str, result: Mapping[str, Any], fmt: str, over: str) -> None:
+def print_ci(key: str, result: Mapping[str, Any], fmt: str, over: str, label: str = "") -> None:
+    """A figure's interval (result[key]) on a line of its own, in the table's columns."""
     ci = result[key]
     if ci is not None:
         text = f"{format(ci[0], fmt)} to {format(ci[1], fmt)}"
-        print(f"{f'  {CI_LEVEL:.0%} interval':24}{'':24}{text:>14}   bootstrap over {over}")
+        label = label or f"  {CI_LEVEL:.0%} interval"
+        print(f"{label:40}{'':8}{text:>14}   bootstrap over {over}")
 
 
 def print_round_breakdown(sides: dict[str, dict[str, float]]) -> None:
