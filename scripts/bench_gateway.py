@@ -26,7 +26,10 @@ request's TTFT: what the path adds around the compute, which a long prefill's no
 buries in the plain figure (JSON `outside_first_step`), and as anchors the bare
 NATS request/reply time between two processes, the HTTP floor (the same client
 against a server that answers at once: what HTTP alone adds, no gateway behind
-it; also for the other client) and the load average; JSON to --out:
+it; also for the other client; and again against a server that answers once another
+process, on the worker's CPU, has computed as long as the engine's first step: HTTP
+and one hop there and back around a step that long, which costs more after a longer
+wait on a VM) and the load average; JSON to --out:
 
   {"added_ttft_ms_p50": ..., "added_ttft_ms_p99": ..., "stream_tok_s_ratio": ...,
    "added_ttft_ms_p50_ci95": [low, high], "stream_tok_s_ratio_ci95": [low, high], ...}
@@ -736,13 +739,38 @@ asyncio.run(main())
 
 
 HTTP_FLOOR = """
-import asyncio, sys, uvloop
+import asyncio, os, socket, sys, time, uvloop
 CHUNKS = [
     b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\\n\\n',
     b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\\n\\n',
     b'data: [DONE]\\n\\n',
 ]
 HEAD = b"HTTP/1.1 200 OK\\r\\ncontent-type: text/event-stream\\r\\ntransfer-encoding: chunked\\r\\n\\r\\n"
+STEP_US, CPUS = int(sys.argv[2]), [int(c) for c in sys.argv[3].split(",") if c]
+if STEP_US:  # a process that computes (spins) STEP_US for each request, as a worker's step
+    here, there = socket.socketpair()
+    if os.fork() == 0:
+        here.close()
+        if CPUS:
+            os.sched_setaffinity(0, CPUS)
+        while there.recv(1):  # (EOF: the server is gone)
+            end = time.perf_counter() + STEP_US / 1e6
+            while time.perf_counter() < end:
+                pass
+            there.send(b"k")
+        os._exit(0)
+    there.close()
+WAITING = []  # transports whose answer waits for the step, in order
+def answer(transport):
+    # headers, role chunk and content chunk as separate writes, as the gateway sends them
+    transport.write(HEAD)
+    for c in CHUNKS:
+        transport.write(b"%x\\r\\n" % len(c) + c + b"\\r\\n")
+    transport.write(b"0\\r\\n\\r\\n")
+class StepDone(asyncio.Protocol):
+    def data_received(self, data):
+        for _ in data:
+            answer(WAITING.pop(0))
 class Answer(asyncio.Protocol):
     def connection_made(self, transport):
         self.transport, self.buf = transport, b""
@@ -758,42 +786,92 @@ class Answer(asyncio.Protocol):
             if len(rest) < length:
                 return
             self.buf = rest[length:]
-            # headers, role chunk and content chunk as separate writes, as the gateway sends them
-            self.transport.write(HEAD)
-            for c in CHUNKS:
-                self.transport.write(b"%x\\r\\n" % len(c) + c + b"\\r\\n")
-            self.transport.write(b"0\\r\\n\\r\\n")
+            if STEP_US:
+                WAITING.append(self.transport)
+                STEP.write(b"s")
+            else:
+                answer(self.transport)
 async def main():
-    server = await asyncio.get_running_loop().create_server(Answer, "127.0.0.1", int(sys.argv[1]))
+    global STEP
+    loop = asyncio.get_running_loop()
+    if STEP_US:
+        STEP, _ = await loop.create_connection(StepDone, sock=here)
+    server = await loop.create_server(Answer, "127.0.0.1", int(sys.argv[1]))
     await server.serve_forever()
 uvloop.run(main())
 """
 
 
-async def http_floor_ms(args: argparse.Namespace, count: int = 100) -> dict[str, list[float]]:
-    """TTFT of each client against a server that answers at once (uvloop, no framework,
-    no work): the part of the added TTFT that HTTP alone costs here. The clients
-    alternate request by request."""
+@contextlib.asynccontextmanager
+async def floor_server(step_ms: float = 0.0, cpus: Sequence[int] = ()) -> AsyncIterator[str]:
+    """The HTTP floor's server (uvloop, no framework): it answers a chat stream at once,
+    or with `step_ms` once a process on `cpus` has computed that long (a worker's step,
+    and its hop there and back). Yields its base URL."""
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-c", HTTP_FLOOR, str(port)], start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            HTTP_FLOOR,
+            str(port),
+            str(round(step_ms * 1e3)),
+            ",".join(map(str, cpus)),
+        ],
+        start_new_session=True,
+    )
     try:
-        async with Client("aiohttp", base) as a, Client("httpx", base) as h:
-            clients = {"aiohttp": a, "httpx": h}
-            for _ in range(100):
-                try:
-                    await stream_one(a, 0, 1)
-                    break
-                except CLIENT_ERRORS:
-                    await asyncio.sleep(0.05)
-            ttfts: dict[str, list[float]] = {kind: [] for kind in clients}
-            for i in range(count):
-                for kind, client in clients.items():
-                    await asyncio.sleep(args.idle_ms / 1e3)  # the TTFT runs' idle gap
-                    ttfts[kind].append(1e3 * (await stream_one(client, i, 1))[0])
-            return ttfts
+        yield f"http://127.0.0.1:{port}"
     finally:
         stop_process_group(server, 5)
+
+
+async def _first_answer(client: Client) -> None:
+    """Wait until the server started by floor_server answers."""
+    for _ in range(100):
+        try:
+            await stream_one(client, 0, 1)
+            return
+        except CLIENT_ERRORS:
+            await asyncio.sleep(0.05)
+
+
+async def http_floor_ms(args: argparse.Namespace, count: int = 100) -> dict[str, list[float]]:
+    """TTFT of each client against a server that answers at once (no work): the part of
+    the added TTFT that HTTP alone costs here. The clients alternate request by request."""
+    async with (
+        floor_server() as base,
+        Client("aiohttp", base) as a,
+        Client("httpx", base) as h,
+    ):
+        clients = {"aiohttp": a, "httpx": h}
+        await _first_answer(a)
+        ttfts: dict[str, list[float]] = {kind: [] for kind in clients}
+        for i in range(count):
+            for kind, client in clients.items():
+                await asyncio.sleep(args.idle_ms / 1e3)  # the TTFT runs' idle gap
+                ttfts[kind].append(1e3 * (await stream_one(client, i, 1))[0])
+        return ttfts
+
+
+async def http_floor_after_step_ms(
+    args: argparse.Namespace, step_ms: float, count: int = 60
+) -> list[float]:
+    """args.client's TTFT, less `step_ms`, against a server that answers once a process
+    on the worker's CPUs has computed for `step_ms` (floor_server): what one request's
+    HTTP and a hop to that CPU and back cost when the answer takes a step that long. A
+    wait idles the other CPUs, and waking from a longer idle costs more on a VM (a
+    halted vCPU, caches taken by other guests): the floor that the added TTFT outside
+    the 1st step compares with."""
+    async with (
+        floor_server(step_ms, args.worker_cpus) as base,
+        Client(args.client, base) as client,
+    ):
+        await _first_answer(client)
+        ttfts: list[float] = []
+        for i in range(count):
+            await asyncio.sleep(args.idle_ms / 1e3)  # the TTFT runs' idle gap
+            ttfts.append(1e3 * (await stream_one(client, i, 1))[0] - step_ms)
+        return ttfts
 
 
 async def nats_rtt_ms(nats_url: str, count: int = 200) -> list[float]:
@@ -1038,6 +1116,8 @@ def main() -> int:
             engine, gateway = measured["engine"], measured["gateway"]
             rtts = uvloop.run(nats_rtt_ms(stack.nats_url))
             floors = uvloop.run(http_floor_ms(args))
+            step_ms = 1e3 * float(np.median(engine_side.first_steps_s))
+            floor_after_step = uvloop.run(http_floor_after_step_ms(args, step_ms))
         finally:
             for p in reversed(stack.procs):
                 stop_process_group(p, 15)
@@ -1072,6 +1152,11 @@ def main() -> int:
         "http_floor_ttft_ms_p50": percentile(floor, 0.5),
         "http_floor_ttft_ms_p99": percentile(floor, 0.99),
         "http_floor_ttft_ms_p50_by_client": {k: percentile(v, 0.5) for k, v in floors.items()},
+        # the same, answered once a process on the worker's CPUs computed as long as the
+        # in-process engine's 1st step p50 (http_floor_after_step_ms), less that step
+        "http_floor_step_ms": step_ms,
+        "http_floor_after_step_ms_p50": percentile(floor_after_step, 0.5),
+        "http_floor_after_step_ms_p99": percentile(floor_after_step, 0.99),
         "load_average_1m": os.getloadavg()[0],
         # the gateway TTFT taken apart by the gateway's own stamps (ServerSplit)
         "gateway_ttft_split": gateway["ttft_split"],
@@ -1117,6 +1202,12 @@ def main() -> int:
         f"   p99 {result['http_floor_ttft_ms_p99']:.2f}; the client ({args.client}) against a "
         "server that answers at once; p50 by client: "
         + ", ".join(f"{k} {v:.2f}" for k, v in result["http_floor_ttft_ms_p50_by_client"].items())
+    )
+    print(
+        f"{'  after a step, less it':24}{'':12}{result['http_floor_after_step_ms_p50']:12.2f}"
+        f"   p99 {result['http_floor_after_step_ms_p99']:.2f}; answered once a process on "
+        f"the worker's CPU computed {result['http_floor_step_ms']:.2f} ms (the engine's 1st step p50): HTTP and "
+        "a hop there and back, to set beside the added TTFT outside the 1st step"
     )
     for mode, parts in result["gateway_ttft_split"].items():
         if parts:

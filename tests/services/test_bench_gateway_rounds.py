@@ -1,10 +1,12 @@
 """`bench_gateway.py --breakdown`'s throughput-round anatomy: a round split from batch
 samples (lead, steps, gaps, tail), and the worker's samples read back from Redis where
 the worker writes them (Store.write_snapshot, the bench's namespace and instance id);
-and a SIGTERM to the bench leaves none of the services it started running."""
+the HTTP floor after a step; and a SIGTERM to the bench leaves none of the services it
+started running."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -150,6 +152,14 @@ def test_the_gateway_ttft_splits_by_its_own_stamps() -> None:
             "submit_to_first_token_ms_p50": 4.0,
         }
     )
+
+
+async def test_the_floor_after_a_step_waits_for_the_step_and_takes_it_out() -> None:
+    args = argparse.Namespace(client="aiohttp", idle_ms=1.0, worker_cpus=[])
+    after = await bench.http_floor_after_step_ms(args, step_ms=40.0, count=4)
+    assert len(after) == 4
+    # each answer came after the 40 ms step (else ~ -40 ms), and the step is taken out
+    assert all(0 < ms < 40 for ms in after), after
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process tree from /proc")
