@@ -1116,7 +1116,7 @@ def main() -> int:
             engine, gateway = measured["engine"], measured["gateway"]
             rtts = uvloop.run(nats_rtt_ms(stack.nats_url))
             floors = uvloop.run(http_floor_ms(args))
-            step_ms = 1e3 * float(np.median(engine_side.first_steps_s))
+            step_ms = percentile(engine[STEPS], 0.5)  # the TTFT requests' prefills
             floor_after_step = uvloop.run(http_floor_after_step_ms(args, step_ms))
         finally:
             for p in reversed(stack.procs):
