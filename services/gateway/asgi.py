@@ -67,7 +67,9 @@ def authorize(headers: Mapping[str, str], api_keys: list[bytes]) -> None:
 
 def error_response(service: GatewayService, exc: GatewayError, path: str) -> JSONResponse:
     """A GatewayError as OpenAI's error object, counted (and logged when it is a 5xx)."""
-    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
+    headers = dict(exc.headers)
+    if exc.retry_after_s is not None:
+        headers["Retry-After"] = str(exc.retry_after_s)
     service.metrics.requests.labels("", str(exc.status)).inc()
     if exc.status >= 500:
         log.warning("request_failed", status=exc.status, error=exc.message, path=path)

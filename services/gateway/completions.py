@@ -308,18 +308,38 @@ async def handle(
     t_prepare = time.perf_counter()
     p = prepare(service, raw, is_chat, headers)
     prepare_ms = (p.t0 - t_prepare) * 1000.0
+    # Sent with the answer, and with an error once the request has its id (a 429, a
+    # failure on the worker): the id to find it by in the logs. X-Instance-Id: where it
+    # went first (the `baton` object names the instance that answered; they differ only
+    # after a reroute).
+    ids = {"X-Request-Id": p.request_id}
+    try:
+        return await _respond(service, p, prepare_ms, receive, ids)
+    except GatewayError as exc:
+        exc.headers.update(ids)
+        raise
+
+
+async def _respond(
+    service: GatewayService,
+    p: Prepared,
+    prepare_ms: float,
+    receive: Receive | None,
+    ids: dict[str, str],
+) -> ASGIApp:
+    """Admit, route and answer a prepared request (`handle`); `ids` gets X-Instance-Id
+    once the request is sent."""
     service.admit()
     try:
         reply, stream, baton = await send_routed(service, p)
     except BaseException:
         service.release()
         raise
+    ids["X-Instance-Id"] = stream.instance_id
     run = Generation(service, p, stream, reply.model or p.body.model)
     run.baton = {**baton, "prepare_ms": round(prepare_ms, 3)}
     watcher = None if receive is None else asyncio.create_task(watch_disconnect(receive, run))
-    # X-Instance-Id: where the request went first (the `baton` object names the instance
-    # that answered; they differ only after a reroute)
-    headers = {"X-Request-Id": p.request_id, "X-Instance-Id": stream.instance_id}
+    headers = dict(ids)
     if p.body.stream:  # the response owns the watcher: it watches the client while streaming
         return SSEResponse(run.sse(), headers, watcher, run.close)
     try:

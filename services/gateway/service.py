@@ -58,6 +58,9 @@ class GatewayError(Exception):
         self.code = code
         self.param = param
         self.retry_after_s = retry_after_s
+        # response headers naming the request (X-Request-Id, X-Instance-Id), set by
+        # completions.handle on an error after the request got its id
+        self.headers: dict[str, str] = {}
 
 
 class GatewayService:

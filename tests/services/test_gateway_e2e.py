@@ -580,6 +580,29 @@ async def test_admission_limit_answers_429_with_retry_after(stack: Stack) -> Non
     assert resp.status_code == 429
     assert resp.headers["retry-after"] == "1"
     assert resp.json()["error"]["code"] == "too_many_requests"
+    # the request had its id (the logs name it) and was sent nowhere
+    assert resp.headers["x-request-id"].startswith("chatcmpl-")
+    assert "x-instance-id" not in resp.headers
+
+
+async def test_an_error_after_routing_names_the_request_and_its_instance(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.gateway.generation import Generation
+    from services.gateway.service import GatewayError
+
+    async def late(self: Generation, first: object) -> None:
+        raise GatewayError(504, "no answer in time", "server_error")
+
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        with monkeypatch.context() as patch:
+            patch.setattr(Generation, "collect", late)
+            resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+        ok = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+    assert resp.status_code == 504 and resp.json()["error"]["message"] == "no answer in time"
+    assert resp.headers["x-request-id"].startswith("chatcmpl-")
+    assert resp.headers["x-instance-id"] in ("w0", "w1")
+    assert ok.status_code == 200
 
 
 async def test_health_models_and_metrics(stack: Stack) -> None:
