@@ -44,7 +44,7 @@ bench-engine *args:
 loadgen *args:
     ./baton python -m loadgen "$@"
 
-# TTFT and stream throughput through gateway + NATS vs an in-process engine
+# TTFT and stream throughput through gateway + direct link (or NATS) + worker vs an in-process engine
 bench-gateway *args:
     ./baton python scripts/bench_gateway.py "$@"
 

@@ -3,9 +3,12 @@
 Same model, same prompts, side by side in one run:
 
   engine   an LLMEngine in this process: add_request, step() until done
-  gateway  HTTP -> gateway -> estimator -> NATS -> worker process -> NATS -> SSE,
-           with NATS, Redis, the estimator, one worker and the gateway each a
-           separate process on free ports (started and stopped here)
+  gateway  HTTP -> gateway -> worker process -> gateway -> SSE, over the gateway's
+           direct link to the worker (a Unix socket; --worker link=false: NATS),
+           the gateway routing the one instance itself ([gateway]
+           route_single_locally), with NATS, Redis, the estimator, one worker and
+           the gateway each a separate process on free ports (started and stopped
+           here)
 
 Measures TTFT at concurrency 1 (--ttft-requests sequential requests, a short
 answer each) and output tokens/s with --streams concurrent streams of exactly

@@ -633,10 +633,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--log-dir", type=Path, default=None, help="service logs (default: a temp dir)")
     p.add_argument(
-        "--no-quality",
-        dest="quality",
-        action="store_false",
-        help="throughput and latency only: no large-only references, no scoring",
+        "--quality",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="score the answers against large-only references (--no-quality: throughput "
+        "and latency only)",
     )
     p.add_argument(
         "--fixed-b",

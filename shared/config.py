@@ -130,7 +130,7 @@ class Env:
         "BATON_LINK_HOST", "where a worker's direct link listens ([worker] link_host; 0.0.0.0: all)"
     )
     MODEL = EnvVar("BATON_MODEL", "model a worker serves (when not given on the command line)")
-    GATEWAY_ID = EnvVar("BATON_GATEWAY_ID", "gateway id (default: host-pid)")
+    GATEWAY_ID = EnvVar("BATON_GATEWAY_ID", "gateway id (default: gw-host-pid)")
     API_KEY = EnvVar(
         "BATON_API_KEY", "gateway: require this bearer token on /v1/* (adds to [gateway] api_keys)"
     )
@@ -138,7 +138,8 @@ class Env:
     LOG_DIR = EnvVar("BATON_LOG_DIR", "launcher: where per-service logs go (default logs/)")
     CACHE_DIR = EnvVar(
         "BATON_CACHE_DIR",
-        "derived artefacts: tokenizers, converted weights, native builds (default .cache/)",
+        "derived artefacts: tokenizers, converted weights, native builds, under DIR/baton/ "
+        "(default .cache/)",
     )
     NATIVE = EnvVar(
         "BATON_NATIVE", "0: run the SFS replay kernel as plain Python, not its mypyc build"
@@ -271,7 +272,7 @@ class BatcherConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     recompute_rel_change: float = 0.05
     nice: int = 10  # the batcher process's CPU niceness (its chain must not slow the workers)
     # The chain's recomputes take at most this share of one core over time: after one
-    # that took t seconds the next waits t / share (a table for N = 1..16 costs ~2 s).
+    # that took t seconds the next waits t / share (a table for N = 1..16 costs ~3 s).
     max_compute_share: float = 0.1
     # Experiments: publish this (B_entry, B_large) for every N instead of the chain's
     # choice (clamped to the deadlock bound per N); empty = the chain decides.
@@ -557,7 +558,7 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
         if not self.estimator.speed_horizon_s >= 0:
             raise ConfigError("[estimator] speed_horizon_s must be >= 0")
         b = self.batcher
-        if not 1 <= b.max_n <= 20:  # a table costs ~N^5 (16: ~2 s on one core, 20: ~8 s)
+        if not 1 <= b.max_n <= 20:  # a table costs ~N^5 (16: ~3 s on one core, 20: ~11 s)
             raise ConfigError(f"[batcher] max_n must be in 1..20, got {b.max_n}")
         if b.fixed_b and (len(b.fixed_b) != 2 or min(b.fixed_b) < 1):
             raise ConfigError(f"[batcher] fixed_b must be two values >= 1, got {b.fixed_b}")
