@@ -93,6 +93,20 @@ def resolve(name: str) -> ModelSource:
     raise ValueError(f"unknown model {name!r}: use one of {known}, a .gguf file or a HF directory")
 
 
+@lru_cache(maxsize=1)
+def byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the character a byte-level BPE vocabulary
+    writes for each byte -> the byte. Printable Latin-1 bytes stand for themselves; the
+    other 68 take the code points from 256 on, in byte order (the table `tokenizers`'
+    ByteLevel pre-tokenizer uses, which exposes its alphabet but not the mapping)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars = {b: chr(b) for b in printable}
+    others = (b for b in range(256) if b not in chars)
+    chars.update({b: chr(256 + i) for i, b in enumerate(others)})
+    return {c: b for b, c in chars.items()}
+
+
 class Tokenizer:
     """A fast tokenizer plus the model's chat template."""
 
@@ -102,6 +116,8 @@ class Tokenizer:
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
         self._chat: ChatTemplate | None = None  # compiled (and its form found) on first use
+        self._is_byte_level = False  # \ token_bytes's, found on first use
+        self._added_ids: frozenset[int] | None = None  # /
 
     @property
     def vocab_size(self) -> int:
@@ -112,6 +128,27 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (OpenAI's logprobs `bytes`): for a byte-level BPE
+        vocabulary a piece of a multi-byte character is its raw bytes, not the U+FFFD
+        its lone decode gives. Other vocabularies, and added tokens (text): the UTF-8 of
+        its decode."""
+        if self._added_ids is None:  # (found on first use: only logprobs need them)
+            from tokenizers.decoders import ByteLevel
+
+            self._is_byte_level = isinstance(self._tok.decoder, ByteLevel)
+            self._added_ids = frozenset(self._tok.get_added_tokens_decoder())
+        piece = self._tok.id_to_token(token_id)
+        table = byte_level_decoder()
+        if (
+            not self._is_byte_level
+            or piece is None
+            or token_id in self._added_ids
+            or any(c not in table for c in piece)
+        ):
+            return self.decode([token_id], skip_special_tokens=False).encode()
+        return bytes(table[c] for c in piece)
 
     def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str | None]:
         """An incremental decoder: step(token id) -> the text it completes, or None

@@ -84,9 +84,8 @@ def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False
     # The completion routes run ahead of FastAPI's machinery (services/gateway/asgi.py says why).
     app.completions = CompletionRoutes(service, api_keys)
 
-    @app.get("/v1/models")
-    async def list_models(request: Request) -> dict[str, object]:
-        authorize(request.headers, api_keys)
+    def model_cards() -> list[dict[str, object]]:
+        """OpenAI's model objects: the real models, then the routing presets."""
         created = int(time.time())
         live = {w.model for w in service.workers.values() if not w.is_draining}
         data: list[dict[str, object]] = [
@@ -116,7 +115,26 @@ def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False
             }
             for name, p in cfg.cluster.presets.items()
         ]
-        return {"object": "list", "data": data}
+        return data
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict[str, object]:
+        authorize(request.headers, api_keys)
+        return {"object": "list", "data": model_cards()}
+
+    @app.get("/v1/models/{model_id}")
+    async def retrieve_model(model_id: str, request: Request) -> dict[str, object]:
+        authorize(request.headers, api_keys)
+        for card in model_cards():
+            if card["id"] == model_id:
+                return card
+        raise GatewayError(
+            404,
+            f"the model {model_id!r} does not exist",
+            "invalid_request_error",
+            "model_not_found",
+            "model",
+        )
 
     @app.get("/health")
     async def health() -> JSONResponse:

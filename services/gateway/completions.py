@@ -20,6 +20,7 @@ link went away) is not the client's to see: the request goes to another instance
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,6 +48,22 @@ from shared.sampling import MAX_TOP_LOGPROBS, InvalidParam, SamplingParams
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
     return GatewayError(400, message, "invalid_request_error", code, param)
+
+
+_AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
+
+
+def validation_param(message: str) -> str | None:
+    """The field a msgspec ValidationError names, as OpenAI's `param`: "Expected `int`,
+    got `str` - at `$.max_tokens`" -> "max_tokens"; "Object missing required field
+    `role` - at `$.messages[0]`" -> "messages[0].role"; None when it names none."""
+    at = _AT.search(message)
+    path = at["path"] if at else ""
+    missing = _MISSING.search(message)
+    if missing:
+        path = f"{path}.{missing['field']}" if path else missing["field"]
+    return path or None
 
 
 @dataclass
@@ -107,13 +124,15 @@ def prepare(
             CHAT_DECODER if is_chat else COMPLETION_DECODER
         ).decode(raw)
     except msgspec.ValidationError as exc:
-        raise bad_request(f"invalid request: {exc}") from None
+        raise bad_request(f"invalid request: {exc}", validation_param(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:  # msgspec's depth guard: no request nests this deep
         raise bad_request("the body's JSON nests too deeply", code="invalid_json") from None
-    if body.n != 1:
+    if body.n not in (1, None):
         raise bad_request("only n=1 is supported", "n")
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     refuse_unsupported(body)
     if not service.cluster.candidates(body.model):
         known = sorted([*service.cluster.models, *service.cluster.presets])
@@ -146,9 +165,14 @@ def prepare(
     )
     if requested is None:
         room = max_model_len - len(prompt_ids)
-        requested = (
-            room if is_chat else min(service.settings.default_completion_max_tokens, max(room, 1))
-        )
+        if room < 1:  # (not "max_tokens must be >= 1, got -983": the client sent none)
+            raise bad_request(
+                f"this model's maximum context length is {max_model_len} tokens and the "
+                f"prompt has {len(prompt_ids)}: no room for a completion. Shorten the prompt.",
+                "messages" if is_chat else "prompt",
+                "context_length_exceeded",
+            )
+        requested = room if is_chat else min(service.settings.default_completion_max_tokens, room)
     params = _sampling_params(body, requested, service.sampling_defaults[body.model])
     preset = service.cluster.presets.get(body.model)
     if preset is not None and preset.is_token_level and params.logprobs is not None:
@@ -221,7 +245,11 @@ def _tokenize(body: ChatCompletionRequest | CompletionRequest, tokenizer: Any) -
         if not body.messages:
             raise bad_request("messages must not be empty", "messages")
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            # OpenAI's newer name for the system role (chat templates know "system" only)
+            messages = [
+                {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in body.messages
+            ]
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
         return list(tokenizer.apply_chat_template(messages))

@@ -272,21 +272,21 @@ class Generation:
         k = self.p.params.logprobs
         if k is None or not lps:
             return None
-        text = self.text.token_text
+        text, raw = self.text.token_text, self.text.token_bytes
         tokens = [text(t) for t in ids]
         tops = tops if k > 0 else []
         if self.p.is_chat:
             content = []
-            for i, (t, lp) in enumerate(zip(tokens, lps, strict=False)):
+            for i, (tid, t, lp) in enumerate(zip(ids, tokens, lps, strict=False)):
                 top = tops[i] if i < len(tops) else []
                 content.append(
                     {
                         "token": t,
                         "logprob": lp,
-                        "bytes": list(t.encode()),
+                        "bytes": list(raw(tid)),
                         "top_logprobs": [
-                            {"token": s, "logprob": v, "bytes": list(s.encode())}
-                            for s, v in ((text(tid), v) for tid, v in top)
+                            {"token": text(other), "logprob": v, "bytes": list(raw(other))}
+                            for other, v in top
                         ],
                     }
                 )

@@ -55,8 +55,10 @@ class _CommonRequest(msgspec.Struct, frozen=True, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # extension (vLLM)
-    n: int = 1
-    stream: bool = False
+    # OpenAI's spec lets a client send null for these (its SDKs' unset fields): the
+    # default, as if absent
+    n: int | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -86,7 +88,7 @@ class _CommonRequest(msgspec.Struct, frozen=True, kw_only=True):
 class ChatCompletionRequest(_CommonRequest, frozen=True, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # newer name for max_tokens
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     tools: list[msgspec.Raw] | None = None  # function calling: served only as tool_choice "none"
@@ -97,7 +99,7 @@ class ChatCompletionRequest(_CommonRequest, frozen=True, kw_only=True):
 class CompletionRequest(_CommonRequest, frozen=True, kw_only=True):
     prompt: str | list[str | int]  # a string, token ids, or a one-string list
     logprobs: int | None = None  # OpenAI legacy: an int enables logprobs
-    echo: bool = False
+    echo: bool | None = False
     best_of: int | None = None  # only 1 (as n)
     suffix: str | None = None  # insertion after the completion: not served
 

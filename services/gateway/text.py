@@ -177,3 +177,7 @@ class TextStream:
 
     def token_text(self, token_id: int) -> str:
         return "" if token_id in self._skip else self._detok.decode([token_id])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's raw bytes (a piece of a character included: Tokenizer.token_bytes)."""
+        return b"" if token_id in self._skip else bytes(self._tok.token_bytes(token_id))

@@ -9,7 +9,7 @@ import json
 import httpx
 import msgspec
 import pytest
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, NotFoundError
 
 from shared.model_store import load_tokenizer
 from shared.scheduling.snapshot import WorkloadSnapshot
@@ -95,6 +95,10 @@ async def test_chat_with_openai_client(stack: Stack) -> None:
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
     models = await client.models.list()
     assert {"random-tiny", "auto"} <= {m.id for m in models.data}
+    one = await client.models.retrieve("auto")  # GET /v1/models/{id}
+    assert one.id == "auto" and one.object == "model"
+    with pytest.raises(NotFoundError, match="does not exist"):
+        await client.models.retrieve("nope")
     await client.close()
 
 
@@ -271,7 +275,11 @@ async def test_chat_top_logprobs_non_stream(stack: Stack) -> None:
         top = entry["top_logprobs"]
         assert len(top) == 3
         assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
-        assert all(t["bytes"] == list(t["token"].encode()) for t in top)
+        for t in top:  # the token's raw bytes: a piece of a character too (its text: U+FFFD)
+            if "\ufffd" in t["token"]:
+                assert t["bytes"] != list("\ufffd".encode()) and t["bytes"]
+            else:
+                assert t["bytes"] == list(t["token"].encode())
         # greedy: the sampled token is the most likely one
         assert top[0]["logprob"] == pytest.approx(entry["logprob"])
         assert top[0]["token"] == entry["token"]
@@ -603,6 +611,53 @@ async def test_an_error_after_routing_names_the_request_and_its_instance(
     assert resp.headers["x-request-id"].startswith("chatcmpl-")
     assert resp.headers["x-instance-id"] in ("w0", "w1")
     assert ok.status_code == 200
+
+
+async def test_null_fields_count_as_absent_and_developer_is_system(stack: Stack) -> None:
+    """OpenAI's spec allows null for stream, n, logprobs and echo: the default."""
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        nulls = {"stream": None, "n": None, "logprobs": None, "max_tokens": 2}
+        chat = await client.post("/v1/chat/completions", json={**CHAT, **nulls})
+        plain = {"model": "random-tiny", "prompt": "hi", "max_tokens": 2}
+        completion = await client.post(
+            "/v1/completions", json={**plain, "echo": None, "n": None, "stream": None}
+        )
+        as_system, as_developer = [
+            await client.post(
+                "/v1/chat/completions",
+                json={**CHAT, "max_tokens": 1, "messages": [{"role": role, "content": "Be brief."}]},
+            )
+            for role in ("system", "developer")
+        ]
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["logprobs"] is None
+    assert completion.status_code == 200, completion.text
+    assert as_developer.status_code == 200, as_developer.text
+    assert as_developer.json()["usage"] == as_system.json()["usage"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "needle"),
+    [
+        ({**CHAT, "max_tokens": "5"}, "max_tokens", "Expected `int | null`, got `str`"),
+        ({"model": "random-tiny"}, "messages", "missing required field `messages`"),
+        ({**CHAT, "messages": [{"content": "hi"}]}, "messages[0].role", "missing required"),
+        ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options", "only allowed"),
+        (
+            {**CHAT, "messages": [{"role": "user", "content": "hello " * 400}]},
+            "messages",
+            "no room for a completion",
+        ),
+    ],
+)
+async def test_a_bad_field_is_named_in_param(
+    stack: Stack, body: dict[str, object], param: str, needle: str
+) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param and needle in err["message"], err
 
 
 async def test_health_models_and_metrics(stack: Stack) -> None:

@@ -110,3 +110,22 @@ def test_warming_a_tokenizer_compiles_its_chat_template_once() -> None:
         messages
     )
     assert tok._chat is chat
+
+
+def test_a_tokens_bytes_are_its_raw_bytes_even_inside_a_character() -> None:
+    """OpenAI's logprobs `bytes`: the pieces of a split character join into it."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    from shared.model_store import byte_level_decoder
+
+    assert set(byte_level_decoder()) == set(ByteLevel.alphabet())
+    assert sorted(byte_level_decoder().values()) == list(range(256))
+    tok = load_tokenizer("random-tiny")
+    ids = tok.encode(TEXT)
+    pieces = [tok.token_bytes(t) for t in ids]
+    assert b"".join(pieces) == TEXT.encode()
+    assert any(tok.decode([t]) == "\ufffd" for t in ids)  # (the case it is for)
+    assert tok.token_bytes(tok.eos_token_id) == b"<|im_end|>"
+    stream = TextStream(tok, [], skip_ids={tok.eos_token_id})
+    assert stream.token_bytes(tok.eos_token_id) == b""  # skipped, as its text
+    assert stream.token_bytes(ids[0]) == pieces[0]
