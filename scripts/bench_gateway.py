@@ -105,6 +105,9 @@ from services.launcher.servers import free_port, start_nats, start_redis, stop_p
 from shared.model_store import load_tokenizer  # noqa: E402
 from shared.runtime import compact_cpus, exit_on_sigterm, freeze_heap  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
+from shared.scheduling.snapshot import BatchSample  # noqa: E402
+
+SAMPLE_DECODER = msgspec.msgpack.Decoder(BatchSample)  # the worker's batch samples in Redis
 
 PROMPTS = [
     "Explain why the sky is blue in two sentences.",
@@ -714,10 +717,7 @@ def first_steps_ms(
 async def worker_samples(store: Any, count: int) -> list[Any]:
     """The worker's newest `count` batch samples, oldest first, as it wrote them to
     Redis (Store.write_snapshot; the bench's namespace and instance id)."""
-    from shared.scheduling.snapshot import BatchSample
-
-    decoder = msgspec.msgpack.Decoder(BatchSample)
-    return [decoder.decode(b) for b in await store.read_samples("bench-0", count)]
+    return [SAMPLE_DECODER.decode(b) for b in await store.read_samples("bench-0", count)]
 
 
 async def worker_first_steps(store: Any, gateway: dict[str, Any]) -> None:
@@ -1287,10 +1287,10 @@ def pool(paths: list[Path], out: Path | None) -> int:
     result: dict[str, Any] = {
         **dict(zip(SAME, kinds.pop(), strict=True)),
         "runs": [str(p) for p in paths],
-        "added_ttft_ms_p50": percentile(gateway["ttft_ms"], 0.5)
-        - percentile(engine["ttft_ms"], 0.5),
-        "stream_tok_s_ratio": (sum(gateway["round_tokens"]) / sum(gateway["round_wall_s"]))
-        / (sum(engine["round_tokens"]) / sum(engine["round_wall_s"])),
+        "added_ttft_ms_p50": float(_added_p50(*arrays(engine, gateway, "ttft_ms"))),
+        "stream_tok_s_ratio": float(
+            _rate_ratio(*arrays(engine, gateway, "round_tokens", "round_wall_s"))
+        ),
         **intervals(engine, gateway),
     }
     print(f"{'run':40}{'added TTFT p50':>16}{'tok/s ratio':>14}")
@@ -1325,6 +1325,12 @@ def pool(paths: list[Path], out: Path | None) -> int:
         out.write_text(json.dumps(result, indent=2))
         print(f"\nwrote {out}")
     return 0
+
+
+def arrays(engine: Mapping[str, Any], gateway: Mapping[str, Any], *keys: str) -> list[Any]:
+    """The samples under `keys`, the engine's then the gateway's, as float arrays: the
+    argument order of the statistics (_added_p50, _rate_ratio)."""
+    return [np.asarray(side[k], dtype=float) for side in (engine, gateway) for k in keys]
 
 
 def print_outside(outside: Mapping[str, Any] | None) -> None:

@@ -67,16 +67,13 @@ def authorize(headers: Mapping[str, str], api_keys: list[bytes]) -> None:
 
 def error_response(service: GatewayService, exc: GatewayError, path: str) -> JSONResponse:
     """A GatewayError as OpenAI's error object, counted (and logged when it is a 5xx)."""
-    headers = dict(exc.headers)
-    if exc.retry_after_s is not None:
-        headers["Retry-After"] = str(exc.retry_after_s)
     service.metrics.requests.labels("", str(exc.status)).inc()
     if exc.status >= 500:
         log.warning("request_failed", status=exc.status, error=exc.message, path=path)
     return JSONResponse(
         error_body(exc.message, exc.type, exc.code, exc.param),
         status_code=exc.status,
-        headers=headers,
+        headers=exc.headers,
     )
 
 
@@ -143,6 +140,7 @@ class CompletionRoutes:
                     405,
                     f"{scope['method']} is not allowed on {path}; use POST",
                     "invalid_request_error",
+                    headers={"Allow": "POST"},
                 )
             headers = request_headers(scope)
             authorize(headers, self.api_keys)
@@ -155,8 +153,6 @@ class CompletionRoutes:
             )
         except GatewayError as exc:
             response = error_response(self.service, exc, path)
-            if exc.status == 405:
-                response.headers["Allow"] = "POST"
         except Exception:
             log.exception("request_crashed", path=path)
             response = error_response(

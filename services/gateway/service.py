@@ -11,6 +11,7 @@ import contextlib
 import math
 import time
 import uuid
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -50,6 +51,7 @@ class GatewayError(Exception):
         code: str | None = None,
         param: str | None = None,
         retry_after_s: int | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -57,10 +59,11 @@ class GatewayError(Exception):
         self.type = type_
         self.code = code
         self.param = param
-        self.retry_after_s = retry_after_s
-        # response headers naming the request (X-Request-Id, X-Instance-Id), set by
-        # completions.handle on an error after the request got its id
-        self.headers: dict[str, str] = {}
+        # the response's headers: Retry-After, Allow, and those naming the request
+        # (X-Request-Id, X-Instance-Id: completions.handle adds them once it has an id)
+        self.headers = dict(headers or {})
+        if retry_after_s is not None:
+            self.headers["Retry-After"] = str(retry_after_s)
 
 
 class GatewayService:
