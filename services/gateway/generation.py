@@ -262,12 +262,19 @@ class Generation:
         return {**self.baton, "first_token_ms": first_token_ms, "cost": cost}
 
     def _logprobs(
-        self, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]]
+        self,
+        ids: list[int],
+        lps: list[float],
+        tops: list[list[tuple[int, float]]],
+        text_start: int = 0,
     ) -> Any:
         """OpenAI's logprobs object for these tokens (None when not asked for).
 
         Chat: `content` entries with `top_logprobs: [{token, logprob, bytes}]`.
-        Completions (legacy): `top_logprobs: [{token: logprob}]` per position, None for k = 0.
+        Completions (legacy): `top_logprobs: [{token: logprob}]` per position, None for k = 0,
+        and `text_offset`: where each token starts in the answer's text, counted from
+        `text_start` (the characters sent before these tokens' piece) by the tokens'
+        own texts, as vLLM counts them.
         """
         k = self.p.params.logprobs
         if k is None or not lps:
@@ -299,11 +306,16 @@ class Generation:
                 for tid, v in top:  # most likely first: keep it when two ids decode alike
                     entry.setdefault(text(tid), v)
                 top_dicts.append(entry)
+        offsets = []
+        at = text_start
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
         return {
             "tokens": tokens,
             "token_logprobs": lps,
             "top_logprobs": top_dicts,
-            "text_offset": None,
+            "text_offset": offsets,
         }
 
     async def collect(self, first: GatewayEvent) -> dict:
@@ -378,10 +390,12 @@ class Generation:
                     }
                 )
             first = await self.first_event()
+            sent_chars = 0  # of the answer's text, in the chunks before this one
             async for text, ids, lps, tops in self.pieces(first):
                 if not text and not ids and self.finish_reason is None:
                     continue
-                lp = self._logprobs(ids, lps, tops)
+                lp = self._logprobs(ids, lps, tops, sent_chars)
+                sent_chars += len(text)
                 if self.p.is_chat:
                     choice = {
                         "index": 0,

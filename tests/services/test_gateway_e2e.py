@@ -127,6 +127,9 @@ async def test_completion_non_stream_usage_and_logprobs(stack: Stack) -> None:
     assert out["choices"][0]["finish_reason"] == "length"
     lp = out["choices"][0]["logprobs"]
     assert len(lp["token_logprobs"]) == 5 and all(v <= 0 for v in lp["token_logprobs"])
+    # where each token starts in the text: from 0, by the tokens' own texts
+    starts = [sum(len(t) for t in lp["tokens"][:i]) for i in range(5)]
+    assert lp["text_offset"] == starts
     # the gateway's own share of the TTFT and the worker's, from the submit on
     baton = out["baton"]
     assert 0 < baton["prepare_ms"] < 10_000 and 0 < baton["first_token_ms"] < 60_000
@@ -309,15 +312,20 @@ async def test_completion_stream_top_logprobs(stack: Stack) -> None:
     ):
         assert resp.status_code == 200
         events = sse_events([line async for line in resp.aiter_lines()])
-    lps = [
-        e["choices"][0]["logprobs"]
-        for e in events
-        if isinstance(e, dict) and e["choices"] and e["choices"][0]["logprobs"]
-    ]
+    chunks = [e["choices"][0] for e in events if isinstance(e, dict) and e["choices"]]
+    lps = [c["logprobs"] for c in chunks if c["logprobs"]]
     tokens = [t for lp in lps for t in lp["tokens"]]
     token_lps = [v for lp in lps for v in lp["token_logprobs"]]
     tops = [d for lp in lps for d in lp["top_logprobs"]]
     assert len(tokens) == len(token_lps) == len(tops) == 6
+    # text_offset goes on across the chunks: each chunk's from the text sent before it
+    sent = 0
+    for chunk in chunks:
+        if chunk["logprobs"]:
+            toks = chunk["logprobs"]["tokens"]
+            starts = [sent + sum(map(len, toks[:i])) for i in range(len(toks))]
+            assert chunk["logprobs"]["text_offset"] == starts
+        sent += len(chunk["text"])
     for token, value, top in zip(tokens, token_lps, tops, strict=True):
         assert 1 <= len(top) <= 2  # two ids can decode to the same text: one key
         assert max(top.values()) == pytest.approx(value)  # greedy: sampled = most likely
@@ -625,7 +633,11 @@ async def test_null_fields_count_as_absent_and_developer_is_system(stack: Stack)
         as_system, as_developer = [
             await client.post(
                 "/v1/chat/completions",
-                json={**CHAT, "max_tokens": 1, "messages": [{"role": role, "content": "Be brief."}]},
+                json={
+                    **CHAT,
+                    "max_tokens": 1,
+                    "messages": [{"role": role, "content": "Be brief."}],
+                },
             )
             for role in ("system", "developer")
         ]
