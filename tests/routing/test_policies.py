@@ -157,6 +157,24 @@ def test_me_confident_model_keeps_the_pen(artifacts: Path) -> None:
     assert policy.route(batch) == [STAY] * 200
 
 
+def test_me_draws_by_the_request_key_not_its_id(artifacts: Path) -> None:
+    """Rows with one draw key (requests with the same seed, or greedy on the same
+    prompt) are routed alike whatever their ids; rows without one draw by their ids."""
+    policy = create_token_policy("me", TRIO, 0, {}, artifacts)
+    by_id = route_batch(torch.zeros(300, 8), confident_logits(300, 0.5))
+    assert len(set(policy.route(by_id))) > 1  # 300 ids: draws that differ
+    for prefix in ("r", "x"):
+        keyed = route_batch(torch.zeros(300, 8), confident_logits(300, 0.5), prefix=prefix)
+        for state in keyed.states:
+            state.draw_key = "seed:7"
+        routes = policy.route(keyed)
+        assert len(set(routes)) == 1  # one key, one position, one confidence: one draw
+        if prefix == "r":
+            first = routes
+        else:
+            assert routes == first
+
+
 def test_me_is_deterministic_under_its_seed(artifacts: Path) -> None:
     batch = route_batch(torch.zeros(300, 8), confident_logits(300, 0.5))
     first = create_token_policy("me", TRIO, 0, {"seed": 7}, artifacts).route(batch)

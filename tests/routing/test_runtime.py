@@ -18,7 +18,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.loader import build_model, random_config, random_state_dict
 from services.worker.routing.api import STAY, RouteBatch, TokenPolicy, hand_after, hand_rewrite
-from services.worker.routing.runtime import BARRIER_RECHECK_S, Outbox, TokenRouting
+from services.worker.routing.runtime import BARRIER_RECHECK_S, Outbox, TokenRouting, draw_key
 from shared.config import PresetConfig, TokenMode
 from shared.messages.peer import PeerRelease, PeerReq
 from shared.sampling import SamplingParams
@@ -32,12 +32,18 @@ def big_writes(position: int) -> bool:
     return position % 3 == 2
 
 
+# request id -> (model index, draw key) of every state a policy routed it under
+SEEN_KEYS: dict[str, set[tuple[int, str]]] = {}
+
+
 class EveryThird(TokenPolicy):
     """Small: hand position 2 mod 3 to the large model to rewrite; large: hand back."""
 
     name = "every-third"
 
     def route(self, batch: RouteBatch) -> list[int]:
+        for s in batch.states:
+            SEEN_KEYS.setdefault(s.request_id, set()).add((self.model_index, s.draw_key))
         if self.model_index == 1:
             return [hand_after(0)] * len(batch.states)
         # num_output_tokens counts the token just sampled: its position is that - 1.
@@ -78,8 +84,15 @@ class Pair:
         self.finished: dict[str, str | None] = {}
         self.suffix_tokens = 0  # tokens carried by PeerReqs
 
-    def submit(self, rid: str, prompt: list[int], max_tokens: int = NEW_TOKENS) -> None:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    def submit(
+        self,
+        rid: str,
+        prompt: list[int],
+        max_tokens: int = NEW_TOKENS,
+        params: SamplingParams | None = None,
+    ) -> None:
+        if params is None:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         self.engines["w-small"].add_request(rid, prompt, params)
         self.books["w-small"].add_origin(rid, "pair", prompt, params)
         self.client[rid] = []
@@ -163,6 +176,37 @@ def test_routed_answer_equals_single_process_and_frees_kv(mode: TokenMode) -> No
         # Only unseen suffixes travel: far fewer tokens than whole sequences.
         whole = sum((len(p) + NEW_TOKENS) * (NEW_TOKENS // 3) * 2 for p in prompts.values())
         assert pair.suffix_tokens < whole / 3
+
+
+def test_a_request_is_drawn_by_one_key_on_every_worker() -> None:
+    """Seeded draws (ME's writer) are keyed on RouteState.draw_key: the guest's copy
+    gets the origin's key, and that key is the request's seed when it has one, its
+    prompt when it is greedy, else its id, so that `seed` or temperature 0 repeat."""
+    SEEN_KEYS.clear()
+    pair = Pair("baton")
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=7, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True)
+    requests = {
+        "a": ([5, 9, 14], greedy),
+        "b": ([5, 9, 14], greedy),  # the same prompt
+        "c": ([6, 9, 14], greedy),
+        "d": ([5, 9, 14], seeded),
+        "e": ([6, 9, 14], seeded),  # the same seed
+        "f": ([5, 9, 14], sampled),
+    }
+    for rid, (prompt, params) in requests.items():
+        pair.submit(rid, prompt, params=params)
+    pair.run(list(requests))
+    keys = {}
+    for rid in requests:
+        (key,) = {k for _, k in SEEN_KEYS[rid]}  # one key on both workers...
+        assert {i for i, _ in SEEN_KEYS[rid]} == {0, 1}  # ... which both routed
+        keys[rid] = key
+    assert keys["a"] == keys["b"] != keys["c"]
+    assert keys["d"] == keys["e"] == "seed:7"
+    assert keys["f"] == "f"
+    assert draw_key("x", [5, 9, 14], greedy) == keys["a"]
 
 
 def test_tokens_by_model_are_counted() -> None:

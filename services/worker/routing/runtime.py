@@ -19,7 +19,9 @@ the tokens written per model. Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +45,19 @@ log = get_logger(component="token-routing")
 BARRIER_RECHECK_S = 0.05
 
 PolicyFactory = Callable[[str, list[str], int, dict[str, float | str]], TokenPolicy]
+
+
+def draw_key(request_id: str, prompt: list[int], params: SamplingParams) -> str:
+    """What a policy's seeded draws (ME's writer) are keyed on, the same on every worker
+    the request visits: its `seed` when it has one (the same seed, the same draws, as
+    for sampling); its prompt when it samples greedily (temperature 0: the same prompt,
+    the same answer, as from a single model); else its id (every request draws anew)."""
+    if params.seed is not None:
+        return f"seed:{params.seed}"
+    if params.temperature == 0.0:
+        digest = hashlib.blake2b(array("q", prompt).tobytes(), digest_size=16).hexdigest()
+        return f"prompt:{digest}"
+    return request_id
 
 
 class PeerError(ValueError):
@@ -159,7 +174,7 @@ class TokenRouting:
         self.requests[request_id] = Tracked(
             preset=preset,
             policy=self.policies[preset],
-            state=self._state(request_id, 0, len(prompt), len(cfg.models), params),
+            state=self._state(request_id, 0, prompt, len(cfg.models), params),
             origin_instance=self.instance_id,
             params=params,
             max_tokens=params.max_tokens,
@@ -168,14 +183,20 @@ class TokenRouting:
         )
 
     def _state(
-        self, request_id: str, index: int, num_prompt: int, num_models: int, params: SamplingParams
+        self,
+        request_id: str,
+        index: int,
+        prompt: list[int],
+        num_models: int,
+        params: SamplingParams,
     ) -> RouteState:
         return RouteState(
             request_id=request_id,
             model_index=index,
-            num_prompt_tokens=num_prompt,
+            num_prompt_tokens=len(prompt),
             tokens_by_model=[0] * num_models,
             temperature=params.temperature,
+            draw_key=draw_key(request_id, prompt, params),
         )
 
     def num_active(self, preset: str) -> int:
@@ -402,7 +423,7 @@ class TokenRouting:
         if room < 1:
             raise PeerError(f"request {msg.request_id} has no output tokens left")
         state = self._state(
-            msg.request_id, msg.to_model, msg.num_prompt_tokens, len(cfg.models), msg.params
+            msg.request_id, msg.to_model, seq[: msg.num_prompt_tokens], len(cfg.models), msg.params
         )
         state.tokens_by_model = list(msg.tokens_by_model) or state.tokens_by_model
         state.num_output_tokens = num_output

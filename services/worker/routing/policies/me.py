@@ -10,9 +10,12 @@ chance that i is right; the posterior is
 
 A confident model keeps the pen (c -> 1), an unsure one passes it on in
 proportion to the others' weights (c -> 0). The draw uses a uniform number
-hashed from (seed, request id, output tokens so far), so a run is reproducible
-under the preset's `seed` and independent of batching. The sampled token always
-stands (hand_after(j)).
+hashed from (the preset's seed, the request's draw key, output tokens so far), so
+it does not depend on batching and a run is reproducible under the preset's `seed`.
+The draw key (RouteState.draw_key) is the request's own `seed` when it has one, its
+prompt when it is greedy (temperature 0), else its id: a client that pins `seed` or
+asks for temperature 0 gets the same answer again, as from a single model. The
+sampled token always stands (hand_after(j)).
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ from services.worker.routing.policies.args import check_keys, float_arg, floats_
 PAPER_WEIGHTS = (0.5, 0.3, 0.2)
 
 
-def seeded_uniform(seed: int, request_id: str, position: int) -> float:
-    """A number in [0, 1) fixed by (seed, request id, position)."""
-    digest = hashlib.blake2b(f"{seed}:{request_id}:{position}".encode(), digest_size=8).digest()
+def seeded_uniform(seed: int, key: str, position: int) -> float:
+    """A number in [0, 1) fixed by (seed, key, position)."""
+    digest = hashlib.blake2b(f"{seed}:{key}:{position}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") / 2.0**64
 
 
@@ -78,7 +81,10 @@ class MEPolicy(TokenPolicy):
             confidence = (chosen - torch.logsumexp(logits, dim=-1)).exp()
             cdf = self.posterior(confidence).cumsum(dim=1)
         u = torch.tensor(
-            [seeded_uniform(self.seed, s.request_id, s.num_output_tokens) for s in batch.states],
+            [
+                seeded_uniform(self.seed, s.draw_key or s.request_id, s.num_output_tokens)
+                for s in batch.states
+            ],
             dtype=cdf.dtype,
         )
         # Inverse CDF: the first model whose cumulative probability exceeds u.
