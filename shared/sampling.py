@@ -28,7 +28,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     max_tokens: int = 16  # new tokens at most; the context limit may cut it sooner
     temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus mass kept, (0, 1]
+    top_p: float = 1.0  # nucleus mass kept, [0, 1]; 0 keeps only the most likely token
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     seed: int | None = None  # per-request RNG seed: same seed, same tokens
     frequency_penalty: float = 0.0  # [-2, 2], subtracted per previous occurrence
@@ -40,7 +40,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature <= 1e-5 or self.top_k == 1
+        """Only the most likely token can be drawn. top_p 0 is OpenAI's range's low end
+        (clients send it to ask for greedy; vLLM refuses it): the nucleus is the first
+        token alone, as the sampler keeps the first token of any nucleus."""
+        return self.temperature <= 1e-5 or self.top_k == 1 or self.top_p == 0.0
 
     @property
     def has_penalties(self) -> bool:
@@ -54,8 +57,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidParam(
                 "temperature", f"temperature must be in [0, 2], got {self.temperature}"
             )
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidParam("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise InvalidParam("top_p", f"top_p must be in [0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidParam("top_k", f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         for name in ("frequency_penalty", "presence_penalty"):

@@ -79,7 +79,7 @@ def test_a_model_gives_its_defaults_and_a_preset_its_first_models() -> None:
     [
         ("default_temperature = -0.1", "default_temperature"),
         ("default_temperature = 2.5", "default_temperature"),
-        ("default_top_p = 0.0", "default_top_p"),
+        ("default_top_p = -0.1", "default_top_p"),
         ("default_top_p = 1.5", "default_top_p"),
     ],
 )

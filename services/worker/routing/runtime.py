@@ -50,11 +50,12 @@ PolicyFactory = Callable[[str, list[str], int, dict[str, float | str]], TokenPol
 def draw_key(request_id: str, prompt: list[int], params: SamplingParams) -> str:
     """What a policy's seeded draws (ME's writer) are keyed on, the same on every worker
     the request visits: its `seed` when it has one (the same seed, the same draws, as
-    for sampling); its prompt when it samples greedily (temperature 0: the same prompt,
-    the same answer, as from a single model); else its id (every request draws anew)."""
+    for sampling); its prompt when it samples greedily (temperature 0, top_p 0 or top_k
+    1: the same prompt, the same answer, as from a single model); else its id (every
+    request draws anew)."""
     if params.seed is not None:
         return f"seed:{params.seed}"
-    if params.temperature == 0.0:
+    if params.is_greedy:
         digest = hashlib.blake2b(array("q", prompt).tobytes(), digest_size=16).hexdigest()
         return f"prompt:{digest}"
     return request_id
