@@ -175,6 +175,10 @@ class GatewayConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     # (httpx and the openai SDK 5 s, aiohttp 15 s; a load balancer often 60 s): a server
     # that closes first races the client's reuse, and that request fails with a reset.
     keep_alive_s: int = 75
+    # Origins whose browser pages may call the API (CORS: preflights answered, responses
+    # carrying Access-Control-Allow-Origin); ["*"]: any page. Empty (the default): no
+    # CORS, as a page on any site could otherwise spend a local server's models.
+    cors_allow_origins: list[str] = []
     cpus: Cpus = []  # CPU ids the gateway process runs on (empty: any)
 
 

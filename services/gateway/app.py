@@ -14,7 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from services.gateway.asgi import CompletionRoutes, authorize, error_response
@@ -39,8 +40,17 @@ class GatewayApp(FastAPI):
     between calls: 67 against 24 us, 2026-12-04)."""
 
     completions: CompletionRoutes
+    # Starlette's CORS middleware around `dispatch` when [gateway] cors_allow_origins is
+    # set: outermost, so that the completion routes have it too
+    cors: ASGIApp | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.cors is None:
+            await self.dispatch(scope, receive, send)
+        else:
+            await self.cors(scope, receive, send)
+
+    async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         is_chat = CompletionRoutes.match(scope)
         if is_chat is None:
             await super().__call__(scope, receive, send)
@@ -65,6 +75,16 @@ def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False
 
     app = GatewayApp(title="Baton", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=forwarded_allow_ips())
+    if cfg.settings.cors_allow_origins:
+        # As vLLM's: any method and header; no cookies (the API takes bearer keys). The
+        # request and instance ids are exposed to the page.
+        app.cors = CORSMiddleware(
+            app.dispatch,
+            allow_origins=cfg.settings.cors_allow_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id", "X-Instance-Id", "Retry-After"],
+        )
     app.state.service = service
 
     @app.exception_handler(GatewayError)
@@ -74,7 +94,10 @@ def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code)
+        # (a 405's headers name the methods allowed: HTTP requires Allow there)
+        return JSONResponse(
+            error_body(str(exc.detail), type_), status_code=exc.status_code, headers=exc.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -136,7 +159,8 @@ def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False
             "model",
         )
 
-    @app.get("/health")
+    # (HEAD too, for load balancers and uptime checks: the same answer without its body)
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         live = [w.instance_id for w in service.routable()]
         body = {
@@ -147,7 +171,7 @@ def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False
         }
         return JSONResponse(body, status_code=200 if service.is_ready else 503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

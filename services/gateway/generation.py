@@ -392,9 +392,11 @@ class Generation:
             first = await self.first_event()
             sent_chars = 0  # of the answer's text, in the chunks before this one
             async for text, ids, lps, tops in self.pieces(first):
-                if not text and not ids and self.finish_reason is None:
-                    continue
                 lp = self._logprobs(ids, lps, tops, sent_chars)
+                if not text and lp is None and self.finish_reason is None:
+                    # Nothing to show yet (tokens held back as a possible stop string's
+                    # start, a character's first bytes): no empty chunk, as OpenAI's.
+                    continue
                 sent_chars += len(text)
                 if self.p.is_chat:
                     choice = {

@@ -112,12 +112,30 @@ class IncrementalDetokenizer:
         return full[len(prefix) :] if len(full) > len(prefix) else ""
 
 
+def stop_prefix_len(text: str, stops: list[str]) -> int:
+    """The length of the longest end of `text` that begins some stop string (shorter than
+    it): what must wait for the next text to tell whether the stop string follows."""
+    longest = 0
+    for stop in stops:
+        last = text[-1:]
+        # candidates: the stop's proper prefixes that end in text's last character
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if stop[k - 1] == last and text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
+
+
 class StopStringCutter:
-    """Holds back text that might be the start of a stop string; cuts at the first match."""
+    """Holds back text that might be the start of a stop string; cuts at the first match.
+
+    Only the text's end that begins a stop string waits (`stop_prefix_len`); the rest is
+    released at once. (vLLM holds the longest stop string's length less one character
+    whatever the text: with a long stop string a stream showed nothing until its end.)
+    A match that ends in later text began in the held end, so none is missed."""
 
     def __init__(self, stops: list[str]) -> None:
         self._stops = stops
-        self._hold = max((len(s) for s in stops), default=1) - 1
         self._buffer = ""
         self.is_stopped = False
 
@@ -132,7 +150,7 @@ class StopStringCutter:
             self.is_stopped = True
             out, self._buffer = self._buffer[: min(hits)], ""
             return out
-        cut = max(0, len(self._buffer) - self._hold)
+        cut = len(self._buffer) - stop_prefix_len(self._buffer, self._stops)
         out, self._buffer = self._buffer[:cut], self._buffer[cut:]
         return out
 

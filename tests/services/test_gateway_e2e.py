@@ -516,6 +516,57 @@ async def test_other_methods_on_a_completion_route_get_405(stack: Stack) -> None
     assert "use POST" in resp.json()["error"]["message"]
 
 
+async def test_health_answers_head_and_other_routes_name_their_methods(stack: Stack) -> None:
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        head = await client.head("/health")
+        metrics = await client.head("/metrics")
+        wrong = await client.post("/v1/models")
+        preflight = await client.options(
+            "/v1/chat/completions",
+            headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"},
+        )
+    assert head.status_code == metrics.status_code == 200
+    assert head.content == b"" and head.headers["content-type"] == "application/json"
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "GET"  # HTTP requires Allow
+    # no CORS unless configured ([gateway] cors_allow_origins)
+    assert preflight.status_code == 405
+    assert "access-control-allow-origin" not in preflight.headers
+
+
+async def test_cors_when_configured(stack: Stack) -> None:
+    from msgspec import structs
+
+    from services.gateway.app import create_app
+    from services.gateway.config import GatewayServiceConfig
+
+    page = "http://localhost:3000"
+    settings = structs.replace(stack.cluster.gateway, cors_allow_origins=[page])
+    cluster = structs.replace(stack.cluster, gateway=settings)
+    app = create_app(GatewayServiceConfig.from_cluster(cluster, "gw-cors"))  # no lifespan
+    transport = httpx.ASGITransport(app=app)
+    ask = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        preflight = await client.options("/v1/chat/completions", headers={"Origin": page, **ask})
+        stranger = await client.options(
+            "/v1/chat/completions", headers={"Origin": "http://evil.example", **ask}
+        )
+        # a completion route's answer (here a 400: the body is not JSON) and FastAPI's
+        bad = await client.post("/v1/chat/completions", content=b"{", headers={"Origin": page})
+        models = await client.get("/v1/models", headers={"Origin": page})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == page
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    assert stranger.status_code == 400
+    assert "access-control-allow-origin" not in stranger.headers
+    assert bad.status_code == 400 and bad.headers["access-control-allow-origin"] == page
+    assert "x-request-id" in bad.headers["access-control-expose-headers"].lower()
+    assert models.status_code == 200 and models.headers["access-control-allow-origin"] == page
+
+
 async def test_a_trailing_slash_is_served_and_root_path_is_stripped(stack: Stack) -> None:
     from services.gateway.asgi import route_path
 
@@ -728,6 +779,31 @@ async def test_stop_string_cuts_the_text_in_stream_and_non_stream(stack: Stack) 
     assert all(c["object"] == "text_completion" for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks) == text[: text.index(stop)]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_text_held_for_a_stop_string_makes_no_empty_chunks(stack: Stack) -> None:
+    """A stop string that the answer's second half begins and never completes: that
+    half is held back to the end, and the tokens that bring it make no chunk."""
+    base = {
+        "model": "random-tiny",
+        "prompt": "Once upon a time",
+        "max_tokens": 24,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        full = (await client.post("/v1/completions", json=base)).json()
+        text = full["choices"][0]["text"]
+        stop = text[len(text) // 2 :] + "\x00"  # (greedy is deterministic)
+        async with client.stream(
+            "POST", "/v1/completions", json={**base, "stop": [stop], "stream": True}
+        ) as resp:
+            events = sse_events([line async for line in resp.aiter_lines()])
+    chunks = [e["choices"][0] for e in events if isinstance(e, dict)]
+    assert "".join(c["text"] for c in chunks) == text
+    assert chunks[-1]["finish_reason"] == "length"
+    assert chunks[-1]["text"].endswith(text[len(text) // 2 :])  # held to the end
+    assert all(c["text"] for c in chunks[:-1])
 
 
 async def test_chat_stream_with_logprobs(stack: Stack) -> None:

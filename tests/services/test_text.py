@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
 from services.gateway.text import (
     IncrementalDetokenizer,
     OutputAssembler,
@@ -59,6 +63,37 @@ def test_stop_string_cut_across_deltas() -> None:
     assert cutter.push("ignored") == "" and cutter.flush() == ""
     free = StopStringCutter(["STOP"])
     assert free.push("a ST") + free.push("ep") + free.flush() == "a STep"
+
+
+def test_only_text_that_may_begin_a_stop_string_waits() -> None:
+    cutter = StopStringCutter(["STOP", "the end"])
+    assert cutter.push("hello") == "hello"  # begins neither: out at once
+    assert cutter.push(" S") == " "  # "S" may begin STOP
+    assert cutter.push("x the") == "Sx "  # "the" may begin "the end"
+    assert cutter.push(" dog") == "the dog"
+    assert cutter.push(" the en") == " "
+    assert cutter.push("d") == "" and cutter.is_stopped
+    long = StopStringCutter(["#" * 250])
+    assert long.push("words, no hashes") == "words, no hashes"
+    assert long.push(" ##") == " " and long.push("#" * 248) == "" and long.is_stopped
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_the_cutter_releases_what_a_whole_text_search_would(seed: int) -> None:
+    """Text pushed in random pieces comes out as the text before the first stop string
+    anywhere in it (all of it when none), and nothing past that."""
+    rng = random.Random(seed)
+    stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 4))) for _ in range(2)]
+    text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 30)))
+    cutter, out, at = StopStringCutter(stops), "", 0
+    while at < len(text):
+        n = rng.randint(1, 4)
+        out += cutter.push(text[at : at + n])
+        at += n
+    out += cutter.flush()
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    assert out == (text[: min(hits)] if hits else text)
+    assert cutter.is_stopped == bool(hits)
 
 
 def test_text_stream_stops_before_the_stop_string() -> None:
