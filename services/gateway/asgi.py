@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
 from services.gateway import completions
+from services.gateway.ids import new_request_id
 from services.gateway.protocol import error_body
 from services.gateway.service import GatewayError, GatewayService
 from shared.logging import get_logger
@@ -69,7 +70,13 @@ def error_response(service: GatewayService, exc: GatewayError, path: str) -> JSO
     """A GatewayError as OpenAI's error object, counted (and logged when it is a 5xx)."""
     service.metrics.requests.labels("", str(exc.status)).inc()
     if exc.status >= 500:
-        log.warning("request_failed", status=exc.status, error=exc.message, path=path)
+        log.warning(
+            "request_failed",
+            status=exc.status,
+            error=exc.message,
+            path=path,
+            request_id=exc.headers.get("X-Request-Id"),
+        )
     return JSONResponse(
         error_body(exc.message, exc.type, exc.code, exc.param),
         status_code=exc.status,
@@ -134,6 +141,9 @@ class CompletionRoutes:
 
     async def serve(self, scope: Scope, receive: Receive, send: Send, is_chat: bool) -> None:
         path = scope["path"]
+        # Minted first, so that every answer carries it, a refusal too (OpenAI's do: a
+        # client reports an error by it)
+        request_id = new_request_id("chatcmpl-" if is_chat else "cmpl-")
         try:
             if scope["method"] != "POST":
                 raise GatewayError(
@@ -149,15 +159,18 @@ class CompletionRoutes:
             except ClientDisconnect:  # gone before the body was complete: nobody to answer
                 return
             response = await completions.handle(
-                self.service, raw, is_chat=is_chat, headers=headers, receive=receive
+                self.service, raw, is_chat, request_id, headers=headers, receive=receive
             )
         except GatewayError as exc:
+            exc.headers.setdefault("X-Request-Id", request_id)
             response = error_response(self.service, exc, path)
         except Exception:
-            log.exception("request_crashed", path=path)
-            response = error_response(
-                self.service,
-                GatewayError(500, "internal error in the gateway; see its log", "server_error"),
-                path,
+            log.exception("request_crashed", path=path, request_id=request_id)
+            crash = GatewayError(
+                500,
+                "internal error in the gateway; see its log",
+                "server_error",
+                headers={"X-Request-Id": request_id},
             )
+            response = error_response(self.service, crash, path)
         await response(scope, receive, send)

@@ -115,9 +115,14 @@ def routing_headers(headers: Mapping[str, str]) -> tuple[float | None, str | Non
 
 
 def prepare(
-    service: GatewayService, raw: bytes, is_chat: bool, headers: Mapping[str, str] | None = None
+    service: GatewayService,
+    raw: bytes,
+    is_chat: bool,
+    headers: Mapping[str, str] | None = None,
+    request_id: str | None = None,
 ) -> Prepared:
-    """Parse and validate; raises GatewayError (4xx/503) with a user-facing message."""
+    """Parse and validate; raises GatewayError (4xx/503) with a user-facing message.
+    `request_id`: the id minted for it (asgi.CompletionRoutes); None: a new one."""
     ttft_target_ms, task, policy = routing_headers(headers or {})
     try:
         body: ChatCompletionRequest | CompletionRequest = (
@@ -198,7 +203,7 @@ def prepare(
             "context_length_exceeded",
         )
     return Prepared(
-        new_request_id("chatcmpl-" if is_chat else "cmpl-"),
+        request_id or new_request_id("chatcmpl-" if is_chat else "cmpl-"),
         is_chat,
         body,
         prompt_ids,
@@ -325,6 +330,7 @@ async def handle(
     service: GatewayService,
     raw: bytes,
     is_chat: bool,
+    request_id: str | None = None,
     headers: Mapping[str, str] | None = None,
     receive: Receive | None = None,
 ) -> ASGIApp:
@@ -334,12 +340,12 @@ async def handle(
     for a stream, while the SSEResponse runs: a client that disconnects gets its request
     aborted on the worker, streaming or not."""
     t_prepare = time.perf_counter()
-    p = prepare(service, raw, is_chat, headers)
+    p = prepare(service, raw, is_chat, headers, request_id)
     prepare_ms = (p.t0 - t_prepare) * 1000.0
-    # Sent with the answer, and with an error once the request has its id (a 429, a
-    # failure on the worker): the id to find it by in the logs. X-Instance-Id: where it
-    # went first (the `baton` object names the instance that answered; they differ only
-    # after a reroute).
+    # Sent with the answer and with any error (asgi.CompletionRoutes adds the id to a
+    # refusal before this point): the id to find it by in the logs. X-Instance-Id: where
+    # it went first (the `baton` object names the instance that answered; they differ
+    # only after a reroute).
     ids = {"X-Request-Id": p.request_id}
     try:
         return await _respond(service, p, prepare_ms, receive, ids)

@@ -60,7 +60,8 @@ class GatewayError(Exception):
         self.code = code
         self.param = param
         # the response's headers: Retry-After, Allow, and those naming the request
-        # (X-Request-Id, X-Instance-Id: completions.handle adds them once it has an id)
+        # (X-Request-Id: asgi.CompletionRoutes adds it; X-Instance-Id: completions.handle,
+        # once the request was sent)
         self.headers = dict(headers or {})
         if retry_after_s is not None:
             self.headers["Retry-After"] = str(retry_after_s)

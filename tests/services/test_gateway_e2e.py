@@ -468,6 +468,9 @@ async def test_bad_requests_get_4xx_and_server_keeps_serving(
         err = resp.json()["error"]
         assert needle in err["message"]
         assert err["type"] == "invalid_request_error"
+        # a refusal has its id too, as OpenAI's do (a client reports it by it)
+        kind = "chatcmpl-" if path.endswith("chat/completions") else "cmpl-"
+        assert resp.headers["x-request-id"].startswith(kind)
         ok = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
         assert ok.status_code == 200
 
