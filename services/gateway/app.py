@@ -94,9 +94,12 @@ def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        message = str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":  # no such route: as OpenAI says
+            message = f"Invalid URL ({request.method} {request.url.path})"
         # (a 405's headers name the methods allowed: HTTP requires Allow there)
         return JSONResponse(
-            error_body(str(exc.detail), type_), status_code=exc.status_code, headers=exc.headers
+            error_body(message, type_), status_code=exc.status_code, headers=exc.headers
         )
 
     @app.exception_handler(RequestValidationError)

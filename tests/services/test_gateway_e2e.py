@@ -524,6 +524,7 @@ async def test_health_answers_head_and_other_routes_name_their_methods(stack: St
         head = await client.head("/health")
         metrics = await client.head("/metrics")
         wrong = await client.post("/v1/models")
+        nowhere = await client.post("/v1/responses", json={})
         preflight = await client.options(
             "/v1/chat/completions",
             headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"},
@@ -531,6 +532,8 @@ async def test_health_answers_head_and_other_routes_name_their_methods(stack: St
     assert head.status_code == metrics.status_code == 200
     assert head.content == b"" and head.headers["content-type"] == "application/json"
     assert wrong.status_code == 405 and wrong.headers["allow"] == "GET"  # HTTP requires Allow
+    assert nowhere.status_code == 404
+    assert nowhere.json()["error"]["message"] == "Invalid URL (POST /v1/responses)"
     # no CORS unless configured ([gateway] cors_allow_origins)
     assert preflight.status_code == 405
     assert "access-control-allow-origin" not in preflight.headers
