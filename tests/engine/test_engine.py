@@ -90,7 +90,7 @@ def test_stop_string(engine: LLMEngine) -> None:
         ([1] * 250, SamplingParams(max_tokens=10), "maximum context length is 256"),
         ([1], SamplingParams(max_tokens=0), "max_tokens"),
         ([1], SamplingParams(temperature=-1), "temperature"),
-        ([1], SamplingParams(top_p=0), "top_p"),
+        ([1], SamplingParams(top_p=1.5), "top_p"),
         ([10**9], GREEDY, "token ids"),
     ],
 )
