@@ -52,6 +52,7 @@ from services.estimator.sfs.speed import RecentSpeed
 from services.worker.config import WorkerServiceConfig, create_engine
 from services.worker.links import GatewayLinks
 from services.worker.pacing import StreamPacer, group, is_urgent
+from services.worker.routing.chars import CharBoundaries
 from services.worker.routing.link import RoutingLink
 from services.worker.routing.runtime import Outbox, TokenRouting
 from shared import subjects
@@ -70,6 +71,7 @@ from shared.messages.worker import (
     SubmitRequest,
     WorkerInbound,
 )
+from shared.model_store import load_tokenizer
 from shared.scheduling.snapshot import BatchSample
 from shared.store import Store
 from shared.subjects import is_token
@@ -261,6 +263,7 @@ class WorkerService:
             self.cfg.model,
             self.cfg.token_presets,
             lambda name, models, index, args: create_token_policy(name, models, index, args),
+            self._char_boundaries(),
         )
         self._engine.hook = self.routing.hook
         self._link = RoutingLink(
@@ -291,6 +294,15 @@ class WorkerService:
                     f"file, or rebuild the routers with `just routers --dtype {serving[0]}` "
                     "on a machine that serves them alike",
                 )
+
+    def _char_boundaries(self) -> CharBoundaries | None:
+        """The model's vocabulary, for hand-offs to wait for a character's end
+        (routing/chars.py); None, with a warning, when its tokenizer cannot load."""
+        try:
+            return CharBoundaries(load_tokenizer(self.cfg.model).token_bytes)
+        except Exception as exc:  # (the hand-offs go on, characters unguarded)
+            log.warning("token_bytes_unavailable", model=self.cfg.model, error=repr(exc))
+            return None
 
     async def close(self) -> None:
         """Deregister, flush, disconnect. Idempotent; each step bounded."""

@@ -17,7 +17,9 @@ import torch
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.loader import build_model, random_config, random_state_dict
+from services.worker.engine.outputs import StepOutputs
 from services.worker.routing.api import STAY, RouteBatch, TokenPolicy, hand_after, hand_rewrite
+from services.worker.routing.chars import CharBoundaries
 from services.worker.routing.runtime import BARRIER_RECHECK_S, Outbox, TokenRouting, draw_key
 from shared.config import PresetConfig, TokenMode
 from shared.messages.peer import PeerRelease, PeerReq
@@ -207,6 +209,66 @@ def test_a_request_is_drawn_by_one_key_on_every_worker() -> None:
     assert keys["d"] == keys["e"] == "seed:7"
     assert keys["f"] == "f"
     assert draw_key("x", [5, 9, 14], greedy) == keys["a"]
+
+
+class Always(TokenPolicy):
+    """Asks for the same destination after every token."""
+
+    name = "always"
+
+    def route(self, batch: RouteBatch) -> list[int]:
+        return [int(self.args["dest"])] * len(batch.states)
+
+
+@pytest.mark.parametrize("rewrites", [False, True])
+def test_a_hand_off_waits_for_the_end_of_a_character(rewrites: bool) -> None:
+    """Token 7 is a 2-byte character's lead byte, 8 its continuation, the rest ASCII: a
+    hand-off that would leave the next writer inside the character waits for its end."""
+    vocab = {7: "é".encode()[:1], 8: "é".encode()[1:]}
+    chars = CharBoundaries(lambda t: vocab.get(t, b"a"))
+    dest = hand_rewrite(1) if rewrites else hand_after(1)
+    books = TokenRouting(
+        "w-small",
+        "small",
+        {
+            "pair": PresetConfig(
+                models=["small", "large"], token_policy="always", args={"dest": dest}
+            )
+        },
+        lambda name, models, index, args: Always(models, index, args, Path(".")),
+        chars,
+    )
+    books.add_origin("a", "pair", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0))
+
+    def route(sampled: int) -> int:
+        out = StepOutputs(["a"], [sampled], torch.zeros(1, 16), torch.zeros(1, 4))
+        (got,) = books.hook(out)  # type: ignore[misc]
+        if got == STAY:  # the token stands and is this worker's: the books append it
+            books.requests["a"].seq.append(sampled)
+        return got
+
+    if rewrites:  # rewriting token t: the text before t must end a character
+        assert route(7) == dest  # (7 is taken back: the text before it was whole)
+        books.requests["a"].seq.append(7)  # had 7 stood instead, ...
+        assert route(8) == STAY  # ... rewriting 8 would split the character
+        assert route(4) == dest
+    else:  # continuing after t: the text with t must end a character
+        assert route(7) == STAY  # the next writer would start inside "é"
+        assert route(8) == dest
+    assert books.num_deferred == 1
+    without = TokenRouting(
+        "w-small",
+        "small",
+        {
+            "pair": PresetConfig(
+                models=["small", "large"], token_policy="always", args={"dest": dest}
+            )
+        },
+        lambda name, models, index, args: Always(models, index, args, Path(".")),
+    )
+    without.add_origin("a", "pair", [1, 2, 3, 7], SamplingParams(max_tokens=8, temperature=0.0))
+    out = StepOutputs(["a"], [7 if not rewrites else 8], torch.zeros(1, 16), torch.zeros(1, 4))
+    assert without.hook(out) == [dest]  # no vocabulary given: never deferred
 
 
 def test_tokens_by_model_are_counted() -> None:

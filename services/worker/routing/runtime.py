@@ -32,6 +32,7 @@ import torch
 from services.batcher.hold import may_step, wait_left_s
 from services.worker.engine.outputs import Handoff, RequestOutput, StepOutputs
 from services.worker.routing.api import STAY, RouteBatch, RouteState, TokenPolicy, target_of
+from services.worker.routing.chars import CharBoundaries
 from shared.config import PresetConfig
 from shared.logging import get_logger
 from shared.messages.batcher import BatchTables
@@ -121,10 +122,15 @@ class TokenRouting:
         model: str,
         presets: dict[str, PresetConfig],
         make_policy: PolicyFactory,
+        chars: CharBoundaries | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.model = model
         self.presets = presets
+        # The vocabulary's character boundaries: a hand-off that would split a
+        # character waits for its end (chars.py); None: never deferred.
+        self.chars = chars
+        self.num_deferred = 0  # hand-offs deferred to a character's end
         # One policy object per preset this model takes part in, built up front so a
         # bad preset fails the worker at start, not at the first request.
         self.policies: dict[str, TokenPolicy] = {}
@@ -247,6 +253,11 @@ class TokenRouting:
                 if dest != STAY and not tracked.routing_off:
                     target, rewrites = target_of(dest)
                     if 0 <= target < num_models and target != state.model_index:
+                        if self.chars is not None and self.chars.splits_char(
+                            tracked.seq, out.token_ids[row], bool(rewrites)
+                        ):
+                            self.num_deferred += 1  # the policy asks again next token
+                            continue
                         dests[row] = dest
                         counters.num_handoffs += 1
                         counters.num_taken_back += rewrites
