@@ -37,6 +37,7 @@ from services.gateway.protocol import (
     CHAT_DECODER,
     COMPLETION_DECODER,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
 )
 from services.gateway.service import GatewayError, GatewayService
@@ -245,18 +246,42 @@ def refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
         )
 
 
+def message_text(i: int, message: ChatMessage) -> str:
+    """The text of `messages[i]`; a 400 naming the field for content OpenAI refuses: none
+    outside an assistant turn, an empty list of parts, a text part without its text, a
+    part that is not text (Baton serves text only)."""
+    at = f"messages[{i}].content"
+    content = message.content
+    if content is None:
+        if message.role == "assistant":  # (a turn that called tools has no content)
+            return ""
+        raise bad_request(f"{at} is required in a {message.role!r} message", at)
+    if isinstance(content, str):
+        return content
+    if not content:
+        raise bad_request(f"{at} must not be an empty list", at)
+    parts = []
+    for j, part in enumerate(content):
+        if part.type != "text":
+            raise bad_request(
+                f"content parts of type {part.type!r} are not supported (text only)",
+                f"{at}[{j}].type",
+            )
+        if part.text is None:
+            raise bad_request(f"{at}[{j}].text is required in a text part", f"{at}[{j}].text")
+        parts.append(part.text)
+    return "".join(parts)
+
+
 def _tokenize(body: ChatCompletionRequest | CompletionRequest, tokenizer: Any) -> list[int]:
     if isinstance(body, ChatCompletionRequest):
         if not body.messages:
             raise bad_request("messages must not be empty", "messages")
-        try:
-            # OpenAI's newer name for the system role (chat templates know "system" only)
-            messages = [
-                {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in body.messages
-            ]
-        except ValueError as exc:
-            raise bad_request(str(exc), "messages") from None
+        # OpenAI's newer name for the system role (chat templates know "system" only)
+        messages = [
+            {"role": "system" if m.role == "developer" else m.role, "content": message_text(i, m)}
+            for i, m in enumerate(body.messages)
+        ]
         return list(tokenizer.apply_chat_template(messages))
     if body.echo:
         raise bad_request("echo is not supported", "echo")

@@ -31,22 +31,10 @@ Role = Literal["system", "user", "assistant", "developer", "tool", "function"]
 
 class ChatMessage(msgspec.Struct, frozen=True):
     role: Role
+    # None only for an assistant turn (one that called tools has none): completions.
+    # message_text refuses it elsewhere, as OpenAI does
     content: str | list[ContentPart] | None = None
     name: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.type != "text":
-                raise ValueError(
-                    f"content parts of type {part.type!r} are not supported (text only)"
-                )
-            parts.append(part.text or "")
-        return "".join(parts)
 
 
 class _CommonRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -707,6 +707,30 @@ async def test_null_fields_count_as_absent_and_developer_is_system(stack: Stack)
     assert as_developer.json()["usage"] == as_system.json()["usage"]
 
 
+async def test_text_parts_and_an_assistant_turn_without_content_are_served(
+    stack: Stack,
+) -> None:
+    """Text parts read as their joined text; an assistant turn may have no content (one
+    that called tools has none)."""
+    as_text = [{"role": "user", "content": "Hello there"}]
+    as_parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}],
+        }
+    ]
+    turns = [*as_text, {"role": "assistant", "content": None}, {"role": "user", "content": "Go on"}]
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        outs = [
+            await client.post(
+                "/v1/chat/completions", json={**CHAT, "max_tokens": 1, "messages": messages}
+            )
+            for messages in (as_text, as_parts, turns)
+        ]
+    assert all(o.status_code == 200 for o in outs), [o.text for o in outs]
+    assert outs[0].json()["usage"] == outs[1].json()["usage"]
+
+
 @pytest.mark.parametrize(
     ("body", "param", "needle"),
     [
@@ -718,6 +742,42 @@ async def test_null_fields_count_as_absent_and_developer_is_system(stack: Stack)
             {**CHAT, "messages": [{"role": "user", "content": "hello " * 400}]},
             "messages",
             "no room for a completion",
+        ),
+        # content OpenAI refuses: none outside an assistant turn, no parts, a part
+        # without its text, a part that is not text
+        (
+            {**CHAT, "messages": [{"role": "user", "content": None}]},
+            "messages[0].content",
+            "required in a 'user' message",
+        ),
+        (
+            {
+                **CHAT,
+                "messages": [{"role": "system", "content": "x"}, {"role": "user", "content": []}],
+            },
+            "messages[1].content",
+            "must not be an empty list",
+        ),
+        (
+            {**CHAT, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages[0].content[0].text",
+            "is required in a text part",
+        ),
+        (
+            {
+                **CHAT,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "What is it?"},
+                            {"type": "image_url", "image_url": {"url": "x"}},
+                        ],
+                    }
+                ],
+            },
+            "messages[0].content[1].type",
+            "not supported (text only)",
         ),
     ],
 )
