@@ -225,20 +225,25 @@ def test_a_hand_off_waits_for_the_end_of_a_character(rewrites: bool) -> None:
     """Token 7 is a 2-byte character's lead byte, 8 its continuation, the rest ASCII: a
     hand-off that would leave the next writer inside the character waits for its end."""
     vocab = {7: "é".encode()[:1], 8: "é".encode()[1:]}
-    chars = CharBoundaries(lambda t: vocab.get(t, b"a"))
     dest = hand_rewrite(1) if rewrites else hand_after(1)
-    books = TokenRouting(
-        "w-small",
-        "small",
-        {
-            "pair": PresetConfig(
-                models=["small", "large"], token_policy="always", args={"dest": dest}
-            )
-        },
-        lambda name, models, index, args: Always(models, index, args, Path(".")),
-        chars,
-    )
-    books.add_origin("a", "pair", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0))
+
+    def small_books(prompt: list[int], chars: CharBoundaries | None) -> TokenRouting:
+        """The small model's books, its policy asking for `dest` after every token."""
+        books = TokenRouting(
+            "w-small",
+            "small",
+            {
+                "pair": PresetConfig(
+                    models=["small", "large"], token_policy="always", args={"dest": dest}
+                )
+            },
+            lambda name, models, index, args: Always(models, index, args, Path(".")),
+            chars,
+        )
+        books.add_origin("a", "pair", prompt, SamplingParams(max_tokens=8, temperature=0.0))
+        return books
+
+    books = small_books([1, 2, 3], CharBoundaries(lambda t: vocab.get(t, b"a")))
 
     def route(sampled: int) -> int:
         out = StepOutputs(["a"], [sampled], torch.zeros(1, 16), torch.zeros(1, 4))
@@ -256,17 +261,7 @@ def test_a_hand_off_waits_for_the_end_of_a_character(rewrites: bool) -> None:
         assert route(7) == STAY  # the next writer would start inside "é"
         assert route(8) == dest
     assert books.num_deferred == 1
-    without = TokenRouting(
-        "w-small",
-        "small",
-        {
-            "pair": PresetConfig(
-                models=["small", "large"], token_policy="always", args={"dest": dest}
-            )
-        },
-        lambda name, models, index, args: Always(models, index, args, Path(".")),
-    )
-    without.add_origin("a", "pair", [1, 2, 3, 7], SamplingParams(max_tokens=8, temperature=0.0))
+    without = small_books([1, 2, 3, 7], None)
     out = StepOutputs(["a"], [7 if not rewrites else 8], torch.zeros(1, 16), torch.zeros(1, 4))
     assert without.hook(out) == [dest]  # no vocabulary given: never deferred
 
