@@ -115,9 +115,8 @@ class IncrementalDetokenizer:
 def stop_prefix_len(text: str, stops: list[str]) -> int:
     """The length of the longest end of `text` that begins some stop string (shorter than
     it): what must wait for the next text to tell whether the stop string follows."""
-    longest = 0
+    longest, last = 0, text[-1:]
     for stop in stops:
-        last = text[-1:]
         # candidates: the stop's proper prefixes that end in text's last character
         for k in range(min(len(stop) - 1, len(text)), longest, -1):
             if stop[k - 1] == last and text.endswith(stop[:k]):
