@@ -5,28 +5,29 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.routing.chars import CharBoundaries, continuation_bytes_owed
+from services.worker.routing.chars import CharBoundaries, ends_inside_char
 from shared.model_store import byte_level_decoder, load_tokenizer
 
 
 @pytest.mark.parametrize(
-    ("data", "owed"),
+    ("data", "inside"),
     [
-        (b"", 0),
-        (b"abc", 0),
-        ("é".encode(), 0),
-        ("é".encode()[:1], 1),
-        (b"x" + "क".encode()[:1], 2),  # a 3-byte character's lead
-        ("क".encode()[:2], 1),
-        ("🎉".encode()[:3], 1),  # a 4-byte character, one byte short
-        ("🎉".encode(), 0),
-        (b"\x89\x89\x89\x89", 0),  # continuation bytes with no lead: nothing to complete
-        (b"\xff", 0),  # no UTF-8 byte
-        (b"\xc3\xa9\xa9", 0),  # one continuation too many: invalid, waits for nothing
+        (b"", False),
+        (b"abc", False),
+        ("é".encode(), False),
+        ("é".encode()[:1], True),
+        (b"x" + "क".encode()[:1], True),  # a 3-byte character's lead
+        ("क".encode()[:2], True),
+        ("🎉".encode()[:3], True),  # a 4-byte character, one byte short
+        ("🎉".encode(), False),
+        (b"\x89\x89\x89\x89", False),  # continuation bytes with no lead: nothing to complete
+        (b"\xff", False),  # no UTF-8 byte
+        (b"\xc3\xa9\xa9", False),  # one continuation too many: invalid, waits for nothing
+        (b"\xe0\x80", False),  # no character begins so (overlong): waits for nothing
     ],
 )
-def test_continuation_bytes_owed(data: bytes, owed: int) -> None:
-    assert continuation_bytes_owed(data) == owed
+def test_ends_inside_char(data: bytes, inside: bool) -> None:
+    assert ends_inside_char(data) is inside
 
 
 def test_a_character_split_across_byte_tokens_is_seen_with_the_real_vocabulary() -> None:

@@ -10,37 +10,28 @@ until the character is complete: a hand-after while the text, the sampled token
 included, ends inside one; a rewrite while the text before the rewritten token does.
 
 A character is at most 4 bytes and every token at least one, so whether a text ends
-inside a character is read off its last 4 tokens (`ends_inside_char`).
+inside a character is read off its last 4 tokens (`CharBoundaries.ends_inside_char`),
+by Python's own incremental UTF-8 decoder: what it keeps back, waiting for more bytes,
+is a character begun and not complete (bytes that are no UTF-8 it replaces instead:
+they wait for nothing).
 """
 
 from __future__ import annotations
 
+import codecs
 import functools
 from collections.abc import Callable, Sequence
 
 MAX_CHAR_BYTES = 4
+_UTF8 = codecs.getincrementaldecoder("utf-8")
 
 
-def char_width(lead: int) -> int:
-    """Bytes of the UTF-8 character that byte begins (0: a continuation byte, or none
-    that UTF-8 uses)."""
-    if lead < 0x80:
-        return 1
-    if lead < 0xC0 or lead >= 0xF8:
-        return 0
-    return 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
-
-
-def continuation_bytes_owed(data: bytes) -> int:
-    """How many continuation bytes the last character of `data` still needs (0: it
-    ends between characters, or in bytes that are no valid UTF-8 and wait for none)."""
-    # Find the last byte that is not a continuation byte (10xxxxxx), at most 4 back.
-    for back in range(1, min(MAX_CHAR_BYTES, len(data)) + 1):
-        byte = data[-back]
-        if byte & 0xC0 == 0x80:
-            continue  # a continuation byte: its lead is further back
-        return max(0, char_width(byte) - back)
-    return 0  # only continuation bytes: nothing valid to complete
+def ends_inside_char(data: bytes) -> bool:
+    """Whether `data` ends in a character begun and not complete."""
+    decoder = _UTF8("replace")
+    decoder.decode(data, final=False)
+    pending, _ = decoder.getstate()
+    return bool(pending)
 
 
 class CharBoundaries:
@@ -51,8 +42,7 @@ class CharBoundaries:
         self._bytes = functools.lru_cache(maxsize=None)(token_bytes)
 
     def ends_inside_char(self, tokens: Sequence[int]) -> bool:
-        tail = b"".join(self._bytes(t) for t in tokens[-MAX_CHAR_BYTES:])
-        return continuation_bytes_owed(tail) > 0
+        return ends_inside_char(b"".join(self._bytes(t) for t in tokens[-MAX_CHAR_BYTES:]))
 
     def splits_char(self, seq: Sequence[int], sampled: int, rewrites: bool) -> bool:
         """Whether a hand-off now would split a character. `seq`: the text so far,
