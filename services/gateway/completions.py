@@ -32,7 +32,6 @@ from starlette.types import ASGIApp, Receive
 
 from services.gateway.dispatch import send_routed
 from services.gateway.generation import ClientDisconnected, Generation, failure
-from services.gateway.ids import new_request_id
 from services.gateway.protocol import (
     CHAT_DECODER,
     COMPLETION_DECODER,
@@ -119,11 +118,11 @@ def prepare(
     service: GatewayService,
     raw: bytes,
     is_chat: bool,
+    request_id: str,
     headers: Mapping[str, str] | None = None,
-    request_id: str | None = None,
 ) -> Prepared:
     """Parse and validate; raises GatewayError (4xx/503) with a user-facing message.
-    `request_id`: the id minted for it (asgi.CompletionRoutes); None: a new one."""
+    `request_id`: the id asgi.CompletionRoutes minted for it."""
     ttft_target_ms, task, policy = routing_headers(headers or {})
     try:
         body: ChatCompletionRequest | CompletionRequest = (
@@ -204,7 +203,7 @@ def prepare(
             "context_length_exceeded",
         )
     return Prepared(
-        request_id or new_request_id("chatcmpl-" if is_chat else "cmpl-"),
+        request_id,
         is_chat,
         body,
         prompt_ids,
@@ -355,7 +354,7 @@ async def handle(
     service: GatewayService,
     raw: bytes,
     is_chat: bool,
-    request_id: str | None = None,
+    request_id: str,
     headers: Mapping[str, str] | None = None,
     receive: Receive | None = None,
 ) -> ASGIApp:
@@ -365,12 +364,12 @@ async def handle(
     for a stream, while the SSEResponse runs: a client that disconnects gets its request
     aborted on the worker, streaming or not."""
     t_prepare = time.perf_counter()
-    p = prepare(service, raw, is_chat, headers, request_id)
+    p = prepare(service, raw, is_chat, request_id, headers)
     prepare_ms = (p.t0 - t_prepare) * 1000.0
-    # Sent with the answer and with any error (asgi.CompletionRoutes adds the id to a
-    # refusal before this point): the id to find it by in the logs. X-Instance-Id: where
-    # it went first (the `baton` object names the instance that answered; they differ
-    # only after a reroute).
+    # Sent with the answer, and with an error once the request was sent (X-Request-Id:
+    # the id to find it by in the logs, which asgi.CompletionRoutes puts on every error;
+    # X-Instance-Id: where it went first (the `baton` object names the instance that
+    # answered; they differ only after a reroute).
     ids = {"X-Request-Id": p.request_id}
     try:
         return await _respond(service, p, prepare_ms, receive, ids)

@@ -232,7 +232,7 @@ async def test_a_client_that_leaves_during_a_reroute_is_seen_on_the_new_stream(
     for iid in ("a", "b"):
         service.workers[iid] = hand_worker_info(cluster.namespace, iid)
     body = json.dumps({**CHAT, "model": "random-tiny", "stream": True}).encode()
-    p = prepare(service, body, is_chat=True)
+    p = prepare(service, body, True, "chatcmpl-unit")
     run = Generation(service, p, service.streams.open(p.request_id, "a"), "random-tiny")
     old = run.stream
     run.client_left()
