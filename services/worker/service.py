@@ -71,7 +71,6 @@ from shared.messages.worker import (
     SubmitRequest,
     WorkerInbound,
 )
-from shared.model_store import load_tokenizer
 from shared.scheduling.snapshot import BatchSample
 from shared.store import Store
 from shared.subjects import is_token
@@ -299,7 +298,7 @@ class WorkerService:
         """The model's vocabulary, for hand-offs to wait for a character's end
         (routing/chars.py); None, with a warning, when its tokenizer cannot load."""
         try:
-            return CharBoundaries(load_tokenizer(self.cfg.model).token_bytes)
+            return CharBoundaries(self._engine.tokenizer().token_bytes)
         except Exception as exc:  # (the hand-offs go on, characters unguarded)
             log.warning("token_bytes_unavailable", model=self.cfg.model, error=repr(exc))
             return None

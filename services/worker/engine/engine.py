@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,6 +45,9 @@ from shared.sampling import SamplingParams
 from shared.scheduling.request import SchedRequest
 from shared.scheduling.scheduler import Scheduler
 from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot, describe_batch, take_snapshot
+
+if TYPE_CHECKING:
+    from shared.model_store import Tokenizer
 
 
 @dataclass(slots=True, eq=False)
@@ -87,7 +90,7 @@ class LLMEngine:
         self._snapshot_version = 0
         self._snapshot = take_snapshot(self.scheduler, 0, time.time())
         self._samples: deque[BatchSample] = deque(maxlen=config.num_batch_samples)
-        self._detokenize: Callable[[list[int]], str] | None = None
+        self._tokenizer: Tokenizer | None = None  # loaded on first use (`tokenizer`)
         self.device = next(model.parameters()).device
 
     @classmethod
@@ -152,7 +155,7 @@ class LLMEngine:
             sched, list(prompt_token_ids), SamplingState.create(params, self.device), stop_ids
         )
         if params.stop:
-            self._load_detokenizer()  # here, not inside a step: keeps steps free of spikes
+            self.tokenizer()  # here, not inside a step: keeps steps free of spikes
         self._inbox.submit(request_id, seq)
 
     def abort_request(self, request_id: str) -> None:
@@ -323,18 +326,20 @@ class LLMEngine:
         A match must involve the newest token (older ones were checked before), so a
         window of a few tokens per stop-string character suffices.
         """
-        detokenize = self._load_detokenizer()
+        detokenize = self.tokenizer().decode
         # Byte-level BPE may spend a token per byte, plus a few for merges at the edge.
         window = max(len(s.encode()) for s in seq.params.stop) + 4
         text = detokenize(seq.output_ids[-window:])
         return any(s in text for s in seq.params.stop)
 
-    def _load_detokenizer(self) -> Callable[[list[int]], str]:
-        if self._detokenize is None:
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer, loaded on first use (stop strings, the token-routing
+        character guard): one per engine."""
+        if self._tokenizer is None:
             from shared.model_store import load_tokenizer
 
-            self._detokenize = load_tokenizer(self.config.model).decode
-        return self._detokenize
+            self._tokenizer = load_tokenizer(self.config.model)
+        return self._tokenizer
 
     def _emit(self, seq: Sequence, finish_reason: str | None) -> RequestOutput:
         """Hand out the tokens not yet emitted; finish the request if a reason is given."""
