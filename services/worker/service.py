@@ -370,6 +370,13 @@ class WorkerService:
                 is_after_idle = True
                 await self._idle()
                 continue
+            if not engine.can_progress():
+                # The last step computed nothing: every admitted request is parked at a
+                # peer (or waits on one), the others wait for the slots or the KV they
+                # hold. Stepping on would run empty steps back to back until one comes
+                # back; a message (a resume, a request, an abort) ends this wait.
+                await self._idle()
+                continue
             wait_s = self._hold_s()
             if wait_s is not None:  # nothing runnable yet, or delayed batching holds
                 await self._idle(wait_s)

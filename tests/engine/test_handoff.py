@@ -133,6 +133,35 @@ def test_parked_request_keeps_kv_and_is_skipped() -> None:
     assert engine.scheduler.blocks.num_free_blocks == 64
 
 
+def test_a_request_past_the_cap_stalls_until_a_parked_one_comes_back() -> None:
+    """max_num_seqs 1: while "a" is parked, "b" waits for its slot and a step computes
+    nothing; `can_progress` says so until the inbox or the parked KV changes."""
+    cfg = random_config(num_hidden_layers=2)
+    model = build_model(cfg, random_state_dict(cfg, seed=6), torch.float32, torch.device("cpu"))
+    engine = LLMEngine(
+        EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=256, max_num_seqs=1), model
+    )
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.hook = lambda out: [1] * len(out.request_ids)
+    engine.add_request("a", [4, 5], params)
+    engine.step()
+    engine.pop_handoffs()
+    engine.hook = None
+    engine.add_request("b", [6, 7], params)
+    assert engine.can_progress()  # "b" is queued: the next step takes it
+    assert engine.step() == [] and [r.request_id for r in engine.scheduler.waiting] == ["b"]
+    assert not engine.can_progress()
+    engine.drop_parked_kv("a")  # frees KV, not the slot: a step may admit, so it says so
+    assert engine.can_progress()
+    engine.step()
+    assert not engine.can_progress()
+    engine.resume_request("a", [9], finish_reason="stop")
+    assert engine.can_progress()
+    out = {o.request_id: o for o in engine.step()}  # "a" ends, and "b" takes its slot
+    assert out["a"].finished and out["b"].num_output_tokens == 1
+    assert engine.can_progress()
+
+
 def test_peer_finishing_ends_the_request_on_the_origin() -> None:
     engine = tiny_engine(4)
     engine.hook = lambda out: [1] * len(out.request_ids)

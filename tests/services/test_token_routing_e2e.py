@@ -279,6 +279,40 @@ async def test_tokens_held_when_a_request_parks_at_a_peer_go_out_while_it_waits(
     await wait_idle(stack, relay)
 
 
+async def test_requests_past_the_running_cap_wait_without_empty_steps(
+    routed: tuple[Stack, RelayService],
+) -> None:
+    """More requests than the origin's `max_num_seqs` (8): while the admitted ones are
+    parked at the peer, the others wait for a slot that no step can free, and the origin
+    waits for a message instead of stepping. It used to run empty steps back to back,
+    ~7,000 a second on a 2-core host, until a request came back."""
+    stack, relay = routed
+    origin = stack.workers[0]
+    relayed = relay._send
+
+    async def slow_relay(sends: Any) -> None:  # parked requests stay parked longer
+        await asyncio.sleep(HOP_DELAY_S)
+        await relayed(sends)
+
+    n, max_tokens = 12, 6  # the peer rewrites positions 2 and 5 of each
+    steps = origin._num_steps
+    relay._send = slow_relay  # type: ignore[method-assign]
+    try:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+            resps = await asyncio.gather(
+                *(post_pair(client, f"past the cap {i}", max_tokens) for i in range(n))
+            )
+    finally:
+        relay._send = relayed  # type: ignore[method-assign]
+    for resp in resps:
+        assert resp.status_code == 200, resp.text
+    # Each step that ran computed something: a prefill, or a token of a request (two
+    # hand-backs of each re-enter through a step too). Far fewer than the empty steps
+    # of several 0.3 s waits.
+    assert origin._num_steps - steps <= 4 * n * max_tokens
+    await wait_idle(stack, relay)
+
+
 async def test_dead_peer_never_loses_a_request(routed: tuple[Stack, RelayService]) -> None:
     """The large worker dies while requests are in flight: every request still
     completes, finished by the small model alone once the relay gives the hand-off back."""

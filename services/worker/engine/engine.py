@@ -87,6 +87,9 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._inbox = RequestInbox[Sequence]()
         self._handoffs: list[Handoff] = []
+        # The last step scheduled nothing, and nothing has happened since that could
+        # change the next schedule (`can_progress`).
+        self._stalled = False
         self._snapshot_version = 0
         self._snapshot = take_snapshot(self.scheduler, 0, time.time())
         self._samples: deque[BatchSample] = deque(maxlen=config.num_batch_samples)
@@ -179,6 +182,7 @@ class LLMEngine:
         resumed it recomputes its whole sequence, as a brand-new request would."""
         if request_id in self.scheduler.pending:
             self.scheduler.drop_pending_kv(request_id)
+            self._stalled = False  # the freed KV may admit a waiting request
 
     def pop_handoffs(self) -> list[Handoff]:
         """Requests parked by the route hook since the last call."""
@@ -192,6 +196,13 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self._inbox.has_live
 
+    def can_progress(self) -> bool:
+        """Whether a step now could compute anything. False after a step that scheduled
+        nothing (every admitted request parked at a peer, the rest waiting for a slot or
+        for KV that only those free) until a request, abort or resume is queued or
+        parked KV is dropped: stepping on would run empty steps back to back."""
+        return not self._stalled or self._inbox.has_queued
+
     # ---- the loop (one thread) ---------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -202,6 +213,8 @@ class LLMEngine:
         # 2. Schedule under the token budget, running cap and KV capacity.
         batch = self.scheduler.schedule()
         queue_lens = (len(self.scheduler.running), len(self.scheduler.waiting))
+        # (a preemption requeues a request the next schedule may admit: not stalled)
+        self._stalled = len(batch) == 0 and not batch.preempted
         if len(batch) > 0:
             # 3. Forward and sample the chunks that reach the end of their sequence.
             seqs = {c.request.request_id: self._seqs[c.request.request_id] for c in batch}
