@@ -6,7 +6,9 @@
 {ns}:worker:{instance_id}       registration (WorkerInfo, msgpack), expires unless heartbeats renew it
 {ns}:gateway:{gateway_id}       a gateway's liveness ("1"), renewed every registry refresh: workers
                                 abort the requests of a gateway that is gone
-{ns}:snapshot:{instance_id}     HASH {version, wall_time_s, data}: the latest WorkloadSnapshot
+{ns}:snapshot:{instance_id}     STRING: the latest WorkloadSnapshot as a VersionedBlob, a 16-byte
+                                header (version int64, wall_time_s float64, little-endian) and
+                                the msgpack snapshot (shared.store), expires unless rewritten
 {ns}:samples:{instance_id}      LIST of BatchSample (msgpack), newest last, capped
 {ns}:calibration:{instance_id}  BatchTimeCalibration (msgpack): the estimator's fitted batch-time model
 {ns}:batch_tables:{preset}      BatchTables (msgpack): the batcher's latest B* tables for a preset

@@ -36,6 +36,9 @@ class SchedRequest:
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     predicted_output_tokens: int | None = None  # estimator hint; the engine ignores it
+    # Peer work (a token-routing peer's copy of another worker's request): scheduled
+    # before plain requests, since its origin waits on every token it writes.
+    is_priority: bool = False
 
     @property
     def num_tokens(self) -> int:

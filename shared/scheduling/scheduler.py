@@ -16,6 +16,14 @@ Policy, in order, every iteration:
      the front) are admitted while the running cap, the budget and the KV allow:
      a request is admitted only when blocks for all its tokens are free. The head
      of the queue is never skipped, so no request starves.
+
+Priority requests (`SchedRequest.is_priority`: a token-routing peer's copy of another
+worker's request, whose origin waits on every token it writes) go first: they wait
+ahead of plain requests, are admitted before step 1 (while a slot and KV for all
+their tokens are free), and take the budget before plain running requests, which
+are preempted first. Without them the policy is exactly the one above. The
+estimator's replay (`services.estimator.sfs.kernel`) models the plain policy only:
+peer copies are few and short, and it counts them as plain requests.
 """
 
 from __future__ import annotations
@@ -126,20 +134,27 @@ class Scheduler:
         num_prompt_tokens: int,
         max_tokens: int,
         predicted_output_tokens: int | None = None,
+        *,
+        priority: bool = False,
     ) -> SchedRequest:
         """Queue a new request; caller validated lengths against max_model_len.
 
         predicted_output_tokens is the router's guess, carried into snapshots for
-        the estimator's replay; the policy itself never reads it.
+        the estimator's replay; the policy itself never reads it. `priority`: peer
+        work, queued behind earlier priority requests only (see the module docstring).
         """
         assert request_id not in self.requests, f"duplicate request id {request_id}"
         assert num_prompt_tokens >= 1 and max_tokens >= 1
         assert num_prompt_tokens + max_tokens <= self.config.max_model_len
         req = SchedRequest(request_id, num_prompt_tokens, max_tokens, self._next_arrival)
         req.predicted_output_tokens = predicted_output_tokens
+        req.is_priority = priority
         self._next_arrival += 1
         self.requests[request_id] = req
-        self.waiting.append(req)
+        if priority:
+            self.waiting.insert(self._num_priority_waiting(), req)
+        else:
+            self.waiting.append(req)
         return req
 
     def finish(self, req: SchedRequest, *, completed: bool = False) -> None:
@@ -212,18 +227,35 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
 
-        # 1. Running requests, oldest first; preempt the newest when KV runs out.
+        # 0. Priority requests join the running ones first (step 1 plans their chunks).
+        while (
+            self.waiting
+            and self.waiting[0].is_priority
+            and self.num_admitted < self.config.max_num_seqs
+            and self.blocks.can_grow(self.waiting[0], self.waiting[0].num_tokens)
+        ):
+            req = self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+
+        # 1. Running requests, priority ones first, oldest first; preempt the last in
+        #    that order when KV runs out (so a request preempts only ones after it).
+        order = self.running
+        if any(r.is_priority for r in order):
+            order = [r for r in order if r.is_priority] + [r for r in order if not r.is_priority]
         idx = 0
-        while idx < len(self.running) and budget > 0:
-            req = self.running[idx]
+        while idx < len(order) and budget > 0:
+            req = order[idx]
             num_new = min(req.num_uncomputed_tokens, budget)
             if num_new <= 0:  # fully computed, waits on a pending peer reply
                 idx += 1
                 continue
             target = req.num_computed_tokens + num_new
             while not self.blocks.can_grow(req, target):
-                victim = self.running[-1]
-                self._preempt(victim)
+                victim = order[-1]
+                self._preempt(victim)  # (removes it from self.running)
+                if order is not self.running:
+                    order.pop()
                 batch.preempted.append(victim)
                 if victim is req:
                     break
@@ -265,10 +297,23 @@ class Scheduler:
                 req.num_output_tokens += 1
 
     def _preempt(self, req: SchedRequest) -> None:
-        """Recompute-style preemption: drop KV and progress, requeue at the front."""
+        """Recompute-style preemption: drop KV and progress, requeue at the front (a
+        plain request behind the waiting priority ones)."""
         self.running.remove(req)
         self.blocks.free(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        if req.is_priority:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.insert(self._num_priority_waiting(), req)
+
+    def _num_priority_waiting(self) -> int:
+        """How many waiting requests are priority ones (they are the queue's head)."""
+        n = 0
+        for r in self.waiting:
+            if not r.is_priority:
+                break
+            n += 1
+        return n

@@ -276,6 +276,21 @@ def test_tokens_by_model_are_counted() -> None:
     assert pair.books["w-large"].num_handoffs == 6
 
 
+def test_a_peer_copy_is_scheduled_as_priority_work() -> None:
+    """The large worker's copy of a routed request goes before the requests clients
+    sent it directly (shared.scheduling.scheduler: priority); the origin's own request
+    is plain."""
+    pair = Pair("baton")
+    large = pair.engines["w-large"]
+    large.add_request("direct", [7] * 40, SamplingParams(max_tokens=4, temperature=0.0))
+    pair.submit("a", [3, 4, 5])
+    pair.deliver(pair.origin_until_handoff())  # queued on the large worker after "direct"
+    large.step()
+    assert large.scheduler.requests["a"].is_priority
+    assert not large.scheduler.requests["direct"].is_priority
+    assert not pair.engines["w-small"].scheduler.requests["a"].is_priority
+
+
 def test_peer_finishing_ends_the_answer_at_the_origin() -> None:
     pair = Pair("baton")
     # max_tokens 3: the large model writes position 2, the last one; it finishes there.

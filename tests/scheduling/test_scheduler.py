@@ -155,6 +155,60 @@ def test_pending_is_skipped_and_keeps_kv() -> None:
     assert [r.request_id for r in s.running] == ["a", "b"]
 
 
+def test_priority_request_goes_before_long_prompts() -> None:
+    """A peer's copy (priority) arriving behind long prompts: admitted at once, it
+    takes the budget before their chunks, where FIFO kept it waiting for them all."""
+    s = make_scheduler(max_num_batched_tokens=16, num_kv_blocks=24, max_model_len=64)
+    for i in range(3):
+        s.add(f"long{i}", 40, 4)  # 10 blocks each; one 16-token chunk a step
+    step(s)
+    s.add("plain", 4, 4)
+    s.add("peer", 6, 2, priority=True)
+    assert [r.request_id for r in s.waiting] == ["peer", "long1", "long2", "plain"]
+    batch = step(s)
+    assert next(iter(batch)).request.request_id == "peer"
+    assert chunk_sizes(batch) == {"peer": 6, "long0": 10}
+    assert s.requests["peer"].num_output_tokens == 1
+    assert chunk_sizes(step(s))["peer"] == 1  # and decodes first while it runs
+    run_until_idle(s)
+    assert s.blocks.num_free_blocks == 24
+
+
+def test_priority_requests_keep_their_order_and_preempt_plain_ones_first() -> None:
+    # 6 blocks x 4 = 24 tokens: the peer's growth needs the plain request's KV.
+    s = make_scheduler(num_kv_blocks=6, max_model_len=24)
+    s.add("plain", 8, 12)
+    step(s)
+    s.add("peer1", 8, 12, priority=True)
+    s.add("peer2", 4, 1, priority=True)
+    assert [r.request_id for r in s.waiting] == ["peer1", "peer2"]
+    for _ in range(40):
+        batch = step(s)
+        if batch.preempted:
+            assert [r.request_id for r in batch.preempted] == ["plain"]
+            # requeued behind any waiting priority request, at the plain ones' head
+            assert all(r.is_priority for r in list(s.waiting)[:-1])
+            assert s.waiting[-1].request_id == "plain"
+            break
+    else:
+        raise AssertionError("no preemption")
+    run_until_idle(s)
+    assert not s.has_unfinished and s.blocks.num_free_blocks == 6
+
+
+def test_priority_requests_respect_the_running_cap() -> None:
+    s = make_scheduler(max_num_seqs=2)
+    s.add("a", 4, 8)
+    s.add("b", 4, 8)
+    step(s)
+    s.add("peer", 4, 2, priority=True)
+    step(s)
+    assert s.requests["peer"].status is RequestStatus.WAITING  # no slot: it waits, first
+    s.finish(s.requests["a"])
+    step(s)
+    assert s.requests["peer"].status is RequestStatus.RUNNING
+
+
 def test_config_rejects_kv_smaller_than_one_request() -> None:
     with pytest.raises(ValueError, match="max_model_len"):
         SchedulerConfig(block_size=16, num_kv_blocks=4, max_model_len=128)

@@ -142,15 +142,20 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         predicted_output_tokens: int | None = None,
+        *,
+        priority: bool = False,
     ) -> None:
         """Validate and queue a request; RequestError says what is wrong.
 
         predicted_output_tokens (the router's guess) only travels into snapshots.
+        `priority`: scheduled before plain requests (a token-routing peer's copy of
+        another worker's request; shared.scheduling.scheduler).
         """
         validate_request(prompt_token_ids, params, self.config.max_model_len, self.vocab_size)
         n = len(prompt_token_ids)
         sched = SchedRequest(request_id, n, params.max_tokens, arrival_seq=-1)
         sched.predicted_output_tokens = predicted_output_tokens
+        sched.is_priority = priority
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self.eos_ids
         )
@@ -260,7 +265,11 @@ class LLMEngine:
             rid = seq.sched.request_id
             old = seq.sched
             seq.sched = self.scheduler.add(
-                rid, old.num_prompt_tokens, old.max_tokens, old.predicted_output_tokens
+                rid,
+                old.num_prompt_tokens,
+                old.max_tokens,
+                old.predicted_output_tokens,
+                priority=old.is_priority,
             )
             self._seqs[rid] = seq
         outputs = [out for r in taken.resumes if (out := self._apply_resume(r)) is not None]

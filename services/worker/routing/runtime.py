@@ -440,9 +440,12 @@ class TokenRouting:
         state.tokens_by_model = list(msg.tokens_by_model) or state.tokens_by_model
         state.num_output_tokens = num_output
         # The guest's engine request sees the whole sequence as its prompt and may
-        # write what is left of the client's budget.
+        # write what is left of the client's budget. It goes before this worker's
+        # plain requests: its origin waits on every token it writes, and behind long
+        # prompts it would wait out the relay's peer timeout (then the origin writes
+        # alone).
         params = msgspec.structs.replace(msg.params, max_tokens=room)
-        engine.add_request(msg.request_id, seq, params)
+        engine.add_request(msg.request_id, seq, params, priority=True)
         self.requests[msg.request_id] = Tracked(
             preset=msg.preset,
             policy=policy,
