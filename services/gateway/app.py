@@ -165,11 +165,20 @@ def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False
     # (HEAD too, for load balancers and uptime checks: the same answer without its body)
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
-        live = [w.instance_id for w in service.routable()]
+        routable = service.routable()
+        # Live instances per model of the cluster file: "degraded" (still 200: the
+        # others serve) names what a model with none would answer with 503s.
+        models = {name: 0 for name in cfg.cluster.models}
+        for w in routable:
+            models[w.model] = models.get(w.model, 0) + 1
+        status = "unavailable"
+        if service.is_ready:
+            status = "ok" if all(models.values()) else "degraded"
         body = {
-            "status": "ok" if service.is_ready else "unavailable",
+            "status": status,
             "gateway_id": cfg.gateway_id,
-            "workers": live,
+            "workers": [w.instance_id for w in routable],
+            "models": models,
             "in_flight": service.num_in_flight,
         }
         return JSONResponse(body, status_code=200 if service.is_ready else 503)

@@ -797,6 +797,7 @@ async def test_health_models_and_metrics(stack: Stack) -> None:
         assert answer.status_code == 200
         health = await client.get("/health")
         assert health.status_code == 200 and sorted(health.json()["workers"]) == ["w0", "w1"]
+        assert health.json()["status"] == "ok" and health.json()["models"] == {"random-tiny": 2}
         models = (await client.get("/v1/models")).json()["data"]
         by_id = {m["id"]: m for m in models}
         assert by_id["random-tiny"]["max_model_len"] == 256 and by_id["auto"]["is_preset"]

@@ -92,6 +92,33 @@ async def test_killed_worker_is_noticed_by_health_and_routing(
         await stack.stop()
 
 
+async def test_health_is_degraded_while_a_model_has_no_worker(
+    nats_url: str, redis_url: str
+) -> None:
+    """The cluster file names two models and only one has a live instance: /health
+    still answers 200 (the gateway serves that one) but says "degraded" and which
+    model has none; requests to it get the 503 that says so."""
+    text = tiny_cluster_text(nats_url, redis_url).replace(
+        '[models.random-tiny]\ndtype = "float32"\n',
+        '[models.random-tiny]\ndtype = "float32"\n[models.random-tiny-b]\ndtype = "float32"\n'
+        '[[instances]]\nmodel = "random-tiny-b"\nnum_kv_blocks = 64\nmax_model_len = 256\n',
+        1,
+    )
+    stack = await start_stack(parse_cluster(text), num_workers=1)
+    try:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
+            health = await client.get("/health")
+            assert health.status_code == 200
+            assert health.json()["status"] == "degraded"
+            assert health.json()["models"] == {"random-tiny": 1, "random-tiny-b": 0}
+            resp = await client.post(
+                "/v1/chat/completions", json={**CHAT, "model": "random-tiny-b", "max_tokens": 2}
+            )
+            assert resp.status_code == 503 and "no live worker" in resp.json()["error"]["message"]
+    finally:
+        await stack.stop()
+
+
 async def test_sigterm_drains_in_flight_requests(nats_url: str, redis_url: str) -> None:
     cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
     stack = await start_stack(cluster, num_workers=1)
