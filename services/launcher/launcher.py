@@ -154,6 +154,7 @@ class Launcher:
         signal.signal(signal.SIGTERM, lambda *_: self._raise_stop())
         try:
             self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._check_gateway_port()  # before any server: a refusal starts nothing
             self._start_redis()
             self._check_namespace_free()  # before NATS: a refusal starts nothing
             self._start_nats()
@@ -183,10 +184,11 @@ class Launcher:
             self.nats_url = self.cluster.nats_url
         else:
             log_path = self.log_dir / "nats.log"
+            # (one store per port: a second deployment from this checkout on other
+            # ports has its own)
+            work_dir = self.log_dir / ".nats" / str(port)
             server = self._start_server(
-                lambda: start_nats(
-                    host, port, self.log_dir / ".nats", log_path, self.cluster.server_cpus
-                ),
+                lambda: start_nats(host, port, work_dir, log_path, self.cluster.server_cpus),
                 log_path,
             )
             self.nats_url = server.url
@@ -199,8 +201,10 @@ class Launcher:
             self.redis_url = self.cluster.redis_url
         else:
             log_path = self.log_dir / "redis.log"
-            # the services, all on this host, reach it over a Unix socket too (servers.py)
-            sock = self.log_dir / ".redis" / "redis.sock"
+            # the services, all on this host, reach it over a Unix socket too (servers.py);
+            # one per port, so that a second deployment from this checkout on another
+            # port neither takes this one's socket nor deletes it when it stops
+            sock = self.log_dir / ".redis" / f"redis-{port}.sock"
             server = self._start_server(
                 lambda: start_redis(host, port, log_path, self.cluster.server_cpus, sock),
                 log_path,
@@ -260,12 +264,15 @@ class Launcher:
 
     # 2. services ------------------------------------------------------------
 
-    def _start_services(self) -> None:
+    def _check_gateway_port(self) -> None:
         gw = self.cluster.gateway
         if is_reachable(gw.host, gw.port):
             raise ServerError(
                 f"port {gw.port} on {gw.host} is in use: set BATON_PORT or [gateway] port"
             )
+
+    def _start_services(self) -> None:
+        self._check_gateway_port()  # (again: it may have been taken while servers started)
         env = self._child_env()
         py = [sys.executable, "-m"]
         self.children.append(

@@ -204,6 +204,17 @@ def start_nats(
 MAX_UNIX_PATH = 107
 
 
+def _accepts(path: Path) -> bool:
+    """Whether a process listens on the Unix socket at `path`."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.5)
+        try:
+            sock.connect(str(path))
+        except OSError:
+            return False
+        return True
+
+
 def start_redis(
     host: str,
     port: int | None,
@@ -233,9 +244,11 @@ def start_redis(
         unix_socket = unix_socket.absolute()
         if len(str(unix_socket)) > MAX_UNIX_PATH:
             unix_socket = None  # (TCP alone, as before)
+    if unix_socket is not None and _accepts(unix_socket):
+        unix_socket = None  # another live server's (TCP alone): never take it over
     if unix_socket is not None:
         unix_socket.parent.mkdir(parents=True, exist_ok=True)
-        unix_socket.unlink(missing_ok=True)  # an earlier run's: its appearing says "up"
+        unix_socket.unlink(missing_ok=True)  # a dead run's: its appearing says "up"
         cmd += ["--unixsocket", str(unix_socket), "--unixsocketperm", "700"]
     proc = _popen_logged(cmd, log_path, cpus)
     deadline = time.monotonic() + 10

@@ -8,6 +8,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -125,8 +126,11 @@ def test_launcher_serves_and_stops_cleanly(tmp_path: Path, repo_root: Path) -> N
         out = read_until_serving(proc)
         assert f"http://127.0.0.1:{port}/v1" in out, out
         assert "started nats-server" in out and "started redis-server" in out
-        # the Redis it started: its services reach it over a Unix socket
-        sock = tmp_path / "logs" / ".redis" / "redis.sock"
+        # the Redis it started: its services reach it over a Unix socket, one per port
+        redis_port = re.findall(
+            r"redis://127.0.0.1:(\d+)", (tmp_path / "cluster.toml").read_text()
+        )[0]
+        sock = tmp_path / "logs" / ".redis" / f"redis-{redis_port}.sock"
         assert f"its services use unix://{sock}?db=0" in out, out
         kids = children_of(proc.pid)
         assert len(kids) == 6  # nats, redis, estimator, 2 workers, gateway
@@ -196,6 +200,18 @@ def test_a_started_redis_listens_on_a_unix_socket_where_the_path_fits(tmp_path: 
         assert server.local_url == f"unix://{tmp_path / 'rel' / 'r.sock'}?db=0"
     finally:
         server.stop()
+    # a socket another live server listens on is never taken over (nor deleted): TCP alone
+    first = start_redis("127.0.0.1", None, unix_socket=sock)
+    try:
+        second = start_redis("127.0.0.1", None, unix_socket=sock)
+        try:
+            assert second.local_url == "" and second.url_here == second.url
+            assert first.local_url == f"unix://{sock}?db=0" and sock.exists()
+        finally:
+            second.stop()
+        assert sock.exists()
+    finally:
+        first.stop()
     long = tmp_path / ("d" * (MAX_UNIX_PATH - len(str(tmp_path)))) / "r.sock"
     server = start_redis("127.0.0.1", None, unix_socket=long)
     try:  # a path too long for a socket: TCP alone
@@ -364,6 +380,28 @@ def register_worker(redis_url: str, namespace: str, instance_id: str, *, ttl_s: 
     asyncio.run(register())
 
 
+def test_launcher_refuses_a_taken_gateway_port_before_starting_any_server(
+    tmp_path: Path, repo_root: Path
+) -> None:
+    """The gateway's port is in use: the launcher says so before it starts NATS or
+    Redis (a Redis it started would have replaced a running deployment's socket)."""
+    port = write_own_servers_cluster(tmp_path)
+    with socket.create_server(("127.0.0.1", port)):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
+        run = subprocess.run(
+            launcher_cmd(tmp_path),
+            cwd=repo_root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"port {port} on 127.0.0.1 is in use" in run.stdout, run.stdout
+    assert "started" not in run.stdout, run.stdout
+    assert not (tmp_path / "logs" / ".redis").exists()
+
+
 def test_launcher_refuses_a_namespace_with_live_workers(
     tmp_path: Path, repo_root: Path, redis_url: str
 ) -> None:
@@ -447,6 +485,20 @@ def test_launcher_refuses_a_policy_the_estimator_does_not_run(
     err = capsys.readouterr().err
     assert "[presets.auto] policy 'routebalance' is not available" in err
     assert "sfs-constraint" in err  # what to use instead
+
+
+@pytest.mark.parametrize("text", ["", '[models.a]\n[[instances]]\nmodel = "a"\nreplicas = 0\n'])
+def test_launcher_refuses_a_cluster_file_that_starts_no_worker(
+    text: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty file (all defaults) or one whose instances have no replicas: refused at
+    once, not served after the whole ready timeout with "0 of 0 ready"."""
+    from services.launcher.__main__ import main
+
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    assert main([str(path)]) == 2
+    assert "starts no worker" in capsys.readouterr().err
 
 
 def test_launcher_runs_the_shipped_sim_testbed(tmp_path: Path, repo_root: Path) -> None:
