@@ -26,11 +26,13 @@ starts (shared.runtime.pin_cpus says why and what was measured).
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlparse
 
 import msgspec
 
@@ -297,6 +299,10 @@ def fp16_weights_refusal(dtype: str, device: str) -> str | None:
     )
 
 
+# torch's device strings, without importing torch here (the gateway loads no model)
+_DEVICE = re.compile(r"(cpu|cuda|mps|xpu|meta)(:\d+)?")
+
+
 class ModelConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     engine: EngineKind = "torch"  # torch: real forward | sim: scheduler + batch-time model
     # auto: bf16 where the device computes it natively (AVX-512 BF16, AMX, CUDA),
@@ -324,6 +330,10 @@ class ModelConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 
     def __post_init__(self) -> None:
         # What every worker would refuse at start: said when the file is read, once.
+        if not _DEVICE.fullmatch(self.device):
+            raise ValueError(
+                f"device {self.device!r} is not a torch device: use cpu, cuda or cuda:N"
+            )
         if self.weight_dtype == "float16" and (
             why := fp16_weights_refusal(self.dtype, self.device)
         ):
@@ -582,12 +592,54 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
             )
         if r.guest_idle_s <= 0:
             raise ConfigError(f"[relay] guest_idle_s must be > 0, got {r.guest_idle_s}")
+        self._check_limits()
+        for key, url in (("nats_url", self.nats_url), ("redis_url", self.redis_url)):
+            try:  # (a port that is no number fails only when read)
+                urlparse(url).port  # noqa: B018
+            except ValueError as exc:
+                raise ConfigError(f"{key} {url!r}: {exc}") from None
         if not 0 < self.gateway.port < 65536:
             raise ConfigError(f"gateway port out of range: {self.gateway.port}")
         if not 0 <= self.worker.link_port < 65536:
             raise ConfigError(
                 f"[worker] link_port out of range (0: a free port): {self.worker.link_port}"
             )
+
+    def _check_limits(self) -> None:
+        """Counts and durations that only make sense in a range: out of it, a cluster
+        started and then failed every request (max_in_flight 0: a 429 for each), flapped
+        (a registration that expires before its renewal) or spun (a heartbeat every
+        0 s); said when the file is read instead."""
+        g, e, w = self.gateway, self.estimator, self.worker
+        positive = {
+            "[gateway] max_in_flight": g.max_in_flight,
+            "[gateway] route_timeout_s": g.route_timeout_s,
+            "[gateway] registry_refresh_s": g.registry_refresh_s,
+            "[gateway] default_completion_max_tokens": g.default_completion_max_tokens,
+            "[gateway] max_request_bytes": g.max_request_bytes,
+            "[estimator] snapshot_max_age_s": e.snapshot_max_age_s,
+            "[estimator] ledger_ttl_s": e.ledger_ttl_s,
+            "[estimator] registry_refresh_s": e.registry_refresh_s,
+            "[estimator] snapshot_refresh_s": e.snapshot_refresh_s,
+            "[estimator] fit_interval_s": e.fit_interval_s,
+            "[worker] heartbeat_interval_s": w.heartbeat_interval_s,
+            "[worker] snapshot_ttl_s": w.snapshot_ttl_s,
+            "[worker] max_batch_samples": w.max_batch_samples,
+        }
+        for name, value in positive.items():
+            if not value > 0:  # (not <= 0: NaN fails too)
+                raise ConfigError(f"{name} must be > 0, got {value}")
+        if not (g.retry_after_s >= 0 and w.drain_timeout_s >= 0):
+            raise ConfigError("[gateway] retry_after_s and [worker] drain_timeout_s must be >= 0")
+        if not w.heartbeat_ttl_s > w.heartbeat_interval_s:
+            raise ConfigError(
+                f"[worker] heartbeat_ttl_s ({w.heartbeat_ttl_s}) must be longer than "
+                f"heartbeat_interval_s ({w.heartbeat_interval_s}): a registration would "
+                "expire before its renewal, and the workers would come and go"
+            )
+        for name, model in self.models.items():
+            if not (model.price_input_per_mtok >= 0 and model.price_output_per_mtok >= 0):
+                raise ConfigError(f"model {name!r}: prices must be >= 0")
 
 
 def parse_cluster(text: str, environ: Mapping[str, str] | None = None) -> ClusterConfig:

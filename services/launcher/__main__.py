@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         cluster = load_cluster(path)
         for where, cpus in cluster.cpu_settings():  # refused here, before anything starts
             check_cpus(cpus, where)
+        if not any(inst.replicas for inst in cluster.instances):
+            # (the launcher would wait its whole ready timeout for no worker)
+            raise ConfigError(
+                f"{path} starts no worker: add an [[instances]] entry with replicas >= 1"
+            )
     except ConfigError as exc:
         print(f"baton: {exc}", file=sys.stderr)
         return 2

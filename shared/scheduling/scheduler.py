@@ -48,7 +48,8 @@ class SchedulerConfig:
     max_model_len: int = 2048  # prompt + output tokens of one request
 
     def __post_init__(self) -> None:
-        if min(self.max_num_seqs, self.max_num_batched_tokens, self.block_size) < 1:
+        limits = (self.max_num_seqs, self.max_num_batched_tokens, self.block_size)
+        if min(*limits, self.num_kv_blocks, self.max_model_len) < 1:
             raise ValueError("scheduler limits must be positive")
         if blocks_for(self.max_model_len, self.block_size) > self.num_kv_blocks:
             raise ValueError(

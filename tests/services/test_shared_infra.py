@@ -87,6 +87,33 @@ def test_cluster_errors_are_clear() -> None:
         parse_cluster('[models.a]\n[[instances]]\nmodel = "a"\nthreads = 0\n', environ={})
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[gateway]\nmax_in_flight = 0\n", "max_in_flight must be > 0"),
+        ("[gateway]\nmax_in_flight = -1\n", "max_in_flight must be > 0"),
+        ("[worker]\nheartbeat_interval_s = -1.0\n", "heartbeat_interval_s must be > 0"),
+        (
+            "[worker]\nheartbeat_interval_s = 1.0\nheartbeat_ttl_s = 0.5\n",
+            "must be longer than heartbeat_interval_s",
+        ),
+        ("[worker]\ndrain_timeout_s = -1.0\n", "drain_timeout_s must be >= 0"),
+        ("[estimator]\nsnapshot_max_age_s = nan\n", "snapshot_max_age_s must be > 0"),
+        ("[models.a]\nprice_input_per_mtok = -1.0\n", "prices must be >= 0"),
+        ('redis_url = "redis://127.0.0.1:notaport/0"\n', "redis_url"),
+        ('nats_url = "nats://127.0.0.1:99999"\n', "nats_url"),
+        ('[models.a]\ndevice = "gpu9"\n', "not a torch device"),
+        ('[models.a]\n[[instances]]\nmodel = "a"\nmax_model_len = -2048\n', "must be positive"),
+    ],
+)
+def test_limits_out_of_range_are_refused_when_the_file_is_read(text: str, message: str) -> None:
+    """Each of these started a cluster that then failed every request (429s), flapped
+    (registrations expiring before renewal) or spun (a heartbeat loop at 0 s), or
+    ended the launcher in a traceback (a load probe, 2026-12-06)."""
+    with pytest.raises(ConfigError, match=message):
+        parse_cluster(text, environ={})
+
+
 def test_dtype_environment_overrides_every_model() -> None:
     text = '[models.a]\ndtype = "float32"\nweight_dtype = "same"\n[models.b]\n'
     cluster = parse_cluster(text, environ={})
