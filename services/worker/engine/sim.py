@@ -270,6 +270,11 @@ class SimEngine:
     def has_unfinished(self) -> bool:
         return self._inbox.has_live
 
+    def can_progress(self) -> bool:
+        """Always: nothing here parks a request (no token-level routing), so every
+        unfinished request is scheduled in turn (LLMEngine.can_progress)."""
+        return True
+
     def set_batch_time_model(self, model: BatchTimeModel) -> None:
         """Price the following steps with model (e.g. freshly fitted coefficients)."""
         self._model = model  # one reference swap: the next step reads it once
