@@ -71,6 +71,22 @@ def launcher_cmd(tmp_path: Path) -> list[str]:
     return [sys.executable, "-m", "services.launcher", cluster, "--log-dir", logs]
 
 
+def run_launcher(
+    tmp_path: Path, repo_root: Path, timeout_s: float
+) -> subprocess.CompletedProcess[str]:
+    """The launcher on tmp_path/cluster.toml, no BATON_ variables, run to its end (a
+    refusal), its output captured."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
+    return subprocess.run(
+        launcher_cmd(tmp_path),
+        cwd=repo_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
 def start_launcher(tmp_path: Path, repo_root: Path) -> subprocess.Popen[str]:
     """The launcher on tmp_path/cluster.toml, no BATON_ variables, output piped."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
@@ -387,15 +403,7 @@ def test_launcher_refuses_a_taken_gateway_port_before_starting_any_server(
     Redis (a Redis it started would have replaced a running deployment's socket)."""
     port = write_own_servers_cluster(tmp_path)
     with socket.create_server(("127.0.0.1", port)):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
-        run = subprocess.run(
-            launcher_cmd(tmp_path),
-            cwd=repo_root,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        run = run_launcher(tmp_path, repo_root, 60)
     assert run.returncode == 1, run.stdout + run.stderr
     assert f"port {port} on 127.0.0.1 is in use" in run.stdout, run.stdout
     assert "started" not in run.stdout, run.stdout
@@ -414,15 +422,7 @@ def test_launcher_refuses_a_namespace_with_live_workers(
     (tmp_path / "cluster.toml").write_text(
         tiny_cluster_text(nats_url, redis_url, namespace=namespace, port=port)
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BATON_")}
-    run = subprocess.run(
-        launcher_cmd(tmp_path),
-        cwd=repo_root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = run_launcher(tmp_path, repo_root, 120)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "other-0" in run.stdout and "BATON_NAMESPACE" in run.stdout, run.stdout
     assert "waiting" in run.stdout  # it gave a stopped deployment's registrations time
