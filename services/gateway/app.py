@@ -136,7 +136,9 @@ def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False
                 "owned_by": "baton-router",
                 "is_preset": True,
                 "models": list(p.models),
-                "policy": p.policy,
+                "policy": p.policy,  # which instance of the entry model takes a request
+                # per token: the policy passing the pen between `models` (None: whole answers)
+                "token_policy": p.token_policy,
                 "description": p.description,
             }
             for name, p in cfg.cluster.presets.items()

@@ -336,6 +336,17 @@ async def test_dead_peer_never_loses_a_request(routed: tuple[Stack, RelayService
     assert blocks_in_use(stack)[0] == 0
 
 
+async def test_models_list_names_a_presets_token_policy(
+    routed: tuple[Stack, RelayService],
+) -> None:
+    stack, _ = routed
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        cards = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
+    assert cards["pair"]["token_policy"] == "every-third"
+    assert cards["pair"]["models"] == ["random-tiny", "random-tiny-big"]
+    assert cards["auto"]["token_policy"] is None  # whole answers, routed per request
+
+
 async def test_relay_answers_its_health_probe(routed: tuple[Stack, RelayService]) -> None:
     stack, _ = routed
     assert await check("relay", stack.cluster)
