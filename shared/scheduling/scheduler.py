@@ -20,10 +20,11 @@ Policy, in order, every iteration:
 Priority requests (`SchedRequest.is_priority`: a token-routing peer's copy of another
 worker's request, whose origin waits on every token it writes) go first: they wait
 ahead of plain requests, are admitted before step 1 (while a slot and KV for all
-their tokens are free), and take the budget before plain running requests, which
-are preempted first. Without them the policy is exactly the one above. The
-estimator's replay (`services.estimator.sfs.kernel`) models the plain policy only:
-peer copies are few and short, and it counts them as plain requests.
+their tokens are free), and stand ahead of the plain ones in `running`, so they take
+the budget first and plain requests are preempted first. Without them the policy is
+exactly the one above. The estimator's replay (`services.estimator.sfs.kernel`)
+follows a snapshot's queues in their order, so it schedules running priority
+requests first too; it admits waiting ones FIFO (peer copies are few and short).
 """
 
 from __future__ import annotations
@@ -121,7 +122,9 @@ class Scheduler:
         self.config = config
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
         self.waiting: deque[SchedRequest] = deque()
-        self.running: list[SchedRequest] = []  # admission order: oldest first
+        # priority requests first, each kind oldest first (admission order): scheduling
+        # walks it from the front, preemption takes from the back
+        self.running: list[SchedRequest] = []
         self.pending: dict[str, SchedRequest] = {}
         self.requests: dict[str, SchedRequest] = {}
         self.length_ratios = LengthRatios()  # actual / predicted output, finished requests
@@ -198,12 +201,7 @@ class Scheduler:
         """Return a pending request to the running list (tokens appended by the caller)."""
         req = self.pending.pop(request_id)
         req.status = RequestStatus.RUNNING
-        # Keep admission order so fairness and victim choice stay by arrival.
-        idx = next(
-            (i for i, r in enumerate(self.running) if r.arrival_seq > req.arrival_seq),
-            len(self.running),
-        )
-        self.running.insert(idx, req)
+        self._insert_running(req)
 
     def drop_pending_kv(self, request_id: str) -> None:
         """Free a pending request's KV; on resume it prefills its whole sequence again
@@ -237,26 +235,21 @@ class Scheduler:
         ):
             req = self.waiting.popleft()
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self._insert_running(req)
 
-        # 1. Running requests, priority ones first, oldest first; preempt the last in
-        #    that order when KV runs out (so a request preempts only ones after it).
-        order = self.running
-        if any(r.is_priority for r in order):
-            order = [r for r in order if r.is_priority] + [r for r in order if not r.is_priority]
+        # 1. Running requests in order (priority first, oldest first); preempt the last
+        #    when KV runs out (a plain request before any priority one).
         idx = 0
-        while idx < len(order) and budget > 0:
-            req = order[idx]
+        while idx < len(self.running) and budget > 0:
+            req = self.running[idx]
             num_new = min(req.num_uncomputed_tokens, budget)
             if num_new <= 0:  # fully computed, waits on a pending peer reply
                 idx += 1
                 continue
             target = req.num_computed_tokens + num_new
             while not self.blocks.can_grow(req, target):
-                victim = order[-1]
-                self._preempt(victim)  # (removes it from self.running)
-                if order is not self.running:
-                    order.pop()
+                victim = self.running[-1]
+                self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is req:
                     break
@@ -309,6 +302,17 @@ class Scheduler:
             self.waiting.appendleft(req)
         else:
             self.waiting.insert(self._num_priority_waiting(), req)
+
+    def _insert_running(self, req: SchedRequest) -> None:
+        """Into `running` at its place: after the priority requests when it is plain
+        (a plain one is admitted newest: appended), among them by arrival when it is one
+        (a resumed request, too, by arrival among its kind)."""
+        key = (not req.is_priority, req.arrival_seq)
+        idx = next(
+            (i for i, r in enumerate(self.running) if (not r.is_priority, r.arrival_seq) > key),
+            len(self.running),
+        )
+        self.running.insert(idx, req)
 
     def _num_priority_waiting(self) -> int:
         """How many waiting requests are priority ones (they are the queue's head)."""
