@@ -371,10 +371,9 @@ class WorkerService:
                 await self._idle()
                 continue
             if not engine.can_progress():
-                # The last step computed nothing: every admitted request is parked at a
-                # peer (or waits on one), the others wait for the slots or the KV they
-                # hold. Stepping on would run empty steps back to back until one comes
-                # back; a message (a resume, a request, an abort) ends this wait.
+                # Nothing to compute: every admitted request is parked at a peer (or
+                # waits on one), any others wait for the slots or the KV they hold. A
+                # message (a resume, a request, an abort) ends this wait.
                 await self._idle()
                 continue
             wait_s = self._hold_s()
@@ -480,14 +479,10 @@ class WorkerService:
                 self._record(samples=False)
 
     def _hold_s(self) -> float | None:
-        """None: step now. Else how long to wait first: every live request is parked at
-        a peer (nothing to compute), or delayed batching holds this model's step."""
+        """None: step now. Else how long delayed batching holds this model's step
+        (asked once the engine can progress: `_loop`)."""
         if self.routing is None:
             return None
-        sched = self._engine.scheduler
-        if not sched.running and not sched.waiting:
-            # Only parked requests (or an abort the next step applies): wake on a message.
-            return None if self._engine.has_pending_inbox() else self.cfg.heartbeat_interval_s
         plain = any(rid not in self.routing.requests for rid in self._runnable_ids())
         return self.routing.hold_s(time.monotonic(), plain)
 

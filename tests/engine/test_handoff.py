@@ -146,6 +146,7 @@ def test_a_request_past_the_cap_stalls_until_a_parked_one_comes_back() -> None:
     engine.add_request("a", [4, 5], params)
     engine.step()
     engine.pop_handoffs()
+    assert not engine.can_progress()  # "a" alone, parked: nothing to compute
     engine.hook = None
     engine.add_request("b", [6, 7], params)
     assert engine.can_progress()  # "b" is queued: the next step takes it

@@ -194,19 +194,19 @@ class LLMEngine:
         handoffs, self._handoffs = self._handoffs, []
         return handoffs
 
-    def has_pending_inbox(self) -> bool:
-        """Requests, aborts or resumes queued for the next step."""
-        return self._inbox.has_queued
-
     def has_unfinished(self) -> bool:
         return self._inbox.has_live
 
     def can_progress(self) -> bool:
-        """Whether a step now could compute anything. False after a step that scheduled
-        nothing (every admitted request parked at a peer, the rest waiting for a slot or
-        for KV that only those free) until a request, abort or resume is queued or
-        parked KV is dropped: stepping on would run empty steps back to back."""
-        return not self._stalled or self._inbox.has_queued
+        """Whether a step now could compute anything: a request, abort or resume is
+        queued, or some request is running or waiting, unless the last step scheduled
+        none of them (every admitted request parked at a peer, the rest waiting for a
+        slot or for KV that only those free) and no parked KV was dropped since. False:
+        stepping would run empty steps back to back until a peer answers."""
+        if self._inbox.has_queued:
+            return True
+        sched = self.scheduler
+        return not self._stalled and bool(sched.running or sched.waiting)
 
     # ---- the loop (one thread) ---------------------------------------------------
 
