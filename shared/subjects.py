@@ -12,6 +12,7 @@ NATS server. Services never format a subject string themselves.
     {ns}.relay.in                     PeerReq | PeerRelease           worker -> relay (queue group)
     {ns}.worker.{instance_id}.peer    PeerReq | PeerRelease           relay -> worker
     {ns}.relay.query                  PeerQuery -> PeerQueryReply     worker -> relay (request/reply)
+    {ns}.relay.started                RelayStarted                    relay -> every worker
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ def relay_inbox(namespace: str) -> str:
 
 def relay_query(namespace: str) -> str:
     return f"{check_token(namespace)}.relay.query"
+
+
+def relay_started(namespace: str) -> str:
+    """A relay announces its start here (RelayStarted): workers re-check hand-offs."""
+    return f"{check_token(namespace)}.relay.started"
 
 
 def worker_peer(namespace: str, instance_id: str) -> str:

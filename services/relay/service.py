@@ -33,6 +33,7 @@ from shared.messages.peer import (
     PeerQueryReply,
     PeerRelease,
     PeerReq,
+    RelayStarted,
 )
 from shared.messages.registry import RegistryEpoch, WorkerInfo
 from shared.scheduling.unshown import UnshownRequests
@@ -166,6 +167,12 @@ class RelayService:
                 subjects.health(self.cluster.namespace, "relay"),
                 HEALTH_PROBE_DECODER,
                 self._health,
+            )
+            # Workers with requests away ask about them now: this relay knows none of
+            # the hand-offs a predecessor held (they come back to their origins).
+            await self.bus.publish(
+                subjects.relay_started(self.cluster.namespace),
+                RelayStarted(started_at_s=time.time()),
             )
             await self.bus.flush()
             self.started.set()

@@ -361,7 +361,10 @@ class WorkerService:
                     # step runs in the thread.
                     is_after_idle, has_peer_work = False, True
                 self._link.apply(engine, outbox)
-                if self.routing is not None and time.monotonic() >= self._next_expiry_s:
+                if self.routing is not None and (
+                    self._link.relay_started_at_s is not None
+                    or time.monotonic() >= self._next_expiry_s
+                ):
                     self._check_relay_silence(engine, outbox)
                 await self._link.publish(outbox)
             if not engine.has_unfinished():
@@ -429,8 +432,17 @@ class WorkerService:
             self._relay_verdict = None
             self.routing.settle_overdue(asked, pending, now, engine, outbox)
         self.routing.expire_guests(now, relay.guest_idle_s, engine)
-        overdue = self.routing.overdue_origins(now, relay.origin_wait_s)
-        if overdue and (self._relay_query is None or self._relay_query.done()):
+        if self._relay_query is not None and not self._relay_query.done():
+            return  # one question at a time (a restart notice waits for the answer)
+        # After a relay's start notice every request that left before it is asked
+        # about at once: the new relay times none of the hand-offs sent before it
+        # subscribed. (Not the later ones: its hand-off and query subscriptions run
+        # apart, so a query could overtake a hand-off it is about.)
+        assert self._link is not None
+        started_at_s, self._link.relay_started_at_s = self._link.relay_started_at_s, None
+        wait_s = relay.origin_wait_s if started_at_s is None else max(0.0, now - started_at_s)
+        overdue = self.routing.overdue_origins(now, min(wait_s, relay.origin_wait_s))
+        if overdue:
             self._relay_query = asyncio.create_task(self._ask_relay(overdue))
 
     async def _ask_relay(self, asked: dict[str, float]) -> None:

@@ -70,5 +70,14 @@ class PeerQueryReply(msgspec.Struct, frozen=True, kw_only=True):
     pending: list[str]
 
 
+class RelayStarted(msgspec.Struct, frozen=True, kw_only=True):
+    """A relay is serving (sent once it has subscribed): it knows no hand-off sent
+    before, so an origin with requests away asks about them now (PeerQuery) instead of
+    after `[relay] origin_wait_s`; those it is not timing come back to their origin."""
+
+    started_at_s: float  # wall clock (time.time()) of the relay's start
+
+
 PEER_QUERY_DECODER = msgspec.msgpack.Decoder(PeerQuery)
 PEER_QUERY_REPLY_DECODER = msgspec.msgpack.Decoder(PeerQueryReply)
+RELAY_STARTED_DECODER = msgspec.msgpack.Decoder(RelayStarted)

@@ -60,3 +60,50 @@ async def test_dead_relay_never_strands_a_request_or_its_kv(nats_url: str, redis
     finally:
         await stack.stop()
         del TOKEN_POLICIES["every-third"]
+
+
+async def test_a_restarted_relay_sends_the_requests_it_never_saw_home(
+    nats_url: str, redis_url: str
+) -> None:
+    """A relay that restarts knows none of the hand-offs its predecessor held. Its start
+    notice makes every origin ask about its requests away at once: they come back and
+    finish alone long before `origin_wait_s` (60 s here, above the test's 30 s bound),
+    and later requests route through the new relay."""
+    TOKEN_POLICIES["every-third"] = EveryThird
+    text = tiny_cluster_text(nats_url, redis_url).replace("replicas = 2", "replicas = 1")
+    nets = SAFETY_NETS.replace("origin_wait_s = 1.5", "origin_wait_s = 60.0")
+    cluster = parse_cluster(text + PAIR.replace("peer_timeout_s = 2.0\n", nets))
+    relay = RelayService(cluster)
+    relay_task = asyncio.create_task(relay.run())
+    stack = await start_stack(cluster, 2, ["random-tiny", "random-tiny-big"])
+    new_relay: RelayService | None = None
+    new_task: asyncio.Task[None] | None = None
+    try:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=90) as client:
+            pending = [
+                asyncio.create_task(post_pair(client, f"relay restarts {i}", 120)) for i in range(4)
+            ]
+
+            async def handoffs_under_way() -> None:
+                while relay.books.counters.forwarded < 4:
+                    await asyncio.sleep(0.005)
+
+            await asyncio.wait_for(handoffs_under_way(), 30)
+            await kill(relay_task)
+            new_relay = RelayService(cluster)
+            new_task = asyncio.create_task(new_relay.run())
+            resps = await asyncio.wait_for(asyncio.gather(*pending), 30)
+            for resp in resps:
+                assert resp.status_code == 200, resp.text
+                assert resp.json()["usage"]["completion_tokens"] == 120
+            failures = [w.routing.num_peer_failures for w in stack.workers if w.routing]
+            assert sum(failures) > 0  # taken back on the notice, not after 60 s
+            # the new relay carries the next request's hand-offs
+            resp = await asyncio.wait_for(post_pair(client, "after the restart", 60), 30)
+            assert resp.status_code == 200, resp.text
+            assert new_relay.books.counters.forwarded > 0
+    finally:
+        if new_task is not None:
+            await kill(new_task)
+        await stack.stop()
+        del TOKEN_POLICIES["every-third"]

@@ -19,7 +19,13 @@ from shared import keys, subjects
 from shared.bus import Bus
 from shared.logging import get_logger
 from shared.messages.batcher import BATCH_TABLES_DECODER, BatchTables, RoutingStats
-from shared.messages.peer import PEER_MESSAGE_DECODER, PeerMessage, PeerRelease
+from shared.messages.peer import (
+    PEER_MESSAGE_DECODER,
+    RELAY_STARTED_DECODER,
+    PeerMessage,
+    PeerRelease,
+    RelayStarted,
+)
 from shared.store import Store
 
 log = get_logger(component="worker-routing")
@@ -42,6 +48,9 @@ class RoutingLink:
         self._relay = subjects.relay_inbox(namespace)
         self._stats_interval_s = stats_interval_s
         self._last_stats_s = time.monotonic()
+        # When (monotonic) a relay's start notice came, until the worker asked about the
+        # requests it had away by then (WorkerService._check_relay_silence); None: none.
+        self.relay_started_at_s: float | None = None
 
     @property
     def has_messages(self) -> bool:
@@ -54,6 +63,9 @@ class RoutingLink:
         await self._bus.subscribe(
             subjects.batcher_tables(self._ns), BATCH_TABLES_DECODER, self._on_tables
         )
+        await self._bus.subscribe(
+            subjects.relay_started(self._ns), RELAY_STARTED_DECODER, self._on_relay_started
+        )
         for preset in self.books.policies:
             blob = await self._store.redis.get(keys.batch_tables(self._ns, preset))
             if blob is not None:
@@ -61,6 +73,11 @@ class RoutingLink:
 
     async def _on_peer(self, msg: PeerMessage) -> None:
         self._inbox.append(msg)
+        self._wakeup.set()
+
+    async def _on_relay_started(self, msg: RelayStarted) -> None:
+        log.info("relay_started", started_at_s=msg.started_at_s)
+        self.relay_started_at_s = time.monotonic()
         self._wakeup.set()
 
     async def _on_tables(self, tables: BatchTables) -> None:
