@@ -62,6 +62,11 @@ IMPLEMENTED_POLICIES: tuple[str, ...] = (
     "sfs-lagrangian",
 )
 EngineKind = Literal["torch", "sim"]
+# Token-level policies a preset's token_policy may name: the keys of the worker's
+# TOKEN_POLICIES (services/worker/routing/policies/, which checks the two agree when
+# imported). Checked when the file is read, so a misspelt name stops the launch
+# instead of failing every request of the preset.
+TOKEN_POLICY_NAMES: set[str] = {"r2r", "citer", "co-llm", "r-stitch", "me"}
 # How a token-level preset runs (docs/token-routing.md): baton = async per-model
 # loops, pending resume and delayed batching; eager_async = the same without
 # delayed batching; barrier = step barriers (the entry model waits while any of
@@ -546,6 +551,11 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
                 if m not in self.models:
                     raise ConfigError(f"preset {name!r} names unknown model {m!r}")
         for name, preset in self.presets.items():
+            if preset.token_policy is not None and preset.token_policy not in TOKEN_POLICY_NAMES:
+                raise ConfigError(
+                    f"preset {name!r}: unknown token_policy {preset.token_policy!r}: use one "
+                    f"of {', '.join(sorted(TOKEN_POLICY_NAMES))}"
+                )
             if preset.lambda_ < 0 or preset.delta < 0:
                 raise ConfigError(f"preset {name!r}: lambda and delta must be >= 0")
         if not self.gateway.event_timeout_s > 0:

@@ -71,6 +71,11 @@ def test_cluster_errors_are_clear() -> None:
         parse_cluster("[relay]\npeer_timeout_s = 40.0\n", environ={})
     with pytest.raises(ConfigError, match="guest_idle_s must be > 0"):
         parse_cluster("[relay]\nguest_idle_s = 0\n", environ={})
+    with pytest.raises(ConfigError, match="unknown token_policy 'r2d2': use one of citer, "):
+        parse_cluster(
+            '[models.a]\n[models.b]\n[presets.p]\nmodels = ["a", "b"]\ntoken_policy = "r2d2"\n',
+            environ={},
+        )
     with pytest.raises(ConfigError, match="policy 'routebalance' is not available"):
         parse_cluster('[estimator]\npolicy = "routebalance"\n', environ={})
     with pytest.raises(ConfigError, match="dtype"):

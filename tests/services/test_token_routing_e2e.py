@@ -20,7 +20,7 @@ from services.relay.service import RelayService
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.routing.chars import CharBoundaries
-from services.worker.routing.policies import TOKEN_POLICIES
+from services.worker.routing.policies import register_token_policy, unregister_token_policy
 from shared.config import parse_cluster
 from shared.health import check
 from shared.model_store import load_tokenizer
@@ -60,7 +60,7 @@ registry_refresh_s = 0.2
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def routed(nats_url: str, redis_url: str) -> AsyncIterator[tuple[Stack, RelayService]]:
-    TOKEN_POLICIES["every-third"] = EveryThird
+    register_token_policy(EveryThird)
     text = tiny_cluster_text(nats_url, redis_url).replace("replicas = 2", "replicas = 1")
     cluster = parse_cluster(text + PAIR)
     relay = RelayService(cluster)
@@ -70,7 +70,7 @@ async def routed(nats_url: str, redis_url: str) -> AsyncIterator[tuple[Stack, Re
     relay.request_stop()
     await stack.stop()
     await asyncio.wait_for(relay_task, 10)
-    del TOKEN_POLICIES["every-third"]
+    unregister_token_policy("every-third")
 
 
 HOP_DELAY_S = 0.3

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from services.relay.service import RelayService
-from services.worker.routing.policies import TOKEN_POLICIES
+from services.worker.routing.policies import register_token_policy, unregister_token_policy
 from shared.config import parse_cluster
 from tests.routing.test_runtime import EveryThird
 from tests.services.conftest import kill, start_stack, tiny_cluster_text
@@ -27,7 +27,7 @@ guest_idle_s = 2.0
 
 
 async def test_dead_relay_never_strands_a_request_or_its_kv(nats_url: str, redis_url: str) -> None:
-    TOKEN_POLICIES["every-third"] = EveryThird
+    register_token_policy(EveryThird)
     text = tiny_cluster_text(nats_url, redis_url).replace("replicas = 2", "replicas = 1")
     cluster = parse_cluster(text + PAIR.replace("peer_timeout_s = 2.0\n", SAFETY_NETS))
     relay = RelayService(cluster)
@@ -59,7 +59,7 @@ async def test_dead_relay_never_strands_a_request_or_its_kv(nats_url: str, redis
         assert blocks_in_use(stack) == [0, 0]
     finally:
         await stack.stop()
-        del TOKEN_POLICIES["every-third"]
+        unregister_token_policy("every-third")
 
 
 async def test_a_restarted_relay_sends_the_requests_it_never_saw_home(
@@ -69,7 +69,7 @@ async def test_a_restarted_relay_sends_the_requests_it_never_saw_home(
     notice makes every origin ask about its requests away at once: they come back and
     finish alone long before `origin_wait_s` (60 s here, above the test's 30 s bound),
     and later requests route through the new relay."""
-    TOKEN_POLICIES["every-third"] = EveryThird
+    register_token_policy(EveryThird)
     text = tiny_cluster_text(nats_url, redis_url).replace("replicas = 2", "replicas = 1")
     nets = SAFETY_NETS.replace("origin_wait_s = 1.5", "origin_wait_s = 60.0")
     cluster = parse_cluster(text + PAIR.replace("peer_timeout_s = 2.0\n", nets))
@@ -106,4 +106,4 @@ async def test_a_restarted_relay_sends_the_requests_it_never_saw_home(
         if new_task is not None:
             await kill(new_task)
         await stack.stop()
-        del TOKEN_POLICIES["every-third"]
+        unregister_token_policy("every-third")

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from services.relay.service import RelayService
-from services.worker.routing.policies import TOKEN_POLICIES
+from services.worker.routing.policies import register_token_policy, unregister_token_policy
 from shared.config import parse_cluster
 from tests.routing.test_runtime import EveryThird
 from tests.services.conftest import start_stack, tiny_cluster_text
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 async def test_a_relay_older_than_the_workers_forwards_their_first_hand_offs(
     nats_url: str, redis_url: str
 ) -> None:
-    TOKEN_POLICIES["every-third"] = EveryThird
+    register_token_policy(EveryThird)
     text = tiny_cluster_text(nats_url, redis_url).replace("replicas = 2", "replicas = 1")
     cluster = parse_cluster(
         text + PAIR.replace("registry_refresh_s = 0.2", "registry_refresh_s = 3600.0")
@@ -55,4 +55,4 @@ async def test_a_relay_older_than_the_workers_forwards_their_first_hand_offs(
         with contextlib.suppress(asyncio.CancelledError):
             await relay_task
         await stack.stop()
-        del TOKEN_POLICIES["every-third"]
+        unregister_token_policy("every-third")

@@ -21,12 +21,27 @@ from services.worker.routing.policies.co_llm import CoLLMPolicy
 from services.worker.routing.policies.me import MEPolicy
 from services.worker.routing.policies.r2r import R2RPolicy
 from services.worker.routing.policies.r_stitch import RStitchPolicy
+from shared.config import TOKEN_POLICY_NAMES
 
 TOKEN_POLICIES: dict[str, type[TokenPolicy]] = {
     p.name: p for p in (R2RPolicy, CiterPolicy, CoLLMPolicy, RStitchPolicy, MEPolicy)
 }
 
+# The cluster file's check names the same policies (a test adds its own to both).
+assert set(TOKEN_POLICIES) == TOKEN_POLICY_NAMES, (set(TOKEN_POLICIES), TOKEN_POLICY_NAMES)
+
 DEFAULT_ARTIFACTS_DIR = Path(__file__).resolve().parents[4] / "models" / "routers"
+
+
+def register_token_policy(cls: type[TokenPolicy]) -> None:
+    """Make a policy class nameable in cluster files too (tests' own policies)."""
+    TOKEN_POLICIES[cls.name] = cls
+    TOKEN_POLICY_NAMES.add(cls.name)
+
+
+def unregister_token_policy(name: str) -> None:
+    TOKEN_POLICIES.pop(name, None)
+    TOKEN_POLICY_NAMES.discard(name)
 
 
 def create_token_policy(
@@ -56,4 +71,6 @@ __all__ = [
     "R2RPolicy",
     "RStitchPolicy",
     "create_token_policy",
+    "register_token_policy",
+    "unregister_token_policy",
 ]
