@@ -110,15 +110,25 @@ def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False
     # The completion routes run ahead of FastAPI's machinery (services/gateway/asgi.py says why).
     app.completions = CompletionRoutes(service, api_keys)
 
+    started_s = time.time()  # (the app is made when the gateway starts)
+
     def model_cards() -> list[dict[str, object]]:
-        """OpenAI's model objects: the real models, then the routing presets."""
-        created = int(time.time())
+        """OpenAI's model objects: the real models, then the routing presets. `created`:
+        when the model's longest-running live worker started (a preset: the earliest
+        of its models'), else when this gateway started; stable from call to call."""
         live = {w.model for w in service.workers.values() if not w.is_draining}
+        since = {name: started_s for name in cfg.cluster.models}
+        for w in service.workers.values():
+            since[w.model] = min(since.get(w.model, started_s), w.started_at_s)
+
+        def created(*models: str) -> int:
+            return int(min((since.get(m, started_s) for m in models), default=started_s))
+
         data: list[dict[str, object]] = [
             {
                 "id": name,
                 "object": "model",
-                "created": created,
+                "created": created(name),
                 "owned_by": "baton",
                 "is_live": name in live,
                 "max_model_len": max(
@@ -132,7 +142,7 @@ def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False
             {
                 "id": name,
                 "object": "model",
-                "created": created,
+                "created": created(*p.models),
                 "owned_by": "baton-router",
                 "is_preset": True,
                 "models": list(p.models),

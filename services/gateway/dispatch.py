@@ -70,6 +70,7 @@ async def send_routed(
         "model": reply.model,
         "instance": reply.instance_id,
         "policy": reply.policy,
+        "task": p.task,  # x-baton-task as the estimator's quality tables read it
         "router_overhead_ms": round(router_overhead_ms, 3),
         "decision_ms": None if reply.decision_ms is None else round(reply.decision_ms, 3),
         "predicted_ttft_ms": (

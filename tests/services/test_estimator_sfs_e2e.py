@@ -142,7 +142,7 @@ async def test_idle_cluster_policies_and_the_slo_header(sim: Stack) -> None:
     assert served_by(sim, resp) == "big"
     baton = resp.json()["baton"]
     assert baton["model"] == "big" and baton["instance"] == resp.headers["x-instance-id"]
-    assert baton["policy"] == "sfs-constraint"
+    assert baton["policy"] == "sfs-constraint" and baton["task"] is None
     assert baton["router_overhead_ms"] > 0
     assert 25 <= baton["predicted_ttft_ms"] <= 100  # one 30 ms prefill step
     usage = resp.json()["usage"]
@@ -157,7 +157,7 @@ async def test_idle_cluster_policies_and_the_slo_header(sim: Stack) -> None:
     # x-baton-task: on trivia small is the more accurate one.
     await sim.wait_idle()
     resp = await chat(sim, "agnostic", {"x-baton-task": "trivia"})
-    assert served_by(sim, resp) == "small"
+    assert served_by(sim, resp) == "small" and resp.json()["baton"]["task"] == "trivia"
     # x-baton-policy overrides the preset's.
     await sim.wait_idle()
     resp = await chat(sim, "agnostic", {"x-baton-policy": "sfs-constraint", "x-slo-ttft-ms": "10"})

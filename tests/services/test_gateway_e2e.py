@@ -801,6 +801,12 @@ async def test_health_models_and_metrics(stack: Stack) -> None:
         models = (await client.get("/v1/models")).json()["data"]
         by_id = {m["id"]: m for m in models}
         assert by_id["random-tiny"]["max_model_len"] == 256 and by_id["auto"]["is_preset"]
+        # `created`: when the model's first live worker started, the same on every call
+        first = min(w.started_at_s for w in stack.gateway.workers.values())
+        assert by_id["random-tiny"]["created"] == int(first) == by_id["auto"]["created"]
+        await asyncio.sleep(1.1)  # (a clock-time value would have moved)
+        again = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
+        assert again["random-tiny"]["created"] == by_id["random-tiny"]["created"]
         text = (await client.get("/metrics")).text
         # the in-flight gauge reads the admission count when scraped
         saved = stack.gateway.num_in_flight
