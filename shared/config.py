@@ -371,6 +371,9 @@ class InstanceConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=
     replicas: int = 1  # worker processes serving this model
     max_num_seqs: int = 16  # requests running at once
     max_num_batched_tokens: int = 512  # tokens per iteration (the token budget)
+    # a plain request's prefill chunk while a token-routing guest is on the instance
+    # (0: no cap): the guest's origin waits on each of its steps
+    max_chunk_beside_guests: int = 64
     block_size: int = 64  # tokens per KV block (the CPU engine's default; see EngineConfig)
     num_kv_blocks: int = 128  # KV capacity in blocks
     max_model_len: int = 2048  # tokens, prompt + output
@@ -529,6 +532,7 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
                     block_size=inst.block_size,
                     num_kv_blocks=inst.num_kv_blocks,
                     max_model_len=inst.max_model_len,
+                    max_chunk_beside_guests=inst.max_chunk_beside_guests,
                 )
             except ValueError as exc:
                 raise ConfigError(f"[[instances]] of {inst.model!r}: {exc}") from None

@@ -125,6 +125,7 @@ class WorkerServiceConfig:
             block_size=inst.block_size,
             num_kv_blocks=inst.num_kv_blocks,
             max_model_len=inst.max_model_len,
+            max_chunk_beside_guests=inst.max_chunk_beside_guests,
             threads=inst.threads,
             seed=inst.seed,
         )
@@ -143,6 +144,7 @@ def create_engine(cfg: WorkerServiceConfig) -> Any:
             block_size=inst.block_size,
             num_kv_blocks=inst.num_kv_blocks,
             max_model_len=inst.max_model_len,
+            max_chunk_beside_guests=inst.max_chunk_beside_guests,
             seed=inst.seed,
             **cfg.model_config.sim,  # type: ignore[arg-type]
         )

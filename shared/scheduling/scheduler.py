@@ -21,8 +21,13 @@ Priority requests (`SchedRequest.is_priority`: a token-routing peer's copy of an
 worker's request, whose origin waits on every token it writes) go first: they wait
 ahead of plain requests, are admitted before step 1 (while a slot and KV for all
 their tokens are free), and stand ahead of the plain ones in `running`, so they take
-the budget first and plain requests are preempted first. Without them the policy is
-exactly the one above. The estimator's replay (`services.estimator.sfs.kernel`)
+the budget first and plain requests are preempted first. While any priority request
+is here (waiting, running or parked between its visits), the plain requests' prefill
+chunks take at most `max_chunk_beside_guests` tokens of a step between them (their
+decodes are not counted): a visit waits out the step in flight and then its own, and
+on a CPU a 512-token chunk made each ~1 s against ~0.15 s at 64
+(docs/token-routing.md). Without them the policy is exactly the one
+above. The estimator's replay (`services.estimator.sfs.kernel`)
 follows a snapshot's queues in their order, so it schedules running priority
 requests first too; it admits waiting ones FIFO (peer copies are few and short).
 """
@@ -47,11 +52,15 @@ class SchedulerConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int = 2048  # KV capacity in blocks
     max_model_len: int = 2048  # prompt + output tokens of one request
+    # plain prefill tokens per step while priority requests are here (0: no cap)
+    max_chunk_beside_guests: int = 0
 
     def __post_init__(self) -> None:
         limits = (self.max_num_seqs, self.max_num_batched_tokens, self.block_size)
         if min(*limits, self.num_kv_blocks, self.max_model_len) < 1:
             raise ValueError("scheduler limits must be positive")
+        if self.max_chunk_beside_guests < 0:
+            raise ValueError("max_chunk_beside_guests must be >= 0 (0: no cap)")
         if blocks_for(self.max_model_len, self.block_size) > self.num_kv_blocks:
             raise ValueError(
                 f"max_model_len={self.max_model_len} needs more KV than num_kv_blocks="
@@ -129,6 +138,7 @@ class Scheduler:
         self.requests: dict[str, SchedRequest] = {}
         self.length_ratios = LengthRatios()  # actual / predicted output, finished requests
         self._next_arrival = 0
+        self._num_priority = 0  # priority requests in `requests`
 
     # ---- lifecycle -------------------------------------------------------------
 
@@ -156,6 +166,7 @@ class Scheduler:
         self._next_arrival += 1
         self.requests[request_id] = req
         if priority:
+            self._num_priority += 1
             self.waiting.insert(self._num_priority_waiting(), req)
         else:
             self.waiting.append(req)
@@ -182,6 +193,7 @@ class Scheduler:
         self.blocks.free(req)
         req.status = RequestStatus.FINISHED
         del self.requests[req.request_id]
+        self._num_priority -= req.is_priority
 
     def abort(self, request_id: str) -> SchedRequest | None:
         req = self.requests.get(request_id)
@@ -225,6 +237,9 @@ class Scheduler:
         """Build the next batch. Mutates KV allocation and queues, not token counters."""
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        # What plain prefill chunks may take of this step (no priority work here: all).
+        cap = self.config.max_chunk_beside_guests if self._num_priority else 0
+        plain_prefill = cap or budget
 
         # 0. Priority requests join the running ones first (step 1 plans their chunks).
         while (
@@ -242,8 +257,11 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
+            is_plain_prefill = not req.is_priority and req.num_uncomputed_tokens > 1
             num_new = min(req.num_uncomputed_tokens, budget)
-            if num_new <= 0:  # fully computed, waits on a pending peer reply
+            if is_plain_prefill:
+                num_new = min(num_new, plain_prefill)
+            if num_new <= 0:  # fully computed (waits on a pending peer reply), or capped
                 idx += 1
                 continue
             target = req.num_computed_tokens + num_new
@@ -258,6 +276,8 @@ class Scheduler:
             self.blocks.grow(req, target)
             batch.chunks.append(ScheduledChunk.plan(req, num_new))
             budget -= num_new
+            if is_plain_prefill:
+                plain_prefill -= num_new
             idx += 1
 
         # 2. Admit waiting requests, FIFO, unless this step is already under KV pressure.
@@ -266,6 +286,9 @@ class Scheduler:
         # Pending requests hold KV and come back to running: they count against the cap.
         while self.waiting and budget > 0 and self.num_admitted < self.config.max_num_seqs:
             req = self.waiting[0]
+            is_plain_prefill = not req.is_priority and req.num_uncomputed_tokens > 1
+            if is_plain_prefill and plain_prefill <= 0:
+                break  # capped beside priority work: it waits, at the head
             if not self.blocks.can_grow(req, req.num_tokens):
                 break  # head-of-line waits for KV: later arrivals never overtake it
             self.waiting.popleft()
@@ -273,6 +296,9 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             num_new = min(req.num_uncomputed_tokens, budget)
+            if is_plain_prefill:
+                num_new = min(num_new, plain_prefill)
+                plain_prefill -= num_new
             batch.chunks.append(ScheduledChunk.plan(req, num_new))
             budget -= num_new
         return batch

@@ -12,6 +12,7 @@ def make_scheduler(
     block_size: int = 4,
     num_kv_blocks: int = 64,
     max_model_len: int = 128,
+    max_chunk_beside_guests: int = 0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -20,6 +21,7 @@ def make_scheduler(
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             max_model_len=max_model_len,
+            max_chunk_beside_guests=max_chunk_beside_guests,
         )
     )
 

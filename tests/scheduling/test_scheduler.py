@@ -196,6 +196,37 @@ def test_priority_requests_keep_their_order_and_preempt_plain_ones_first() -> No
     assert not s.has_unfinished and s.blocks.num_free_blocks == 6
 
 
+def test_plain_prefill_chunks_shrink_while_a_priority_request_is_here() -> None:
+    """Each of a guest's visits waits out the step in flight: while one is here (running,
+    or parked between visits) the plain prompts' chunks take at most
+    max_chunk_beside_guests tokens of a step between them; the guest's own prefill and
+    plain decodes are not counted."""
+    s = make_scheduler(max_num_batched_tokens=32, max_chunk_beside_guests=8)
+    s.add("chat", 4, 40)
+    step(s)
+    s.add("long", 100, 2)
+    assert chunk_sizes(step(s)) == {"chat": 1, "long": 31}  # no guest: the whole budget
+    s.add("peer", 12, 4, priority=True)
+    assert chunk_sizes(step(s)) == {"peer": 12, "chat": 1, "long": 8}
+    s.set_pending("peer")  # parked between visits: still here
+    assert chunk_sizes(step(s)) == {"chat": 1, "long": 8}
+    s.add("late", 40, 2)  # the cap is spent on "long": it waits for a step with room
+    assert chunk_sizes(step(s)) == {"chat": 1, "long": 8}
+    assert s.requests["late"].status is RequestStatus.WAITING
+    s.finish(s.requests["long"])
+    assert chunk_sizes(step(s)) == {"chat": 1, "late": 8}  # capped from its first chunk
+    s.add("more", 40, 2)  # the plain prompts share the cap: it waits
+    assert chunk_sizes(step(s)) == {"chat": 1, "late": 8}
+    s.finish(s.requests["peer"])  # gone: the budget again
+    assert chunk_sizes(step(s)) == {"chat": 1, "late": 24, "more": 7}
+    uncapped = make_scheduler(max_num_batched_tokens=32)  # the default: no cap
+    uncapped.add("long", 100, 2)
+    uncapped.add("peer", 4, 4, priority=True)
+    assert chunk_sizes(step(uncapped)) == {"peer": 4, "long": 28}
+    with pytest.raises(ValueError, match="max_chunk_beside_guests"):
+        SchedulerConfig(max_chunk_beside_guests=-1)
+
+
 def test_priority_requests_respect_the_running_cap() -> None:
     s = make_scheduler(max_num_seqs=2)
     s.add("a", 4, 8)

@@ -76,6 +76,9 @@ class EngineConfig:
     block_size: int = 64
     num_kv_blocks: int = 128  # KV capacity: num_kv_blocks * block_size tokens
     max_model_len: int = 2048  # prompt + output tokens of one request
+    # a plain request's prefill chunk while a token-routing guest is here (0: no cap;
+    # SchedulerConfig, docs/token-routing.md)
+    max_chunk_beside_guests: int = 64
     # torch intra-op threads: pin them; 2 threads next to a busy neighbour run ~30x slower.
     threads: int = 1
     seed: int = 0  # seed of random-weight models
@@ -137,6 +140,7 @@ class EngineConfig:
             block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks,
             max_model_len=self.max_model_len,
+            max_chunk_beside_guests=self.max_chunk_beside_guests,
         )
 
     def with_env(self, environ: Mapping[str, str]) -> EngineConfig:

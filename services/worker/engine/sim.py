@@ -78,6 +78,7 @@ class SimEngineConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int = 512  # KV capacity: num_kv_blocks * block_size tokens
     max_model_len: int = 2048  # prompt + output tokens of one request
+    max_chunk_beside_guests: int = 64  # as EngineConfig's
     num_batch_samples: int = 4096  # batch samples kept until popped
     clock: ClockKind = "wall"  # wall: sleep the modeled time | virtual: only count it
     start_time_s: float = 0.0  # virtual clock at construction, seconds (ignored by "wall")
@@ -109,6 +110,7 @@ class SimEngineConfig:
             block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks,
             max_model_len=self.max_model_len,
+            max_chunk_beside_guests=self.max_chunk_beside_guests,
         )
 
     @classmethod
@@ -120,6 +122,7 @@ class SimEngineConfig:
             block_size=engine.block_size,
             num_kv_blocks=engine.num_kv_blocks,
             max_model_len=engine.max_model_len,
+            max_chunk_beside_guests=engine.max_chunk_beside_guests,
             num_batch_samples=engine.num_batch_samples,
             **sim,  # type: ignore[arg-type]
         )
