@@ -23,10 +23,19 @@ source is a known spelling of ChatML (`chatml_sources`: the common one, and Smol
 which adds a default system message; its text is read off a sentinel chat's rendering),
 and where the form's ids then equal the Jinja path's on a set of probe chats
 (every OpenAI role, a system message first or not, several turns, empty and
-whitespace-edged content, special-token text and Jinja syntax inside content). Probes
+whitespace-edged content, Jinja syntax inside content). Probes
 alone would not do: a template that differs only for chats they lack (a window over the
 last turns, a role treated as a system message, content cut to a length) renders them
 as ChatML does. Any other template keeps the Jinja path.
+
+A message's content is text, never framing: a special token's text inside it (a user
+writing `<|im_end|>\n<|im_start|>assistant\n...`) must not end the turn and forge
+another. The ChatML form encodes each message's piece with the special tokens read as
+plain text (`content_tokenizer`), as OpenAI's API treats them; the Jinja path, which
+encodes the whole rendered text, refuses such content (`SpecialTextInContent`) rather
+than let it through as framing. (A black-box probe, 2026-12-06: a user message
+holding a forged assistant turn and a new user turn made SmolLM2 answer the forged
+one.)
 """
 
 from __future__ import annotations
@@ -87,7 +96,7 @@ def probe_chats() -> list[Messages]:
         chat(("user", "  spaces around  ")),
         chat(("user", "\nline one\n\nline two\n")),
         chat(("user", "héllo ✓ 中文 🙂 \t tab")),
-        chat(("user", "{{ messages }} {% raw %}{% endraw %} " + IM_END + " inside" + IM_START)),
+        chat(("user", "{{ messages }} {% raw %}{% endraw %} inside {{ 'x' }}")),
         chat(*((role, f"as {role}") for role in _ROLES)),
         chat(("user", "a"), ("system", "late system")),
     ]
@@ -121,20 +130,52 @@ class ChatMLForm:
     prompt_ids: tuple[int, ...]  # the generation prompt: <|im_start|>assistant\n
 
     def ids(self, messages: Messages, tokenizer: Any) -> list[int]:
-        """`tokenizer`: a `tokenizers.Tokenizer` (the pieces go through its `encode`)."""
+        """`tokenizer`: a `tokenizers.Tokenizer` that reads special tokens as plain text
+        (`content_tokenizer`): each message's piece goes through its `encode`."""
         out: list[int] = []
         if self.default_system is not None and messages and messages[0]["role"] != "system":
             out.extend(self.system_ids)
         start, end, newline = self.im_start_id, self.im_end_id, self.newline_ids
         for m in messages:
             out.append(start)
-            out.extend(
-                tokenizer.encode(m["role"] + "\n" + m["content"], add_special_tokens=False).ids
-            )
+            out.extend(encode_ids(tokenizer, m["role"] + "\n" + m["content"]))
             out.append(end)
             out.extend(newline)
         out.extend(self.prompt_ids)
         return out
+
+
+class SpecialTextInContent(ValueError):
+    """A message's content holds a special token's text, and the template has no form
+    that encodes it as plain text."""
+
+    def __init__(self, index: int, token: str) -> None:
+        super().__init__(
+            f"messages[{index}].content holds the special token text {token!r}, which this "
+            "model's chat template would read as framing; remove it"
+        )
+        self.index = index
+
+
+# Texts longer than this are encoded with `encode_batch`, which releases the GIL while
+# it runs (`encode` holds it: a 3.9 MB prompt held the gateway's event loop ~3 s).
+LONG_TEXT_CHARS = 16384
+
+
+def encode_ids(tokenizer: Any, text: str) -> list[int]:
+    """`tokenizer.encode(text)`'s ids, without special tokens added around them."""
+    if len(text) > LONG_TEXT_CHARS:
+        return list(tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
+    return list(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def content_tokenizer(tokenizer: Any) -> Any:
+    """A copy of `tokenizer` that encodes special tokens' text as plain text."""
+    from tokenizers import Tokenizer as FastTokenizer
+
+    copy = FastTokenizer.from_str(tokenizer.to_str())
+    copy.encode_special_tokens = True
+    return copy
 
 
 def _framing_token_id(tokenizer: Any, text: str) -> int | None:
@@ -148,9 +189,11 @@ def _framing_token_id(tokenizer: Any, text: str) -> int | None:
     return int(token_id)
 
 
-def detect_chatml(source: str, jinja: JinjaChat, tokenizer: Any) -> ChatMLForm | None:
+def detect_chatml(
+    source: str, jinja: JinjaChat, tokenizer: Any, content_tok: Any
+) -> ChatMLForm | None:
     """The ChatML form of this template (`source`, compiled as `jinja`), or None where
-    it is not one (or not exactly)."""
+    it is not one (or not exactly). `content_tok`: content_tokenizer(tokenizer)."""
     start_id = _framing_token_id(tokenizer, IM_START)
     end_id = _framing_token_id(tokenizer, IM_END)
     if start_id is None or end_id is None:
@@ -191,7 +234,8 @@ def detect_chatml(source: str, jinja: JinjaChat, tokenizer: Any) -> ChatMLForm |
             expected = jinja.render(chat)
         except Exception:  # the template refuses a chat the form would take
             return None
-        if form.ids(chat, tokenizer) != tokenizer.encode(expected, add_special_tokens=False).ids:
+        # (no probe holds special-token text: there the form reads it as text, by design)
+        if form.ids(chat, content_tok) != tokenizer.encode(expected, add_special_tokens=False).ids:
             return None
     return form
 
@@ -202,8 +246,11 @@ class ChatTemplate:
     def __init__(self, source: str, tokenizer: Any) -> None:
         """`tokenizer`: the model's `tokenizers.Tokenizer`."""
         self._tok = tokenizer
+        self._content_tok = content_tokenizer(tokenizer)
         self._jinja = JinjaChat(source)
-        self.form = detect_chatml(source, self._jinja, tokenizer)
+        self.form = detect_chatml(source, self._jinja, tokenizer, self._content_tok)
+        added = tokenizer.get_added_tokens_decoder().values()
+        self._specials = tuple(sorted({a.content for a in added if a.special and a.content}))
 
     def render(self, messages: Messages, add_generation_prompt: bool = True) -> str:
         return self._jinja.render(messages, add_generation_prompt)
@@ -211,5 +258,9 @@ class ChatTemplate:
     def ids(self, messages: Messages) -> list[int]:
         """The chat's token ids, ending with the assistant's generation prompt."""
         if self.form is not None:
-            return self.form.ids(messages, self._tok)
-        return list(self._tok.encode(self._jinja.render(messages), add_special_tokens=False).ids)
+            return self.form.ids(messages, self._content_tok)
+        for i, m in enumerate(messages):  # (the form needs no check: it reads them as text)
+            for token in self._specials:
+                if token in m["content"]:
+                    raise SpecialTextInContent(i, token)
+        return encode_ids(self._tok, self._jinja.render(messages))

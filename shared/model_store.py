@@ -22,7 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from shared.chat_template import ChatTemplate
+from shared.chat_template import ChatTemplate, encode_ids
 from shared.config import Env
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -118,13 +118,31 @@ class Tokenizer:
         self._chat: ChatTemplate | None = None  # compiled (and its form found) on first use
         self._is_byte_level = False  # \ token_bytes's, found on first use
         self._added_ids: frozenset[int] | None = None  # /
+        self._max_token_chars: int | None = None  # found on first use (0: no bound)
+
+    @property
+    def max_token_chars(self) -> int | None:
+        """At most how many characters of text one token stands for: the longest piece
+        of a byte-level vocabulary (one character per byte, so a bound on the text's
+        characters too). None for other vocabularies (an unknown word can be one token)."""
+        if self._max_token_chars is None:
+            from tokenizers.decoders import ByteLevel
+
+            if isinstance(self._tok.decoder, ByteLevel):
+                vocab = self._tok.get_vocab(with_added_tokens=True)
+                self._max_token_chars = max(len(piece) for piece in vocab)
+            else:
+                self._max_token_chars = 0
+        return self._max_token_chars or None
 
     @property
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size())
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        """A completion prompt's ids. Special tokens' text in it is read as those tokens,
+        as vLLM and llama.cpp read a raw prompt (a chat's content never is: ChatTemplate)."""
+        return encode_ids(self._tok, text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
@@ -179,6 +197,7 @@ class Tokenizer:
         incremental decoder), so the first request does not pay for it: 12-67 ms of a
         model's first request through the gateway, measured (docs/services.md)."""
         ids = self.apply_chat_template([{"role": "user", "content": "Hello."}])
+        _ = self.max_token_chars
         step = self.decode_stream()
         for token_id in ids:
             step(token_id)

@@ -41,6 +41,7 @@ from services.gateway.protocol import (
 )
 from services.gateway.service import GatewayError, GatewayService
 from services.gateway.sse import SSEResponse
+from shared.chat_template import SpecialTextInContent
 from shared.config import IMPLEMENTED_POLICIES
 from shared.messages.gateway import RequestFailed
 from shared.sampling import MAX_TOP_LOGPROBS, InvalidParam, SamplingParams
@@ -149,7 +150,7 @@ def prepare(
             "model",
         )
     tokenizer = service.tokenizer(body.model)
-    prompt_ids = _tokenize(body, tokenizer)
+    prompt_ids = _tokenize(body, tokenizer, service.max_prompt_chars(body.model))
     if not prompt_ids:
         raise bad_request("the prompt is empty", "prompt")
 
@@ -272,7 +273,22 @@ def message_text(i: int, message: ChatMessage) -> str:
     return "".join(parts)
 
 
-def _tokenize(body: ChatCompletionRequest | CompletionRequest, tokenizer: Any) -> list[int]:
+def _too_long(num_chars: int, max_chars: int, param: str) -> GatewayError:
+    return bad_request(
+        f"the prompt has {num_chars} characters: more than this model's context can hold "
+        f"(at most {max_chars}, its maximum context length times the longest token). "
+        "Shorten the prompt.",
+        param,
+        "context_length_exceeded",
+    )
+
+
+def _tokenize(
+    body: ChatCompletionRequest | CompletionRequest, tokenizer: Any, max_chars: int
+) -> list[int]:
+    """The prompt's ids. A prompt of more than `max_chars` characters cannot fit the
+    context whatever its tokens: refused before it is tokenized (which took ~0.5 s a
+    MB here: GatewayService.max_prompt_chars)."""
     if isinstance(body, ChatCompletionRequest):
         if not body.messages:
             raise bad_request("messages must not be empty", "messages")
@@ -281,10 +297,19 @@ def _tokenize(body: ChatCompletionRequest | CompletionRequest, tokenizer: Any) -
             {"role": "system" if m.role == "developer" else m.role, "content": message_text(i, m)}
             for i, m in enumerate(body.messages)
         ]
-        return list(tokenizer.apply_chat_template(messages))
+        num_chars = sum(len(m["content"]) for m in messages)
+        if num_chars > max_chars:
+            raise _too_long(num_chars, max_chars, "messages")
+        try:
+            return list(tokenizer.apply_chat_template(messages))
+        except SpecialTextInContent as exc:
+            raise bad_request(str(exc), f"messages[{exc.index}].content") from None
     if body.echo:
         raise bad_request("echo is not supported", "echo")
     prompt = body.prompt
+    text = prompt if isinstance(prompt, str) else prompt[0] if len(prompt) == 1 else None
+    if isinstance(text, str) and len(text) > max_chars:
+        raise _too_long(len(text), max_chars, "prompt")
     if isinstance(prompt, str):
         return list(tokenizer.encode(prompt))
     if prompt and all(isinstance(p, int) for p in prompt):
@@ -342,6 +367,11 @@ def _sampling_params(
     )
 
 
+# Bodies up to this are prepared on the event loop (~0.2 ms for a short chat); larger
+# ones in a thread, where their long texts' tokenizing releases the GIL (encode_ids).
+PREPARE_INLINE_BYTES = 65536
+
+
 async def watch_disconnect(receive: Receive, run: Generation) -> None:
     """Wait for the client's http.disconnect (the body is read already, so `receive` has
     nothing else to give) and wake the handler waiting on the request's stream."""
@@ -364,7 +394,10 @@ async def handle(
     for a stream, while the SSEResponse runs: a client that disconnects gets its request
     aborted on the worker, streaming or not."""
     t_prepare = time.perf_counter()
-    p = prepare(service, raw, is_chat, request_id, headers)
+    if len(raw) <= PREPARE_INLINE_BYTES:
+        p = prepare(service, raw, is_chat, request_id, headers)
+    else:  # a long prompt's tokenizing must not hold the loop every stream runs on
+        p = await asyncio.to_thread(prepare, service, raw, is_chat, request_id, headers)
     prepare_ms = (p.t0 - t_prepare) * 1000.0
     # Sent with the answer, and with an error once the request was sent (X-Request-Id:
     # the id to find it by in the logs, which asgi.CompletionRoutes puts on every error;

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import sys
 import time
 import uuid
 from collections.abc import Mapping
@@ -87,6 +88,7 @@ class GatewayService:
         # us of each request's path on cold caches (its lock; 2026-12-04 probes)
         self.metrics.in_flight.set_function(lambda: self.num_in_flight)
         self._tokenizers: dict[str, Any] = {}
+        self._max_prompt_chars: dict[str, int] = {}  # model -> max_prompt_chars
         # (temperature, top_p) for requests that send neither, per model and preset name:
         # fixed by the cluster file, so worked out once rather than per request
         self.sampling_defaults = {
@@ -152,6 +154,22 @@ class GatewayService:
             await asyncio.wait_for(self.store.deregister_gateway(self.owner_token), 2.0)
         await self.bus.close()
         await self.store.close()
+
+    def max_prompt_chars(self, model: str) -> int:
+        """A prompt for `model` (a real model or a preset) longer than this in characters
+        cannot fit its largest context: twice (room for a normalizer that shortens the
+        text) the largest max_model_len of its instances times the most characters one
+        token stands for. Without such a bound (not a byte-level vocabulary): no limit."""
+        limit = self._max_prompt_chars.get(model)
+        if limit is None:
+            per_token = self.tokenizer(model).max_token_chars
+            models = set(self.cluster.candidates(model))
+            context = max(
+                (i.max_model_len for i in self.cluster.instances if i.model in models), default=0
+            )
+            limit = 2 * context * per_token if per_token and context else sys.maxsize
+            self._max_prompt_chars[model] = limit
+        return limit
 
     def tokenizer(self, model: str) -> Any:
         """The tokenizer of a real model or preset; GatewayError 503 if it cannot load."""
