@@ -168,6 +168,34 @@ class Tokenizer:
             return self.decode([token_id], skip_special_tokens=False).encode()
         return bytes(table[c] for c in piece)
 
+    def decode_window(self, ids: list[int]) -> str:
+        """The text of a window of an answer's tokens (special ones skipped) without the
+        pieces of a character cut at either end: a byte-level vocabulary spends a token
+        per byte of a rare character, and a plain decode turns a piece into U+FFFD, which
+        a stop string "\ufffd" matched before the character was whole (a probe,
+        2026-12-06). Bytes invalid in the middle still decode to U+FFFD."""
+        text = self.decode(ids)
+        if "\ufffd" not in text:
+            return text
+        if self._added_ids is None:
+            self.token_bytes(ids[0])  # (finds the added ids)
+        assert self._added_ids is not None
+        data = b"".join(self.token_bytes(t) for t in ids if t not in self._added_ids)
+        start = 0  # continuation bytes of a character that began before the window
+        while start < min(3, len(data)) and 0x80 <= data[start] < 0xC0:
+            start += 1
+        end = len(data)  # a character whose last bytes are still to come
+        for back in range(1, min(4, end - start) + 1):
+            byte = data[end - back]
+            if byte < 0x80:
+                break  # ASCII: complete
+            if byte >= 0xC0:  # the lead byte: whole if its sequence fits
+                need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+                if back < need:
+                    end -= back
+                break
+        return data[start:end].decode("utf-8", errors="replace")
+
     def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str | None]:
         """An incremental decoder: step(token id) -> the text it completes, or None
         while the text would end inside a multi-byte character."""

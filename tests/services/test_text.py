@@ -164,3 +164,22 @@ def test_a_tokens_bytes_are_its_raw_bytes_even_inside_a_character() -> None:
     stream = TextStream(tok, [], skip_ids={tok.eos_token_id})
     assert stream.token_bytes(tok.eos_token_id) == b""  # skipped, as its text
     assert stream.token_bytes(ids[0]) == pieces[0]
+
+
+def test_a_window_of_tokens_decodes_without_the_pieces_of_cut_characters() -> None:
+    """The worker's stop-string check decodes the answer's last tokens: a character cut
+    at either end of the window is left out, not turned into U+FFFD (a stop string
+    "\\ufffd" stopped an answer at its first half character)."""
+    tok = load_tokenizer("random-tiny")
+    text = "Le chat 没有 猫 🙂 été"
+    ids = tok.encode(text)
+    assert any(tok.decode(ids[:k]).endswith("\ufffd") for k in range(1, len(ids)))
+    for k in range(len(ids) + 1):
+        head, tail = tok.decode_window(ids[:k]), tok.decode_window(ids[k:])
+        assert "\ufffd" not in head + tail, k
+        assert text.startswith(head) and text.endswith(tail)
+        # together they lose at most the one character cut between them
+        assert len(text) - 1 <= len(head) + len(tail) <= len(text)
+    assert tok.decode_window([*ids[:2], tok.eos_token_id]) == tok.decode(ids[:2])
+    bad = tok.encode("a") + [tok._tok.token_to_id("Ŀ")] + tok.encode("b")  # a lone 0xBF
+    assert tok.decode_window(bad) == "a\ufffdb"  # an invalid byte inside stays visible

@@ -348,10 +348,10 @@ class LLMEngine:
         A match must involve the newest token (older ones were checked before), so a
         window of a few tokens per stop-string character suffices.
         """
-        detokenize = self.tokenizer().decode
         # Byte-level BPE may spend a token per byte, plus a few for merges at the edge.
         window = max(len(s.encode()) for s in seq.params.stop) + 4
-        text = detokenize(seq.output_ids[-window:])
+        # (no piece of a character at either end: its U+FFFD would match "\ufffd")
+        text = self.tokenizer().decode_window(seq.output_ids[-window:])
         return any(s in text for s in seq.params.stop)
 
     def tokenizer(self) -> Tokenizer:
