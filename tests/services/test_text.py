@@ -181,5 +181,6 @@ def test_a_window_of_tokens_decodes_without_the_pieces_of_cut_characters() -> No
         # together they lose at most the one character cut between them
         assert len(text) - 1 <= len(head) + len(tail) <= len(text)
     assert tok.decode_window([*ids[:2], tok.eos_token_id]) == tok.decode(ids[:2])
-    bad = tok.encode("a") + [tok._tok.token_to_id("Ŀ")] + tok.encode("b")  # a lone 0xBF
+    lone = tok._tok.token_to_id("Ŀ")  # the byte 0x9D: a continuation byte alone
+    bad = [*tok.encode("a"), lone, *tok.encode("b")]
     assert tok.decode_window(bad) == "a\ufffdb"  # an invalid byte inside stays visible
