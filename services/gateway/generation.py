@@ -17,7 +17,7 @@ from services.gateway.streams import (
     StreamEvent,
     WorkerSilent,
 )
-from services.gateway.text import TextStream
+from services.gateway.text import LogprobSlice, TextStream
 from shared.logging import get_logger
 from shared.messages.gateway import GatewayEvent, RequestFailed, TokenDelta
 
@@ -30,8 +30,8 @@ log = get_logger(component="gateway")
 # is sent to another instance (Generation.first_event).
 MAX_REROUTES = 2
 
-# What one delta adds: (new text, new token ids, their logprobs, their top-k (id, logprob))
-Piece = tuple[str, list[int], list[float], list[list[tuple[int, float]]]]
+# What one delta adds: (new text, new token ids, the logprobs it releases: TextStream)
+Piece = tuple[str, list[int], LogprobSlice]
 
 
 class ClientDisconnected(Exception):
@@ -71,6 +71,7 @@ class Generation:
             p.tokenizer, p.params.stop, skip, keep_special=not p.body.skip_special_tokens
         )
         self.num_prompt_tokens = len(p.prompt_token_ids)
+        self._wants_logprobs = p.params.logprobs is not None
         self.tokens_by_model: dict[str, int] | None = None  # token-level presets, at the end
         self.finish_reason: str | None = None
         self.is_finished = False  # the answer is complete (the client got or gets all of it)
@@ -172,7 +173,7 @@ class Generation:
                 self.is_engine_done = True
                 raise failure(event)
             assert isinstance(event, TokenDelta)
-            text, ids, lps, tops = self._take(event)
+            text, ids, lps = self._take(event)
             # Merge what is already queued, up to the end of the answer or a failure
             # (the next round reports it, after this text); a gone client ends it here.
             queue = self.stream.events
@@ -183,34 +184,36 @@ class Generation:
                 if not isinstance(nxt, TokenDelta):
                     held = nxt
                     break
-                more_text, more_ids, more_lps, more_tops = self._take(nxt)
+                more_text, more_ids, more_lps = self._take(nxt)
                 text += more_text
                 ids += more_ids
-                lps += more_lps
-                tops += more_tops
+                lps.extend(more_lps)
             self._observe(len(ids))
             if self.finish_reason is not None:
                 self.is_finished = True
                 text += self.text.finish()
-                yield text, ids, lps, tops
+                if self._wants_logprobs:
+                    lps.extend(self.text.take_logprobs(final=True))
+                yield text, ids, lps
                 return
-            yield text, ids, lps, tops
+            yield text, ids, lps
 
     def _take(self, event: TokenDelta) -> Piece:
         """One delta into the text stream; sets the finish reason when it ends the answer."""
         self.num_prompt_tokens = event.num_prompt_tokens
         if event.tokens_by_model is not None:
             self.tokens_by_model = event.tokens_by_model
-        text, ids, lps, tops = self.text.add(
+        text, ids = self.text.add(
             event.position, event.token_ids, event.logprobs, event.top_logprobs
         )
+        lps = self.text.take_logprobs() if self._wants_logprobs else LogprobSlice()
         if event.finish_reason is not None and not self.text.assembler.has_gap:
             self.finish_reason = event.finish_reason
         elif self.text.is_stopped:
             self.finish_reason = "stop"  # the gateway saw the stop string first: cut here
         if self.finish_reason is not None:
             self.is_engine_done = event.finish_reason is not None
-        return text, ids, lps, tops
+        return text, ids, lps
 
     def _observe(self, num_new: int) -> None:
         if num_new == 0:
@@ -261,30 +264,25 @@ class Generation:
         first_token_ms = None if ttft_ms is None else round(ttft_ms, 3)
         return {**self.baton, "first_token_ms": first_token_ms, "cost": cost}
 
-    def _logprobs(
-        self,
-        ids: list[int],
-        lps: list[float],
-        tops: list[list[tuple[int, float]]],
-        text_start: int = 0,
-    ) -> Any:
-        """OpenAI's logprobs object for these tokens (None when not asked for).
+    def _logprobs(self, lps: LogprobSlice) -> Any:
+        """OpenAI's logprobs object for these tokens (None when not asked for, or none).
 
         Chat: `content` entries with `top_logprobs: [{token, logprob, bytes}]`.
         Completions (legacy): `top_logprobs: [{token: logprob}]` per position, None for k = 0,
-        and `text_offset`: where each token starts in the answer's text, counted from
-        `text_start` (the characters sent before these tokens' piece) by the tokens'
-        own texts, as vLLM counts them.
+        and `text_offset`: where each token's text starts in the answer's text (a token
+        that is a piece of a character: where that character starts). A token whose own
+        text is not whole characters reads `bytes:\\xNN...`, as OpenAI's legacy
+        completions write it (its lone decode is U+FFFD, which names no bytes).
         """
         k = self.p.params.logprobs
-        if k is None or not lps:
+        if k is None or not lps.logprobs:
             return None
         text, raw = self.text.token_text, self.text.token_bytes
-        tokens = [text(t) for t in ids]
-        tops = tops if k > 0 else []
+        ids, tops = lps.ids, (lps.top if k > 0 else [])
         if self.p.is_chat:
+            tokens = [text(t) for t in ids]
             content = []
-            for i, (tid, t, lp) in enumerate(zip(ids, tokens, lps, strict=False)):
+            for i, (tid, t, lp) in enumerate(zip(ids, tokens, lps.logprobs, strict=False)):
                 top = tops[i] if i < len(tops) else []
                 content.append(
                     {
@@ -298,38 +296,40 @@ class Generation:
                     }
                 )
             return {"content": content}
+
+        def legacy(token_id: int) -> str:
+            s = text(token_id)
+            if "\ufffd" not in s:
+                return s
+            data = raw(token_id)
+            try:
+                return data.decode()  # (a real U+FFFD in the text)
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
         top_dicts: list[dict[str, float]] | None = None
         if k > 0:
             top_dicts = []
             for top in tops:
                 entry: dict[str, float] = {}
                 for tid, v in top:  # most likely first: keep it when two ids decode alike
-                    entry.setdefault(text(tid), v)
+                    entry.setdefault(legacy(tid), v)
                 top_dicts.append(entry)
-        offsets = []
-        at = text_start
-        for t in tokens:
-            offsets.append(at)
-            at += len(t)
         return {
-            "tokens": tokens,
-            "token_logprobs": lps,
+            "tokens": [legacy(t) for t in ids],
+            "token_logprobs": lps.logprobs,
             "top_logprobs": top_dicts,
-            "text_offset": offsets,
+            "text_offset": lps.starts,
         }
 
     async def collect(self, first: GatewayEvent) -> dict:
         parts: list[str] = []
-        all_ids: list[int] = []
-        all_lps: list[float] = []
-        all_tops: list[list[tuple[int, float]]] = []
-        async for text, ids, lps, tops in self.pieces(first):
+        all_lps = LogprobSlice()
+        async for text, _, lps in self.pieces(first):
             parts.append(text)
-            all_ids.extend(ids)
             all_lps.extend(lps)
-            all_tops.extend(tops)
         text = "".join(parts)
-        logprobs = self._logprobs(all_ids, all_lps, all_tops)
+        logprobs = self._logprobs(all_lps)
         if self.p.is_chat:
             choice = {
                 "index": 0,
@@ -390,14 +390,12 @@ class Generation:
                     }
                 )
             first = await self.first_event()
-            sent_chars = 0  # of the answer's text, in the chunks before this one
-            async for text, ids, lps, tops in self.pieces(first):
-                lp = self._logprobs(ids, lps, tops, sent_chars)
+            async for text, _, lps in self.pieces(first):
+                lp = self._logprobs(lps)
                 if not text and lp is None and self.finish_reason is None:
                     # Nothing to show yet (tokens held back as a possible stop string's
                     # start, a character's first bytes): no empty chunk, as OpenAI's.
                     continue
-                sent_chars += len(text)
                 if self.p.is_chat:
                     choice = {
                         "index": 0,

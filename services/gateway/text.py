@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
@@ -80,6 +81,10 @@ class IncrementalDetokenizer:
         self._step = tokenizer.decode_stream(skip_special_tokens=not keep_special)
         self._ids: list[int] = []
         self._num_released = 0  # tokens whose text has been returned
+        self.num_chars = 0  # characters of text returned
+        # per token added (skipped ones too), where its text starts in the answer's text:
+        # the characters returned before the piece that holds it
+        self.starts: list[int] = []
 
     def decode(self, ids: list[int]) -> str:
         """Plain decode, keeping special tokens when asked (logprobs' token texts too)."""
@@ -90,12 +95,14 @@ class IncrementalDetokenizer:
     def add(self, token_ids: list[int]) -> str:
         pieces = []
         for t in token_ids:
+            self.starts.append(self.num_chars)
             if t in self._skip:
                 continue
             self._ids.append(t)
             piece = self._step(t)
             if piece is not None:
                 pieces.append(piece)
+                self.num_chars += len(piece)
                 self._num_released = len(self._ids)
         return "".join(pieces)
 
@@ -109,7 +116,9 @@ class IncrementalDetokenizer:
         prefix = self.decode(self._ids[start : self._num_released])
         full = self.decode(self._ids[start:])
         self._num_released = len(self._ids)
-        return full[len(prefix) :] if len(full) > len(prefix) else ""
+        out = full[len(prefix) :] if len(full) > len(prefix) else ""
+        self.num_chars += len(out)
+        return out
 
 
 def stop_prefix_len(text: str, stops: list[str]) -> int:
@@ -137,8 +146,14 @@ class StopStringCutter:
         self._stops = stops
         self._buffer = ""
         self.is_stopped = False
+        self.num_released = 0  # characters released (the answer's text so far)
 
     def push(self, text: str) -> str:
+        out = self._push(text)
+        self.num_released += len(out)
+        return out
+
+    def _push(self, text: str) -> str:
         if self.is_stopped:
             return ""
         if not self._stops:
@@ -155,7 +170,25 @@ class StopStringCutter:
 
     def flush(self) -> str:
         out, self._buffer = ("" if self.is_stopped else self._buffer), ""
+        self.num_released += len(out)
         return out
+
+
+@dataclass
+class LogprobSlice:
+    """Logprobs of consecutive tokens of the answer, with where each token's text starts
+    in the answer's text."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)  # empty for k = 0
+    starts: list[int] = field(default_factory=list)
+
+    def extend(self, other: LogprobSlice) -> None:
+        self.ids += other.ids
+        self.logprobs += other.logprobs
+        self.top += other.top
+        self.starts += other.starts
 
 
 class TextStream:
@@ -169,6 +202,7 @@ class TextStream:
         self._cutter = StopStringCutter(stops)
         self._tok = tokenizer
         self._skip = skip_ids
+        self._num_lp_taken = 0  # tokens whose logprobs take_logprobs has handed out
 
     def add(
         self,
@@ -176,13 +210,30 @@ class TextStream:
         token_ids: list[int],
         logprobs: list[float] | None,
         top_logprobs: list[list[tuple[int, float]]] | None = None,
-    ) -> tuple[str, list[int], list[float], list[list[tuple[int, float]]]]:
-        """(new text, new token ids, their logprobs, their top logprobs) once contiguous."""
-        asm = self.assembler
-        num_top = len(asm.top_logprobs)
-        new_ids, new_lps = asm.add(position, token_ids, logprobs, top_logprobs)
-        new_top = asm.top_logprobs[num_top:]
-        return self._cutter.push(self._detok.add(new_ids)), new_ids, new_lps, new_top
+    ) -> tuple[str, list[int]]:
+        """(new text, new token ids) once contiguous; their logprobs: take_logprobs."""
+        new_ids, _ = self.assembler.add(position, token_ids, logprobs, top_logprobs)
+        return self._cutter.push(self._detok.add(new_ids)), new_ids
+
+    def take_logprobs(self, final: bool = False) -> LogprobSlice:
+        """The logprobs of the tokens whose text has begun to show, not handed out before.
+        A token whose text is held back (a possible stop string's start, a character's
+        first bytes) waits; once the answer is cut at a stop string, the tokens from it
+        on are never handed out: the logprobs cover the returned text, as OpenAI's do.
+        `final`: the answer is complete (without a stop: every token's)."""
+        asm, i = self.assembler, self._num_lp_taken
+        end = len(asm.logprobs)
+        j = i
+        if final and not self.is_stopped:
+            j = end
+        else:
+            limit, starts = self._cutter.num_released, self._detok.starts
+            while j < end and starts[j] < limit:
+                j += 1
+        self._num_lp_taken = end if final else j
+        return LogprobSlice(
+            asm.token_ids[i:j], asm.logprobs[i:j], asm.top_logprobs[i:j], self._detok.starts[i:j]
+        )
 
     @property
     def is_stopped(self) -> bool:

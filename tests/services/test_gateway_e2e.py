@@ -290,6 +290,37 @@ async def test_chat_top_logprobs_non_stream(stack: Stack) -> None:
         assert top[0]["token"] == entry["token"]
 
 
+async def test_logprobs_end_where_a_stop_string_cuts_the_answer(stack: Stack) -> None:
+    """The text cut at a stop string, the logprobs end with the token the text ends in,
+    streamed or not (they carried the stopped-out tokens before)."""
+    body = {**CHAT, "max_tokens": 16, "ignore_eos": True, "temperature": 0, "logprobs": True}
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        whole = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        full = whole["message"]["content"]
+        entries = whole["logprobs"]["content"]
+        assert len(entries) == 16 and "".join(e["token"] for e in entries) == full
+        # a stop string that starts at the 9th token's text
+        at = len("".join(e["token"] for e in entries[:8]))
+        stop = full[at : at + 3]
+        assert len(stop) == 3, full
+        cut = full[: full.index(stop)]
+        stopped = {**body, "stop": stop}
+        one = (await client.post("/v1/chat/completions", json=stopped)).json()["choices"][0]
+        async with client.stream(
+            "POST", "/v1/chat/completions", json={**stopped, "stream": True}
+        ) as resp:
+            events = sse_events([line async for line in resp.aiter_lines()])
+    assert one["message"]["content"] == cut and one["finish_reason"] == "stop"
+    kept = one["logprobs"]["content"]
+    assert len(kept) <= 9 and kept == entries[: len(kept)]
+    tokens = "".join(e["token"] for e in kept)
+    assert tokens.startswith(cut) and len(tokens) - len(kept[-1]["token"]) < max(len(cut), 1)
+    chunks = [e["choices"][0] for e in events if isinstance(e, dict) and e["choices"]]
+    streamed = [x for c in chunks if c["logprobs"] for x in c["logprobs"]["content"]]
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == cut
+    assert streamed == kept
+
+
 async def test_chat_logprobs_without_top_k_has_empty_top_lists(stack: Stack) -> None:
     body = {**CHAT, "max_tokens": 3, "ignore_eos": True, "logprobs": True}
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:

@@ -8,6 +8,7 @@ import pytest
 
 from services.gateway.text import (
     IncrementalDetokenizer,
+    LogprobSlice,
     OutputAssembler,
     StopStringCutter,
     TextStream,
@@ -184,3 +185,44 @@ def test_a_window_of_tokens_decodes_without_the_pieces_of_cut_characters() -> No
     lone = tok._tok.token_to_id("Ŀ")  # the byte 0x9D: a continuation byte alone
     bad = [*tok.encode("a"), lone, *tok.encode("b")]
     assert tok.decode_window(bad) == "a\ufffdb"  # an invalid byte inside stays visible
+
+
+def feed(stream: TextStream, ids: list[int]) -> tuple[str, LogprobSlice]:
+    """Token by token, each with logprob -position, as a worker's deltas bring them."""
+    text, lps = "", LogprobSlice()
+    for i, t in enumerate(ids):
+        piece, _ = stream.add(i, [t], [-float(i)])
+        text += piece
+        lps.extend(stream.take_logprobs())
+    text += stream.finish()
+    lps.extend(stream.take_logprobs(final=True))
+    return text, lps
+
+
+def test_logprobs_cover_the_returned_text_only() -> None:
+    """Cut at a stop string, the answer's logprobs end with the token its text ends in:
+    the stop string's tokens (the text the client never sees) have none (a probe saw
+    the stopped-out " Paris" in them)."""
+    tok = load_tokenizer("random-tiny")
+    ids = tok.encode("one two three four")
+    text, lps = feed(TextStream(tok, ["three"], {tok.eos_token_id}), ids)
+    assert text == "one two "
+    kept = [tok.decode([t]) for t in lps.ids]
+    assert "".join(kept).startswith(text) and len("".join(kept[:-1])) < len(text)
+    assert lps.logprobs == [-float(i) for i in range(len(lps.ids))]
+    assert lps.starts == [0, 3, 7][: len(lps.ids)]
+    first = tok.encode("The capital")  # a stop at the very first token: no text, no logprobs
+    assert feed(TextStream(tok, ["The"], set()), first) == ("", LogprobSlice())
+    whole, all_lps = feed(TextStream(tok, [], set()), ids)  # no stop: every token
+    assert whole == "one two three four" and all_lps.ids == ids
+
+
+def test_logprob_offsets_index_the_answers_text_inside_characters_too() -> None:
+    """`text_offset`: the pieces of a character start where the character does."""
+    tok = load_tokenizer("random-tiny")
+    ids = tok.encode("a 猫 b")
+    text, lps = feed(TextStream(tok, [], set()), ids)
+    assert text == "a 猫 b" and lps.ids == ids
+    assert lps.starts == sorted(lps.starts) and max(lps.starts) < len(text)
+    pieces = [i for i, t in enumerate(ids) if tok.decode([t]) == "\ufffd"]
+    assert pieces and {lps.starts[i] for i in pieces} == {text.index("猫") - 1}
