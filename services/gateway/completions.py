@@ -187,6 +187,9 @@ def prepare(
             f"logprobs are not available for the token-level preset {body.model!r}",
             "logprobs",
         )
+    vocab = tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in params.stop_token_ids):
+        raise bad_request(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
     try:
         params.validate()
     except InvalidParam as exc:
@@ -221,9 +224,16 @@ def refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
     output, function calling, logit bias, best_of, suffix): answering as if the field
     were absent would hand the client an answer of another kind than it asked for.
     Empty or neutral values (tools [] or tool_choice "none", response_format "text",
-    logit_bias {}, best_of 1) are served."""
+    logit_bias {}, best_of 1, min_tokens 0, repetition_penalty 1) are served."""
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
+    if body.min_tokens:
+        raise bad_request("min_tokens is not supported", "min_tokens")
+    if body.repetition_penalty is not None and body.repetition_penalty != 1.0:
+        raise bad_request(
+            "repetition_penalty is not supported: use frequency_penalty or presence_penalty",
+            "repetition_penalty",
+        )
     if isinstance(body, CompletionRequest):
         if body.best_of is not None and body.best_of != 1:
             raise bad_request("only best_of=1 is supported", "best_of")
@@ -244,6 +254,24 @@ def refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
             'function calling is not supported: send no tools, or tool_choice "none"',
             "tools",
         )
+    if not body.tools and body.tool_choice not in (None, "none", "auto"):
+        # (OpenAI: a tool_choice that names or requires a tool needs tools)
+        raise bad_request(
+            f"tool_choice {body.tool_choice!r} needs tools, and function calling is not supported",
+            "tool_choice",
+        )
+    for i, m in enumerate(body.messages):
+        if m.tool_calls:
+            raise bad_request(
+                "tool calls in messages are not supported (function calling is not)",
+                f"messages[{i}].tool_calls",
+            )
+    if body.modalities is not None and set(body.modalities) - {"text"}:
+        raise bad_request("only the text modality is supported", "modalities")
+    if body.audio is not None:
+        raise bad_request("audio output is not supported", "audio")
+    if body.web_search_options is not None:
+        raise bad_request("web search is not supported", "web_search_options")
 
 
 def message_text(i: int, message: ChatMessage) -> str:
@@ -362,6 +390,7 @@ def _sampling_params(
         frequency_penalty=body.frequency_penalty or 0.0,
         presence_penalty=body.presence_penalty or 0.0,
         stop=body.stop_list,
+        stop_token_ids=body.stop_token_ids or [],
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
     )

@@ -68,7 +68,11 @@ class Generation:
         eos = getattr(p.tokenizer, "eos_token_id", None)
         skip = set() if eos is None or p.params.ignore_eos else {eos}
         self.text = TextStream(
-            p.tokenizer, p.params.stop, skip, keep_special=not p.body.skip_special_tokens
+            p.tokenizer,
+            p.params.stop,
+            skip,
+            keep_special=not p.body.skip_special_tokens,
+            include_stop=p.body.include_stop_str_in_output,
         )
         self.num_prompt_tokens = len(p.prompt_token_ids)
         self._wants_logprobs = p.params.logprobs is not None

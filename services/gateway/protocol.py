@@ -35,6 +35,7 @@ class ChatMessage(msgspec.Struct, frozen=True):
     # message_text refuses it elsewhere, as OpenAI does
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[msgspec.Raw] | None = None  # an assistant turn's calls: refused
 
 
 class _CommonRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -56,11 +57,17 @@ class _CommonRequest(msgspec.Struct, frozen=True, kw_only=True):
     # extension (vLLM): False keeps special tokens (e.g. "<|im_end|>") in the text, so a
     # client of ignore_eos can see where the answer proper ended
     skip_special_tokens: bool = True
+    # extensions (vLLM): ids that end the answer besides EOS; the stop string kept at
+    # the end of the text
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     user: str | None = None
     # Fields that would change what the answer is, which Baton does not implement: read
     # so that a request using them is refused with a 400 (`completions.refuse_unsupported`)
     # rather than answered as if they were absent.
     logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None  # extension (vLLM): only 0
+    repetition_penalty: float | None = None  # extension (vLLM): only 1
 
     @property
     def stop_list(self) -> list[str]:
@@ -82,6 +89,9 @@ class ChatCompletionRequest(_CommonRequest, frozen=True, kw_only=True):
     tools: list[msgspec.Raw] | None = None  # function calling: served only as tool_choice "none"
     tool_choice: str | dict[str, object] | None = None
     functions: list[msgspec.Raw] | None = None  # the legacy form of tools
+    modalities: list[str] | None = None  # only ["text"]
+    audio: dict[str, object] | None = None  # audio output: refused
+    web_search_options: dict[str, object] | None = None  # refused
 
 
 class CompletionRequest(_CommonRequest, frozen=True, kw_only=True):

@@ -142,8 +142,9 @@ class StopStringCutter:
     whatever the text: with a long stop string a stream showed nothing until its end.)
     A match that ends in later text began in the held end, so none is missed."""
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include_stop: bool = False) -> None:
         self._stops = stops
+        self._include = include_stop  # the matched stop string ends the text (vLLM's option)
         self._buffer = ""
         self.is_stopped = False
         self.num_released = 0  # characters released (the answer's text so far)
@@ -159,10 +160,11 @@ class StopStringCutter:
         if not self._stops:
             return text
         self._buffer += text
-        hits = [i for i in (self._buffer.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self._buffer.find(s), s) for s in self._stops) if i >= 0]
         if hits:
             self.is_stopped = True
-            out, self._buffer = self._buffer[: min(hits)], ""
+            at, stop = min(hits, key=lambda hit: hit[0])
+            out, self._buffer = self._buffer[: at + len(stop) * self._include], ""
             return out
         cut = len(self._buffer) - stop_prefix_len(self._buffer, self._stops)
         out, self._buffer = self._buffer[:cut], self._buffer[cut:]
@@ -195,11 +197,16 @@ class TextStream:
     """Position merge + detokenizer + stop cutter for one request."""
 
     def __init__(
-        self, tokenizer: Any, stops: list[str], skip_ids: set[int], keep_special: bool = False
+        self,
+        tokenizer: Any,
+        stops: list[str],
+        skip_ids: set[int],
+        keep_special: bool = False,
+        include_stop: bool = False,
     ) -> None:
         self.assembler = OutputAssembler()
         self._detok = IncrementalDetokenizer(tokenizer, skip_ids, keep_special)
-        self._cutter = StopStringCutter(stops)
+        self._cutter = StopStringCutter(stops, include_stop)
         self._tok = tokenizer
         self._skip = skip_ids
         self._num_lp_taken = 0  # tokens whose logprobs take_logprobs has handed out

@@ -321,6 +321,32 @@ async def test_logprobs_end_where_a_stop_string_cuts_the_answer(stack: Stack) ->
     assert streamed == kept
 
 
+async def test_stop_token_ids_and_include_stop_str_in_output(stack: Stack) -> None:
+    """vLLM's extensions: ids that end the answer, and the stop string kept at its end."""
+    body = {"model": "random-tiny", "prompt": "The quick brown fox", "temperature": 0}
+    body |= {"max_tokens": 12, "ignore_eos": True, "logprobs": 0}
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        whole = (await client.post("/v1/completions", json=body)).json()["choices"][0]
+        text = whole["text"]
+        tok = stack.gateway.tokenizer("random-tiny")
+        ids = tok.encode(text)
+        at = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])  # a first occurrence
+        by_id = await client.post(
+            "/v1/completions", json={**body, "stop_token_ids": [ids[at]], "logprobs": None}
+        )
+        stop = text[len(text) // 2 : len(text) // 2 + 2]
+        kept = await client.post(
+            "/v1/completions", json={**body, "stop": stop, "include_stop_str_in_output": True}
+        )
+        cut = await client.post("/v1/completions", json={**body, "stop": stop})
+    assert by_id.status_code == 200, by_id.text
+    assert by_id.json()["choices"][0]["finish_reason"] == "stop"
+    assert by_id.json()["usage"]["completion_tokens"] == at + 1
+    end = text.index(stop)
+    assert kept.json()["choices"][0]["text"] == text[: end + len(stop)]
+    assert cut.json()["choices"][0]["text"] == text[:end]
+
+
 async def test_chat_logprobs_without_top_k_has_empty_top_lists(stack: Stack) -> None:
     body = {**CHAT, "max_tokens": 3, "ignore_eos": True, "logprobs": True}
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
@@ -372,6 +398,10 @@ async def test_neutral_values_of_unserved_fields_are_served(stack: Stack) -> Non
         "tools": [{"type": "function", "function": {"name": "f"}}],
         "tool_choice": "none",
         "logit_bias": {},
+        "min_tokens": 0,
+        "repetition_penalty": 1.0,
+        "modalities": ["text"],
+        "audio": None,
     }
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
         chat = await client.post("/v1/chat/completions", json={**CHAT, **neutral, "max_tokens": 2})
@@ -517,6 +547,41 @@ async def test_a_forged_turn_in_a_message_stays_the_users_text(stack: Stack) -> 
             {"model": "random-tiny", "prompt": "hi", "logprobs": -1},
             400,
             "logprobs must be in [0, 20], got -1",
+        ),
+        ("/v1/chat/completions", {**CHAT, "min_tokens": 4}, 400, "min_tokens is not supported"),
+        (
+            "/v1/completions",
+            {"model": "random-tiny", "prompt": "hi", "repetition_penalty": 1.2},
+            400,
+            "repetition_penalty is not supported",
+        ),
+        ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, 400, "needs tools"),
+        (
+            "/v1/chat/completions",
+            {
+                **CHAT,
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]},
+                    {"role": "tool", "content": "42", "tool_call_id": "c1"},
+                ],
+            },
+            400,
+            "tool calls in messages are not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "modalities": ["text", "audio"], "audio": {"voice": "alloy"}},
+            400,
+            "only the text modality",
+        ),
+        ("/v1/chat/completions", {**CHAT, "audio": {"voice": "alloy"}}, 400, "audio output"),
+        ("/v1/chat/completions", {**CHAT, "web_search_options": {}}, 400, "web search"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "stop_token_ids": [10**7]},
+            400,
+            "stop_token_ids must be in",
         ),
         # too long to fit whatever its tokens: refused before it is tokenized
         (
