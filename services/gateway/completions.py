@@ -203,7 +203,10 @@ def prepare(
             f"this model's maximum context length is {max_model_len} tokens; you requested "
             f"{len(prompt_ids) + params.max_tokens} tokens ({len(prompt_ids)} in the prompt, "
             f"{params.max_tokens} for the completion). Shorten the prompt or lower max_tokens.",
-            "max_tokens",
+            # the field to change: the prompt when it alone leaves no room
+            ("messages" if is_chat else "prompt")
+            if len(prompt_ids) >= max_model_len
+            else "max_tokens",
             "context_length_exceeded",
         )
     return Prepared(
@@ -457,7 +460,7 @@ async def _respond(
         raise
     ids["X-Instance-Id"] = stream.instance_id
     run = Generation(service, p, stream, reply.model or p.body.model)
-    run.baton = {**baton, "prepare_ms": round(prepare_ms, 3)}
+    run.baton = {**run.baton, **baton, "prepare_ms": round(prepare_ms, 3)}
     watcher = None if receive is None else asyncio.create_task(watch_disconnect(receive, run))
     headers = dict(ids)
     if p.body.stream:  # the response owns the watcher: it watches the client while streaming

@@ -86,6 +86,11 @@ class Generation:
         # prepare_ms, router_overhead_ms, predicted_ttft_ms); `cost` and
         # `first_token_ms` are added at the end.
         self.baton: dict[str, Any] = {"model": model}
+        preset = service.cluster.presets.get(p.body.model)
+        if preset is not None:  # which preset routed it; a token-level one: its policy
+            self.baton["preset"] = p.body.model
+            if preset.token_policy is not None:
+                self.baton["token_policy"] = preset.token_policy
         self._label(model)
         service.metrics.queued.inc()
 
@@ -266,6 +271,8 @@ class Generation:
                 cost = served.cost(self.num_prompt_tokens, self.num_output_tokens)
         ttft_ms = self.stream.ttft_ms()  # submit -> first token here
         first_token_ms = None if ttft_ms is None else round(ttft_ms, 3)
+        if cost is not None:  # (a sum of per-model costs: no float noise in the digits)
+            cost = float(f"{cost:.10g}")
         return {**self.baton, "first_token_ms": first_token_ms, "cost": cost}
 
     def _logprobs(self, lps: LogprobSlice) -> Any:

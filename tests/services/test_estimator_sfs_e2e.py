@@ -143,6 +143,7 @@ async def test_idle_cluster_policies_and_the_slo_header(sim: Stack) -> None:
     baton = resp.json()["baton"]
     assert baton["model"] == "big" and baton["instance"] == resp.headers["x-instance-id"]
     assert baton["policy"] == "sfs-constraint" and baton["task"] is None
+    assert baton["preset"] == "constraint" and "token_policy" not in baton
     assert baton["router_overhead_ms"] > 0
     assert 25 <= baton["predicted_ttft_ms"] <= 100  # one 30 ms prefill step
     usage = resp.json()["usage"]

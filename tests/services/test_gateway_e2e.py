@@ -347,6 +347,25 @@ async def test_stop_token_ids_and_include_stop_str_in_output(stack: Stack) -> No
     assert cut.json()["choices"][0]["text"] == text[:end]
 
 
+async def test_a_context_length_error_names_the_field_to_change(stack: Stack) -> None:
+    long = {"model": "random-tiny", "prompt": "word " * 400, "max_tokens": 4}
+    fits = {"model": "random-tiny", "prompt": "word", "max_tokens": 10**4}
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        over = (await client.post("/v1/completions", json=long)).json()["error"]
+        chat = await client.post(
+            "/v1/chat/completions",
+            json={
+                **CHAT,
+                "messages": [{"role": "user", "content": "word " * 400}],
+                "max_tokens": 4,
+            },
+        )
+        many = (await client.post("/v1/completions", json=fits)).json()["error"]
+    assert over["code"] == "context_length_exceeded" and over["param"] == "prompt"
+    assert chat.json()["error"]["param"] == "messages"
+    assert many["code"] == "context_length_exceeded" and many["param"] == "max_tokens"
+
+
 async def test_chat_logprobs_without_top_k_has_empty_top_lists(stack: Stack) -> None:
     body = {**CHAT, "max_tokens": 3, "ignore_eos": True, "logprobs": True}
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:

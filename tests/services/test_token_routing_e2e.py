@@ -180,6 +180,9 @@ async def test_routed_completion_equals_single_process(routed: tuple[Stack, Rela
     assert usage["tokens_by_model"] == expected.tokens_by_model
     assert expected.tokens_by_model["random-tiny-big"] >= 3  # the rule ran
     assert relay.books.counters.forwarded == expected.num_handoffs
+    baton = body["baton"]  # the preset and its token policy are named
+    assert baton["preset"] == "pair" and baton["token_policy"] == "every-third"
+    assert baton["cost"] == float(f"{baton['cost']:.10g}")
     await wait_idle(stack, relay)
 
 
