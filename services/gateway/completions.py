@@ -343,9 +343,10 @@ def _tokenize(
         raise _too_long(len(text), max_chars, "prompt")
     if isinstance(prompt, str):
         return list(tokenizer.encode(prompt))
-    if prompt and all(isinstance(p, int) for p in prompt):
+    items = prompt[0] if len(prompt) == 1 and isinstance(prompt[0], list) else prompt
+    ids = [p for p in items if isinstance(p, int)]  # (a batch of one list of ids: its ids)
+    if ids and len(ids) == len(items):
         # checked here, not only by the worker: a stream's status is sent before it answers
-        ids = [int(p) for p in prompt]
         vocab = tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
@@ -353,7 +354,9 @@ def _tokenize(
     if len(prompt) == 1 and isinstance(prompt[0], str):
         return list(tokenizer.encode(prompt[0]))
     raise bad_request(
-        "prompt must be a string, a list of token ids, or a list with exactly one string", "prompt"
+        "prompt must be a string, a list of token ids, or a list with exactly one string or "
+        "one list of token ids (n=1: one prompt)",
+        "prompt",
     )
 
 

@@ -95,7 +95,8 @@ class ChatCompletionRequest(_CommonRequest, frozen=True, kw_only=True):
 
 
 class CompletionRequest(_CommonRequest, frozen=True, kw_only=True):
-    prompt: str | list[str | int]  # a string, token ids, or a one-string list
+    # a string, token ids, or a batch of one: a one-string list, a list of one id list
+    prompt: str | list[str | int | list[int]]
     logprobs: int | None = None  # OpenAI legacy: an int enables logprobs
     echo: bool | None = False
     best_of: int | None = None  # only 1 (as n)

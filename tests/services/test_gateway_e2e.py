@@ -366,6 +366,20 @@ async def test_a_context_length_error_names_the_field_to_change(stack: Stack) ->
     assert many["code"] == "context_length_exceeded" and many["param"] == "max_tokens"
 
 
+async def test_a_prompt_batch_of_one_id_list_is_that_prompt(stack: Stack) -> None:
+    body = {"model": "random-tiny", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        flat = await client.post("/v1/completions", json={**body, "prompt": [5, 6, 7]})
+        nested = await client.post("/v1/completions", json={**body, "prompt": [[5, 6, 7]]})
+        two = await client.post("/v1/completions", json={**body, "prompt": [[5], [6]]})
+        bad = await client.post("/v1/completions", json={**body, "prompt": [[10**7]]})
+    assert flat.status_code == nested.status_code == 200, nested.text
+    assert nested.json()["choices"][0]["text"] == flat.json()["choices"][0]["text"]
+    assert nested.json()["usage"]["prompt_tokens"] == 3
+    assert two.status_code == 400 and "n=1: one prompt" in two.json()["error"]["message"]
+    assert bad.status_code == 400 and "token ids must be in" in bad.json()["error"]["message"]
+
+
 async def test_chat_logprobs_without_top_k_has_empty_top_lists(stack: Stack) -> None:
     body = {**CHAT, "max_tokens": 3, "ignore_eos": True, "logprobs": True}
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
