@@ -175,10 +175,12 @@ class Tokenizer:
         a stop string "\ufffd" matched before the character was whole (a probe,
         2026-12-06). Bytes invalid in the middle still decode to U+FFFD."""
         text = self.decode(ids)
-        if "\ufffd" not in text:
+        if "\ufffd" not in text or not ids:
             return text
         if self._added_ids is None:
-            self.token_bytes(ids[0])  # (finds the added ids)
+            self.token_bytes(ids[0])  # (finds the added ids and the vocabulary's kind)
+        if not self._is_byte_level:  # (its tokens' bytes are no pieces of characters)
+            return text
         assert self._added_ids is not None
         data = b"".join(self.token_bytes(t) for t in ids if t not in self._added_ids)
         start = 0  # continuation bytes of a character that began before the window

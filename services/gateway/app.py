@@ -117,12 +117,13 @@ def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False
         when the model's longest-running live worker started (a preset: the earliest
         of its models'), else when this gateway started; stable from call to call."""
         live = {w.model for w in service.workers.values() if not w.is_draining}
-        since = {name: started_s for name in cfg.cluster.models}
+        since: dict[str, float] = {}  # model -> its longest-running live worker's start
         for w in service.workers.values():
-            since[w.model] = min(since.get(w.model, started_s), w.started_at_s)
+            if not w.is_draining:
+                since[w.model] = min(since.get(w.model, w.started_at_s), w.started_at_s)
 
         def created(*models: str) -> int:
-            return int(min((since.get(m, started_s) for m in models), default=started_s))
+            return int(min((since[m] for m in models if m in since), default=started_s))
 
         data: list[dict[str, object]] = [
             {

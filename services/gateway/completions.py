@@ -41,7 +41,7 @@ from services.gateway.protocol import (
 )
 from services.gateway.service import GatewayError, GatewayService
 from services.gateway.sse import SSEResponse
-from shared.chat_template import SpecialTextInContent
+from shared.chat_template import LONG_TEXT_CHARS, SpecialTextInContent
 from shared.config import IMPLEMENTED_POLICIES
 from shared.messages.gateway import RequestFailed
 from shared.sampling import MAX_TOP_LOGPROBS, InvalidParam, SamplingParams
@@ -307,7 +307,7 @@ def message_text(i: int, message: ChatMessage) -> str:
 def _too_long(num_chars: int, max_chars: int, param: str) -> GatewayError:
     return bad_request(
         f"the prompt has {num_chars} characters: more than this model's context can hold "
-        f"(at most {max_chars}, its maximum context length times the longest token). "
+        f"(at most {max_chars}: twice its maximum context length times the longest token). "
         "Shorten the prompt.",
         param,
         "context_length_exceeded",
@@ -403,8 +403,9 @@ def _sampling_params(
 
 
 # Bodies up to this are prepared on the event loop (~0.2 ms for a short chat); larger
-# ones in a thread, where their long texts' tokenizing releases the GIL (encode_ids).
-PREPARE_INLINE_BYTES = 65536
+# ones in a thread, where their long texts' tokenizing releases the GIL (encode_ids
+# takes encode_batch past LONG_TEXT_CHARS characters: no body under this holds one).
+PREPARE_INLINE_BYTES = LONG_TEXT_CHARS
 
 
 async def watch_disconnect(receive: Receive, run: Generation) -> None:

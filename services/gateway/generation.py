@@ -67,6 +67,8 @@ class Generation:
         self.created = int(p.arrival_time_s)
         eos = getattr(p.tokenizer, "eos_token_id", None)
         skip = set() if eos is None or p.params.ignore_eos else {eos}
+        if not p.body.include_stop_str_in_output:  # (as vLLM: the stop token's text is not
+            skip.update(p.params.stop_token_ids)  # the answer's; it can only be the last)
         self.text = TextStream(
             p.tokenizer,
             p.params.stop,

@@ -84,6 +84,21 @@ class RelayService:
             w.instance_id for w in self.workers.values() if w.model == model and not w.is_draining
         ]
 
+    def _release_everywhere(self, msg: PeerRelease) -> list[Send]:
+        """A release for a request these books do not hold (this relay started after its
+        hand-offs, or gave it back): to every instance of the preset's models but the
+        origin, so no copy outlives it until `guest_idle_s` (a worker ignores a release
+        of a request it holds no copy of). Origins send one only for a request a peer
+        has seen, so this is rare."""
+        cfg = self.cluster.presets.get(msg.preset)
+        if cfg is None:
+            return []
+        return [
+            (iid, msg)
+            for iid, w in sorted(self.workers.items())
+            if w.model in cfg.models and iid != msg.origin_instance
+        ]
+
     def _pick(self, preset: str, model_index: int, request_id: str) -> str | None:
         live = self._serving(preset, model_index)
         if not live:
@@ -115,7 +130,10 @@ class RelayService:
 
     async def _on_message(self, msg: PeerMessage) -> None:
         if isinstance(msg, PeerRelease):
+            known = msg.request_id in self.books.routes
             sends = self.books.on_release(msg)
+            if not known:
+                sends = self._release_everywhere(msg)
         else:
             if msg.to_model != 0 and not self._serving(msg.preset, msg.to_model):
                 # A model this view knows no worker of: the registry may simply be older

@@ -363,6 +363,7 @@ class WorkerService:
                 self._link.apply(engine, outbox)
                 if self.routing is not None and (
                     self._link.relay_started_at_s is not None
+                    or self._relay_verdict is not None
                     or time.monotonic() >= self._next_expiry_s
                 ):
                     self._check_relay_silence(engine, outbox)
@@ -437,7 +438,10 @@ class WorkerService:
         # After a relay's start notice every request that left before it is asked
         # about at once: the new relay times none of the hand-offs sent before it
         # subscribed. (Not the later ones: its hand-off and query subscriptions run
-        # apart, so a query could overtake a hand-off it is about.)
+        # apart, so a query could overtake a hand-off it is about. One sent between its
+        # subscribing and the notice's arrival may be asked about and overtaken: the
+        # origin then finishes alone and the peer's late answer is dropped, work lost
+        # but no wrong text.)
         assert self._link is not None
         started_at_s, self._link.relay_started_at_s = self._link.relay_started_at_s, None
         wait_s = relay.origin_wait_s if started_at_s is None else max(0.0, now - started_at_s)

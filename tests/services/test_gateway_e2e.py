@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from typing import Any
 
 import httpx
 import msgspec
@@ -334,6 +335,10 @@ async def test_stop_token_ids_and_include_stop_str_in_output(stack: Stack) -> No
         by_id = await client.post(
             "/v1/completions", json={**body, "stop_token_ids": [ids[at]], "logprobs": None}
         )
+        by_id_kept = await client.post(
+            "/v1/completions",
+            json={**body, "stop_token_ids": [ids[at]], "include_stop_str_in_output": True},
+        )
         stop = text[len(text) // 2 : len(text) // 2 + 2]
         kept = await client.post(
             "/v1/completions", json={**body, "stop": stop, "include_stop_str_in_output": True}
@@ -342,6 +347,9 @@ async def test_stop_token_ids_and_include_stop_str_in_output(stack: Stack) -> No
     assert by_id.status_code == 200, by_id.text
     assert by_id.json()["choices"][0]["finish_reason"] == "stop"
     assert by_id.json()["usage"]["completion_tokens"] == at + 1
+    # (random-tiny's greedy answer re-encodes to the ids it was written in)
+    assert by_id.json()["choices"][0]["text"] == tok.decode(ids[:at])  # without the stop id's
+    assert by_id_kept.json()["choices"][0]["text"] == tok.decode(ids[: at + 1])
     end = text.index(stop)
     assert kept.json()["choices"][0]["text"] == text[: end + len(stop)]
     assert cut.json()["choices"][0]["text"] == text[:end]
@@ -447,15 +455,28 @@ async def test_neutral_values_of_unserved_fields_are_served(stack: Stack) -> Non
 async def test_a_large_body_is_prepared_off_the_loop_and_served(stack: Stack) -> None:
     """A body over PREPARE_INLINE_BYTES (here padded with JSON whitespace) is prepared in a
     thread; the answer is the same as for the short body."""
+    import threading
+
+    from services.gateway import completions
     from services.gateway.completions import PREPARE_INLINE_BYTES
 
     body = {**CHAT, "max_tokens": 4, "temperature": 0}
     short = json.dumps(body).encode()
     padded = short[:-1] + b" " * (PREPARE_INLINE_BYTES + 1) + b"}"
     headers = {"content-type": "application/json"}
+    threads: list[bool] = []  # per prepare: on the event loop's thread?
+    prepare = completions.prepare
+
+    def recorded(*args: Any) -> Any:
+        threads.append(threading.current_thread() is threading.main_thread())
+        return prepare(*args)
+
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
-        one = await client.post("/v1/chat/completions", content=short, headers=headers)
-        two = await client.post("/v1/chat/completions", content=padded, headers=headers)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(completions, "prepare", recorded)
+            one = await client.post("/v1/chat/completions", content=short, headers=headers)
+            two = await client.post("/v1/chat/completions", content=padded, headers=headers)
+    assert threads == [True, False]
     assert one.status_code == two.status_code == 200, two.text
     assert two.json()["choices"][0]["message"] == one.json()["choices"][0]["message"]
     assert two.json()["usage"] == one.json()["usage"]

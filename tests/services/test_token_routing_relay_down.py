@@ -68,10 +68,13 @@ async def test_a_restarted_relay_sends_the_requests_it_never_saw_home(
     """A relay that restarts knows none of the hand-offs its predecessor held. Its start
     notice makes every origin ask about its requests away at once: they come back and
     finish alone long before `origin_wait_s` (60 s here, above the test's 30 s bound),
-    and later requests route through the new relay."""
+    their releases free the peers' copies though the new relay never placed them, and
+    later requests route through the new relay."""
     register_token_policy(EveryThird)
     text = tiny_cluster_text(nats_url, redis_url).replace("replicas = 2", "replicas = 1")
-    nets = SAFETY_NETS.replace("origin_wait_s = 1.5", "origin_wait_s = 60.0")
+    nets = SAFETY_NETS.replace("origin_wait_s = 1.5", "origin_wait_s = 60.0").replace(
+        "guest_idle_s = 2.0", "guest_idle_s = 60.0"
+    )
     cluster = parse_cluster(text + PAIR.replace("peer_timeout_s = 2.0\n", nets))
     relay = RelayService(cluster)
     relay_task = asyncio.create_task(relay.run())
@@ -98,6 +101,13 @@ async def test_a_restarted_relay_sends_the_requests_it_never_saw_home(
                 assert resp.json()["usage"]["completion_tokens"] == 120
             failures = [w.routing.num_peer_failures for w in stack.workers if w.routing]
             assert sum(failures) > 0  # taken back on the notice, not after 60 s
+            # the origins' releases reach the copies the new relay never placed: no
+            # copy waits out guest_idle_s (60 s here)
+            for _ in range(100):
+                if blocks_in_use(stack) == [0, 0]:
+                    break
+                await asyncio.sleep(0.1)
+            assert blocks_in_use(stack) == [0, 0]
             # the new relay carries the next request's hand-offs
             resp = await asyncio.wait_for(post_pair(client, "after the restart", 60), 30)
             assert resp.status_code == 200, resp.text
