@@ -14,7 +14,7 @@ from services.relay.service import RelayService
 from services.worker.routing.policies import register_token_policy, unregister_token_policy
 from shared.config import parse_cluster
 from tests.routing.test_runtime import EveryThird
-from tests.services.conftest import kill, start_stack, tiny_cluster_text
+from tests.services.conftest import Stack, kill, start_stack, tiny_cluster_text
 from tests.services.test_token_routing_e2e import PAIR, blocks_in_use, post_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -26,6 +26,34 @@ guest_idle_s = 2.0
 """
 
 
+async def kill_mid_answer(
+    client: httpx.AsyncClient,
+    relay: RelayService,
+    relay_task: asyncio.Task[None],
+    label: str,
+) -> list[asyncio.Task[httpx.Response]]:
+    """Four answers under way, each with a hand-off the relay forwarded: then the relay
+    dies (its books and timers with it). Returns the answers' tasks."""
+    pending = [asyncio.create_task(post_pair(client, f"{label} {i}", 120)) for i in range(4)]
+
+    async def handoffs_under_way() -> None:
+        while relay.books.counters.forwarded < 4:
+            await asyncio.sleep(0.005)
+
+    await asyncio.wait_for(handoffs_under_way(), 30)
+    await kill(relay_task)
+    return pending
+
+
+async def copies_freed(stack: Stack) -> None:
+    """Every KV block of both workers free within 10 s."""
+    for _ in range(100):
+        if blocks_in_use(stack) == [0, 0]:
+            break
+        await asyncio.sleep(0.1)
+    assert blocks_in_use(stack) == [0, 0]
+
+
 async def test_dead_relay_never_strands_a_request_or_its_kv(nats_url: str, redis_url: str) -> None:
     register_token_policy(EveryThird)
     text = tiny_cluster_text(nats_url, redis_url).replace("replicas = 2", "replicas = 1")
@@ -35,16 +63,7 @@ async def test_dead_relay_never_strands_a_request_or_its_kv(nats_url: str, redis
     stack = await start_stack(cluster, 2, ["random-tiny", "random-tiny-big"])
     try:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
-            pending = [
-                asyncio.create_task(post_pair(client, f"relay down {i}", 120)) for i in range(4)
-            ]
-
-            async def handoffs_under_way() -> None:
-                while relay.books.counters.forwarded < 4:
-                    await asyncio.sleep(0.005)
-
-            await asyncio.wait_for(handoffs_under_way(), 30)
-            await kill(relay_task)  # the relay dies: its books and timers with it
+            pending = await kill_mid_answer(client, relay, relay_task, "relay down")
             # bounded: without the safety nets these requests would wait forever
             resps = await asyncio.wait_for(asyncio.gather(*pending), 30)
         for resp in resps:
@@ -52,11 +71,7 @@ async def test_dead_relay_never_strands_a_request_or_its_kv(nats_url: str, redis
             assert resp.json()["usage"]["completion_tokens"] == 120
         failures = [w.routing.num_peer_failures for w in stack.workers if w.routing is not None]
         assert sum(failures) > 0  # the origins took requests back
-        for _ in range(100):  # the large worker's copies expire after guest_idle_s
-            if blocks_in_use(stack) == [0, 0]:
-                break
-            await asyncio.sleep(0.1)
-        assert blocks_in_use(stack) == [0, 0]
+        await copies_freed(stack)  # the large worker's copies expire after guest_idle_s
     finally:
         await stack.stop()
         unregister_token_policy("every-third")
@@ -83,16 +98,7 @@ async def test_a_restarted_relay_sends_the_requests_it_never_saw_home(
     new_task: asyncio.Task[None] | None = None
     try:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=90) as client:
-            pending = [
-                asyncio.create_task(post_pair(client, f"relay restarts {i}", 120)) for i in range(4)
-            ]
-
-            async def handoffs_under_way() -> None:
-                while relay.books.counters.forwarded < 4:
-                    await asyncio.sleep(0.005)
-
-            await asyncio.wait_for(handoffs_under_way(), 30)
-            await kill(relay_task)
+            pending = await kill_mid_answer(client, relay, relay_task, "relay restarts")
             new_relay = RelayService(cluster)
             new_task = asyncio.create_task(new_relay.run())
             resps = await asyncio.wait_for(asyncio.gather(*pending), 30)
@@ -103,11 +109,7 @@ async def test_a_restarted_relay_sends_the_requests_it_never_saw_home(
             assert sum(failures) > 0  # taken back on the notice, not after 60 s
             # the origins' releases reach the copies the new relay never placed: no
             # copy waits out guest_idle_s (60 s here)
-            for _ in range(100):
-                if blocks_in_use(stack) == [0, 0]:
-                    break
-                await asyncio.sleep(0.1)
-            assert blocks_in_use(stack) == [0, 0]
+            await copies_freed(stack)
             # the new relay carries the next request's hand-offs
             resp = await asyncio.wait_for(post_pair(client, "after the restart", 60), 30)
             assert resp.status_code == 200, resp.text
