@@ -277,6 +277,15 @@ class Generation:
             cost = float(f"{cost:.10g}")
         return {**self.baton, "first_token_ms": first_token_ms, "cost": cost}
 
+    def _no_logprobs(self) -> dict[str, Any]:
+        """The logprobs object of an answer with no token to show (cut at a stop string
+        at its first token): empty, not null, as the client asked for it."""
+        if self.p.is_chat:
+            return {"content": []}
+        k = self.p.params.logprobs
+        top: list[Any] | None = [] if k else None
+        return {"tokens": [], "token_logprobs": [], "top_logprobs": top, "text_offset": []}
+
     def _logprobs(self, lps: LogprobSlice) -> Any:
         """OpenAI's logprobs object for these tokens (None when not asked for, or none).
 
@@ -343,6 +352,8 @@ class Generation:
             all_lps.extend(lps)
         text = "".join(parts)
         logprobs = self._logprobs(all_lps)
+        if logprobs is None and self.p.params.logprobs is not None:  # asked, no token shown
+            logprobs = self._no_logprobs()
         if self.p.is_chat:
             choice = {
                 "index": 0,

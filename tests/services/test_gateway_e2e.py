@@ -307,11 +307,14 @@ async def test_logprobs_end_where_a_stop_string_cuts_the_answer(stack: Stack) ->
         cut = full[: full.index(stop)]
         stopped = {**body, "stop": stop}
         one = (await client.post("/v1/chat/completions", json=stopped)).json()["choices"][0]
+        first = {**body, "stop": full[:2]}  # cut before anything shows
+        empty = (await client.post("/v1/chat/completions", json=first)).json()["choices"][0]
         async with client.stream(
             "POST", "/v1/chat/completions", json={**stopped, "stream": True}
         ) as resp:
             events = sse_events([line async for line in resp.aiter_lines()])
     assert one["message"]["content"] == cut and one["finish_reason"] == "stop"
+    assert empty["message"]["content"] == "" and empty["logprobs"] == {"content": []}
     kept = one["logprobs"]["content"]
     assert len(kept) <= 9 and kept == entries[: len(kept)]
     tokens = "".join(e["token"] for e in kept)
