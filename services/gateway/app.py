@@ -184,12 +184,18 @@ def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False
         models = {name: 0 for name in cfg.cluster.models}
         for w in routable:
             models[w.model] = models.get(w.model, 0) + 1
+        bus = "down"
+        if service.bus.is_connected:
+            bus = "ok" if service.is_bus_responsive else "unresponsive"
         status = "unavailable"
         if service.is_ready:
-            status = "ok" if all(models.values()) else "degraded"
+            status = "ok" if all(models.values()) and bus == "ok" else "degraded"
         body = {
             "status": status,
             "gateway_id": cfg.gateway_id,
+            # NATS: "unresponsive" when connected but its pings go unanswered (routing
+            # and token routing stall; plain requests go on over direct links)
+            "bus": bus,
             "workers": [w.instance_id for w in routable],
             "models": models,
             "in_flight": service.num_in_flight,

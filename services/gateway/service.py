@@ -39,6 +39,9 @@ from shared.scheduling.unshown import UnshownRequests
 from shared.store import SnapshotDecoder, Store
 
 log = get_logger(component="gateway")
+BUS_CHECK_S = 2.0  # how often the gateway pings NATS for /health (`_watch_bus`)
+# a ping unanswered this long, seconds (nats-py takes whole ones): NATS is unresponsive
+BUS_PING_TIMEOUT_S = 1
 
 
 class GatewayError(Exception):
@@ -97,6 +100,11 @@ class GatewayService:
         }
         self._refresh_task: asyncio.Task[None] | None = None
         self._silence_task: asyncio.Task[None] | None = None
+        self._bus_task: asyncio.Task[None] | None = None
+        # NATS answered this gateway's last ping (`_watch_bus`). A server that hangs keeps
+        # its connections open, so `bus.is_connected` stays true until nats-py's own
+        # pings (every 2 minutes) give up: /health says "degraded" meanwhile.
+        self.is_bus_responsive = True
         self._closing = False  # close() began: the refresh loop ends
         self._background: set[asyncio.Task[Any]] = set()
         self._fitted: dict[str, str] = {}  # instance -> feature set of its MAPE gauge
@@ -138,12 +146,14 @@ class GatewayService:
         await self._refresh_workers()
         self._refresh_task = asyncio.create_task(self._refresh_loop(), name="registry-refresh")
         self._silence_task = asyncio.create_task(self._watch_silence(), name="silence-watch")
+        self._bus_task = asyncio.create_task(self._watch_bus(), name="bus-watch")
         log.info("gateway_ready", gateway_id=self.cfg.gateway_id, live_workers=len(self.workers))
 
     async def close(self) -> None:
         self._closing = True
-        if self._silence_task is not None:
-            self._silence_task.cancel()
+        for task in (self._silence_task, self._bus_task):
+            if task is not None:
+                task.cancel()
         if self._refresh_task is not None:
             self._refresh_task.cancel()
             await asyncio.wait([self._refresh_task], timeout=2.0)
@@ -231,6 +241,27 @@ class GatewayService:
         while not self._closing:
             await asyncio.sleep(period_s)
             self.streams.mark_silent(timeout_s, time.monotonic())
+
+    async def _watch_bus(self) -> None:
+        """Ping NATS every BUS_CHECK_S and note whether it answered within
+        BUS_PING_TIMEOUT_S (`is_bus_responsive`, read by /health). A hung server (a
+        stopped process, a full disk) stalls routing's and token routing's messages
+        while plain requests still go over the workers' direct links."""
+        failures = RetryLog(log, "nats_unresponsive", recovered="nats_responsive")
+        while not self._closing:
+            await asyncio.sleep(BUS_CHECK_S)
+            if not self.bus.is_connected:
+                continue  # (reconnecting: /health says so already)
+            try:
+                await self.bus.flush(timeout_s=BUS_PING_TIMEOUT_S)
+            except Exception as exc:
+                if self._closing:
+                    return
+                self.is_bus_responsive = False
+                failures.failed(error=type(exc).__name__)
+            else:
+                self.is_bus_responsive = True
+                failures.ok()
 
     def _link_lost(self, link: FrameLink) -> None:
         num = self.streams.fail_link(

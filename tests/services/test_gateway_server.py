@@ -1,16 +1,19 @@
 """The gateway's HTTP server (services/gateway/server.py): the cluster file's keep-alive
 closes idle client connections, and `python -m services.gateway` fails with uvicorn's
-startup status when it cannot serve."""
+startup status when it cannot serve; /health tells a hung NATS server."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 from msgspec import structs
@@ -18,6 +21,7 @@ from msgspec import structs
 from services.gateway.app import create_app
 from services.gateway.config import GatewayServiceConfig
 from services.gateway.server import server_config
+from services.launcher.servers import start_nats
 from shared.config import ClusterConfig, ConfigError, parse_cluster
 from tests.services.conftest import run_service_process, tiny_cluster_text
 
@@ -125,3 +129,32 @@ async def test_the_framework_routes_see_a_proxys_forwarded_scheme(
         )
         assert location == b"https://baton.example/v1/models"
         writer.close()
+
+
+async def test_health_says_when_nats_hangs(redis_url: str, tmp_path: Path) -> None:
+    """A NATS server that hangs (stopped, not gone) keeps its connections open, so the
+    gateway still counts as connected: /health reports the bus "unresponsive" once its
+    pings go unanswered, and "ok" again once the server answers."""
+    server = start_nats("127.0.0.1", None, tmp_path / "nats")
+    cluster = parse_cluster(tiny_cluster_text(server.url, redis_url))
+    url = f"http://127.0.0.1:{cluster.gateway.port}/health"
+
+    async def bus_reads(want: str) -> None:
+        async with httpx.AsyncClient(timeout=10) as client:
+            for _ in range(100):  # the watch pings every BUS_CHECK_S (2 s)
+                if (await client.get(url)).json()["bus"] == want:
+                    return
+                await asyncio.sleep(0.1)
+        raise AssertionError(f"/health never said bus {want!r}")
+
+    try:
+        async with serving_gateway(cluster, "gw-bus"):
+            await bus_reads("ok")
+            os.kill(server.process.pid, signal.SIGSTOP)
+            try:
+                await bus_reads("unresponsive")
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+            await bus_reads("ok")
+    finally:
+        server.stop()
