@@ -271,7 +271,7 @@ class GatewayService:
             log.warning("worker_link_lost", instance_id=link.name, num_failed=num)
 
     def _drop_request_gauges(self, instance_id: str) -> None:
-        for state in ("running", "waiting"):
+        for state in ("running", "waiting", "pending"):
             with contextlib.suppress(KeyError):
                 self.metrics.instance_requests.remove(instance_id, state)
 
@@ -306,6 +306,8 @@ class GatewayService:
         for iid, snap in snapshots.items():
             self.metrics.instance_requests.labels(iid, "running").set(snap.num_running)
             self.metrics.instance_requests.labels(iid, "waiting").set(snap.num_waiting)
+            # parked while a peer writes (token routing): they hold KV and request slots
+            self.metrics.instance_requests.labels(iid, "pending").set(snap.num_pending)
         for iid in self._snapshots.undecodable:  # no figures rather than stale ones
             self._drop_request_gauges(iid)
         for iid, cal_blob in (await self.store.read_calibrations(list(live))).items():

@@ -41,11 +41,13 @@ LIMITS: dict[str, Any] = {
 }
 
 
-def good(version: int) -> bytes:
+def good(version: int, parked: bool = False) -> bytes:
+    """Two running requests and one waiting (`parked`: and a token-routing copy parked)."""
     snap = WorkloadSnapshot.from_rows(
         version=version,
         wall_time_s=0.0,
         running=[RequestCounters("r0", 0, 20, 1, 20, 10), RequestCounters("r1", 1, 20, 1, 20, 10)],
+        pending=[RequestCounters("p0", 3, 20, 2, 21, 10)] if parked else [],
         waiting=[RequestCounters("w0", 2, 30, 0, 0, 10)],
         **LIMITS,
     )
@@ -151,15 +153,17 @@ async def test_gateway_reads_an_undecodable_snapshot_as_missing(redis_url: str) 
     gw = GatewayService(GatewayServiceConfig.from_cluster(cluster(redis_url), "t"))
     await gw.store.connect()
     try:
-        await publish(gw.store, {"old": old_layout(1), "ok": good(1)})
+        await publish(gw.store, {"old": old_layout(1), "ok": good(1, parked=True)})
         await gw._refresh_workers()
         sample = gw.metrics.registry.get_sample_value
         assert sample("baton_instance_requests", {"instance": "ok", "state": "running"}) == 2
         assert sample("baton_instance_requests", {"instance": "ok", "state": "waiting"}) == 1
+        assert sample("baton_instance_requests", {"instance": "ok", "state": "pending"}) == 1
         assert sample("baton_instance_requests", {"instance": "old", "state": "running"}) is None
         await publish(gw.store, {"ok": unequal_columns(2)})
         await gw._refresh_workers()
         assert sample("baton_instance_requests", {"instance": "ok", "state": "running"}) is None
+        assert sample("baton_instance_requests", {"instance": "ok", "state": "pending"}) is None
     finally:
         await gw.store.close()
 

@@ -119,3 +119,41 @@ async def test_a_restarted_relay_sends_the_requests_it_never_saw_home(
             await kill(new_task)
         await stack.stop()
         unregister_token_policy("every-third")
+
+
+async def test_releases_sent_while_no_relay_listens_are_sent_again(
+    nats_url: str, redis_url: str
+) -> None:
+    """Clients that leave while the relay is dead: their origins' releases go nowhere.
+    When a relay starts, the origins send their recent releases again, and the peers'
+    copies are freed long before `guest_idle_s` (60 s here); they held KV and request
+    slots (a probe: 12 copies held smollm2-135m's slots for 300 s)."""
+    register_token_policy(EveryThird)
+    text = tiny_cluster_text(nats_url, redis_url).replace("replicas = 2", "replicas = 1")
+    nets = SAFETY_NETS.replace("origin_wait_s = 1.5", "origin_wait_s = 60.0").replace(
+        "guest_idle_s = 2.0", "guest_idle_s = 60.0"
+    )
+    cluster = parse_cluster(text + PAIR.replace("peer_timeout_s = 2.0\n", nets))
+    relay = RelayService(cluster)
+    relay_task = asyncio.create_task(relay.run())
+    stack = await start_stack(cluster, 2, ["random-tiny", "random-tiny-big"])
+    new_task: asyncio.Task[None] | None = None
+    try:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=90) as client:
+            pending = await kill_mid_answer(client, relay, relay_task, "clients leave")
+            for task in pending:  # the clients go: the origins release into the void
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            origin = stack.workers[0]
+            for _ in range(100):  # the origin ended them all (and sent their releases)
+                if origin.routing is not None and not origin.routing.requests:
+                    break
+                await asyncio.sleep(0.05)
+            assert blocks_in_use(stack)[1] > 0  # the large worker still holds the copies
+            new_task = asyncio.create_task(RelayService(cluster).run())
+            await copies_freed(stack)
+    finally:
+        if new_task is not None:
+            await kill(new_task)
+        await stack.stop()
+        unregister_token_policy("every-third")

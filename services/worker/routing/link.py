@@ -29,6 +29,11 @@ from shared.messages.peer import (
 from shared.store import Store
 
 log = get_logger(component="worker-routing")
+# Releases sent this recently are sent again when a relay (re)starts: one sent while no
+# relay listened is lost (NATS keeps nothing for a subject nobody subscribes), and its
+# copies on the peers would hold their KV and slots for `guest_idle_s`. The launcher
+# restarts a relay within its backoff (at most 30 s).
+RELEASE_RESEND_S = 60.0
 
 
 class RoutingLink:
@@ -51,6 +56,7 @@ class RoutingLink:
         # When (monotonic) a relay's start notice came, until the worker asked about the
         # requests it had away by then (WorkerService._check_relay_silence); None: none.
         self.relay_started_at_s: float | None = None
+        self._recent_releases: deque[tuple[float, PeerRelease]] = deque()  # (sent at, it)
 
     @property
     def has_messages(self) -> bool:
@@ -79,6 +85,17 @@ class RoutingLink:
         log.info("relay_started", started_at_s=msg.started_at_s)
         self.relay_started_at_s = time.monotonic()
         self._wakeup.set()
+        # The releases of the last RELEASE_RESEND_S, again: the new relay sends those it
+        # holds no route for to every instance of their preset's models (a peer drops
+        # a release of a copy it does not hold).
+        self._prune_releases(time.monotonic())
+        for _, release in list(self._recent_releases):
+            await self._bus.publish(self._relay, release)
+
+    def _prune_releases(self, now_s: float) -> None:
+        recent = self._recent_releases
+        while recent and now_s - recent[0][0] > RELEASE_RESEND_S:
+            recent.popleft()
 
     async def _on_tables(self, tables: BatchTables) -> None:
         if tables.preset not in self.books.policies:
@@ -114,8 +131,13 @@ class RoutingLink:
                     )
 
     async def publish(self, outbox: Outbox) -> None:
+        now = time.monotonic()
         for msg in outbox.peer:
             await self._bus.publish(self._relay, msg)
+            if isinstance(msg, PeerRelease):
+                self._recent_releases.append((now, msg))
+        if outbox.peer:
+            self._prune_releases(now)
         outbox.peer.clear()
 
     async def maybe_send_stats(self) -> None:
