@@ -187,15 +187,20 @@ def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False
         bus = "down"
         if service.bus.is_connected:
             bus = "ok" if service.is_bus_responsive else "unresponsive"
+        relay = service.relay_state if cfg.cluster.token_presets() else None
         status = "unavailable"
         if service.is_ready:
-            status = "ok" if all(models.values()) and bus == "ok" else "degraded"
+            healthy = all(models.values()) and bus == "ok" and relay in (None, "ok", "unknown")
+            status = "ok" if healthy else "degraded"
         body = {
             "status": status,
             "gateway_id": cfg.gateway_id,
             # NATS: "unresponsive" when connected but its pings go unanswered (routing
             # and token routing stall; plain requests go on over direct links)
             "bus": bus,
+            # the token-routing relay (only where a preset routes per token): "ok",
+            # "unresponsive" (routed requests stall), "down" (restarting), "unknown"
+            **({"relay": relay} if relay is not None else {}),
             "workers": [w.instance_id for w in routable],
             "models": models,
             "in_flight": service.num_in_flight,

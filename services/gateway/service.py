@@ -32,6 +32,7 @@ from shared.messages.estimator import (
     RouteRequest,
 )
 from shared.messages.gateway import DELTA_BATCH_DECODER
+from shared.messages.health import HEALTH_REPLY_DECODER, HealthProbe
 from shared.messages.registry import RegistryEpoch, WorkerInfo, departed
 from shared.messages.worker import CALIBRATION_DECODER, AbortRequest, SubmitRequest
 from shared.sampling import SamplingParams
@@ -105,6 +106,10 @@ class GatewayService:
         # its connections open, so `bus.is_connected` stays true until nats-py's own
         # pings (every 2 minutes) give up: /health says "degraded" meanwhile.
         self.is_bus_responsive = True
+        # The token-routing relay's answer to the last probe, when a preset routes per
+        # token: "ok", "unresponsive" (it hangs: routed requests stall), "down" (none
+        # subscribed: the launcher restarts it) or "unknown" (not asked yet).
+        self.relay_state = "unknown"
         self._closing = False  # close() began: the refresh loop ends
         self._background: set[asyncio.Task[Any]] = set()
         self._fitted: dict[str, str] = {}  # instance -> feature set of its MAPE gauge
@@ -246,8 +251,11 @@ class GatewayService:
         """Ping NATS every BUS_CHECK_S and note whether it answered within
         BUS_PING_TIMEOUT_S (`is_bus_responsive`, read by /health). A hung server (a
         stopped process, a full disk) stalls routing's and token routing's messages
-        while plain requests still go over the workers' direct links."""
+        while plain requests still go over the workers' direct links. Where a preset
+        routes per token, the relay's liveness probe too (`relay_state`): a hung relay
+        stalls every routed request until the workers' `origin_wait_s`."""
         failures = RetryLog(log, "nats_unresponsive", recovered="nats_responsive")
+        probe_relay = bool(self.cluster.token_presets())
         while not self._closing:
             await asyncio.sleep(BUS_CHECK_S)
             if not self.bus.is_connected:
@@ -262,6 +270,20 @@ class GatewayService:
             else:
                 self.is_bus_responsive = True
                 failures.ok()
+                if probe_relay:
+                    self.relay_state = await self._probe_relay()
+
+    async def _probe_relay(self) -> str:
+        try:
+            await self.bus.request(
+                subjects.health(self.cluster.namespace, "relay"),
+                HealthProbe(sender=f"gateway-{self.cfg.gateway_id}"),
+                HEALTH_REPLY_DECODER,
+                timeout_s=BUS_PING_TIMEOUT_S,
+            )
+        except Exception as exc:
+            return "down" if is_no_responders(exc) else "unresponsive"
+        return "ok"
 
     def _link_lost(self, link: FrameLink) -> None:
         num = self.streams.fail_link(

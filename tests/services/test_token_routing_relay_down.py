@@ -157,3 +157,44 @@ async def test_releases_sent_while_no_relay_listens_are_sent_again(
             await kill(new_task)
         await stack.stop()
         unregister_token_policy("every-third")
+
+
+async def test_health_tells_a_hung_or_missing_relay(nats_url: str, redis_url: str) -> None:
+    """Where a preset routes per token, the gateway probes the relay: /health says
+    "unresponsive" (degraded) for one that does not answer, "down" for none, "ok"."""
+    register_token_policy(EveryThird)
+    text = tiny_cluster_text(nats_url, redis_url).replace("replicas = 2", "replicas = 1")
+    cluster = parse_cluster(text + PAIR)
+    hung = RelayService(cluster)
+
+    async def never(probe: object) -> object:
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    hung._health = never  # type: ignore[method-assign]
+    hung_task = asyncio.create_task(hung.run())
+    stack = await start_stack(cluster, 2, ["random-tiny", "random-tiny-big"])
+    new_task: asyncio.Task[None] | None = None
+
+    async def health_reads(relay: str, status: str) -> None:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=10) as client:
+            for _ in range(100):  # probed every 2 s
+                body = (await client.get("/health")).json()
+                if (body.get("relay"), body["status"]) == (relay, status):
+                    return
+                await asyncio.sleep(0.1)
+        raise AssertionError(f"/health never said relay {relay!r}, status {status!r}: {body}")
+
+    try:
+        await health_reads("unresponsive", "degraded")
+        await kill(hung_task)
+        await health_reads("down", "degraded")
+        new_task = asyncio.create_task(RelayService(cluster).run())
+        await health_reads("ok", "ok")
+    finally:
+        if new_task is not None:
+            await kill(new_task)
+        if not hung_task.done():
+            await kill(hung_task)
+        await stack.stop()
+        unregister_token_policy("every-third")
