@@ -257,8 +257,8 @@ class GatewayService:
         failures = RetryLog(log, "nats_unresponsive", recovered="nats_responsive")
         probe_relay = bool(self.cluster.token_presets())
         while not self._closing:
-            await asyncio.sleep(BUS_CHECK_S)
             if not self.bus.is_connected:
+                await asyncio.sleep(BUS_CHECK_S)
                 continue  # (reconnecting: /health says so already)
             try:
                 await self.bus.flush(timeout_s=BUS_PING_TIMEOUT_S)
@@ -272,6 +272,7 @@ class GatewayService:
                 failures.ok()
                 if probe_relay:
                     self.relay_state = await self._probe_relay()
+            await asyncio.sleep(BUS_CHECK_S)  # (the first check at start: no "unknown" then)
 
     async def _probe_relay(self) -> str:
         try:
