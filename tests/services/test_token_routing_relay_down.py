@@ -12,7 +12,7 @@ import pytest
 
 from services.relay.service import RelayService
 from services.worker.routing.policies import register_token_policy, unregister_token_policy
-from shared.config import parse_cluster
+from shared.config import ClusterConfig, parse_cluster
 from tests.routing.test_runtime import EveryThird
 from tests.services.conftest import Stack, kill, start_stack, tiny_cluster_text
 from tests.services.test_token_routing_e2e import PAIR, blocks_in_use, post_pair
@@ -54,6 +54,16 @@ async def copies_freed(stack: Stack) -> None:
     assert blocks_in_use(stack) == [0, 0]
 
 
+def long_nets_cluster(nats_url: str, redis_url: str) -> ClusterConfig:
+    """The pair preset with the workers' own nets at 60 s: what a test sees within its
+    30 s bounds is the relay's start notice at work, not them."""
+    text = tiny_cluster_text(nats_url, redis_url).replace("replicas = 2", "replicas = 1")
+    nets = SAFETY_NETS.replace("origin_wait_s = 1.5", "origin_wait_s = 60.0").replace(
+        "guest_idle_s = 2.0", "guest_idle_s = 60.0"
+    )
+    return parse_cluster(text + PAIR.replace("peer_timeout_s = 2.0\n", nets))
+
+
 async def test_dead_relay_never_strands_a_request_or_its_kv(nats_url: str, redis_url: str) -> None:
     register_token_policy(EveryThird)
     text = tiny_cluster_text(nats_url, redis_url).replace("replicas = 2", "replicas = 1")
@@ -86,11 +96,7 @@ async def test_a_restarted_relay_sends_the_requests_it_never_saw_home(
     their releases free the peers' copies though the new relay never placed them, and
     later requests route through the new relay."""
     register_token_policy(EveryThird)
-    text = tiny_cluster_text(nats_url, redis_url).replace("replicas = 2", "replicas = 1")
-    nets = SAFETY_NETS.replace("origin_wait_s = 1.5", "origin_wait_s = 60.0").replace(
-        "guest_idle_s = 2.0", "guest_idle_s = 60.0"
-    )
-    cluster = parse_cluster(text + PAIR.replace("peer_timeout_s = 2.0\n", nets))
+    cluster = long_nets_cluster(nats_url, redis_url)
     relay = RelayService(cluster)
     relay_task = asyncio.create_task(relay.run())
     stack = await start_stack(cluster, 2, ["random-tiny", "random-tiny-big"])
@@ -129,11 +135,7 @@ async def test_releases_sent_while_no_relay_listens_are_sent_again(
     copies are freed long before `guest_idle_s` (60 s here); they held KV and request
     slots (a probe: 12 copies held smollm2-135m's slots for 300 s)."""
     register_token_policy(EveryThird)
-    text = tiny_cluster_text(nats_url, redis_url).replace("replicas = 2", "replicas = 1")
-    nets = SAFETY_NETS.replace("origin_wait_s = 1.5", "origin_wait_s = 60.0").replace(
-        "guest_idle_s = 2.0", "guest_idle_s = 60.0"
-    )
-    cluster = parse_cluster(text + PAIR.replace("peer_timeout_s = 2.0\n", nets))
+    cluster = long_nets_cluster(nats_url, redis_url)
     relay = RelayService(cluster)
     relay_task = asyncio.create_task(relay.run())
     stack = await start_stack(cluster, 2, ["random-tiny", "random-tiny-big"])
