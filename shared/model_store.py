@@ -111,13 +111,16 @@ class Tokenizer:
     """A fast tokenizer plus the model's chat template."""
 
     def __init__(self, name: str, tokenizer: Any, chat_template: str, eos_token_id: int) -> None:
-        self.name = name
+        from tokenizers.decoders import ByteLevel
+
+        self.name = name  # its source (a model name, a path)
         self._tok = tokenizer
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
         self._chat: ChatTemplate | None = None  # compiled (and its form found) on first use
-        self._is_byte_level = False  # \ token_bytes's, found on first use
-        self._added_ids: frozenset[int] | None = None  # /
+        # a byte-level BPE vocabulary: a token may be one byte of a character
+        self._is_byte_level = isinstance(tokenizer.decoder, ByteLevel)
+        self._added_ids = frozenset(tokenizer.get_added_tokens_decoder())
         self._max_token_chars: int | None = None  # found on first use (0: no bound)
 
     @property
@@ -126,13 +129,10 @@ class Tokenizer:
         of a byte-level vocabulary (one character per byte, so a bound on the text's
         characters too). None for other vocabularies (an unknown word can be one token)."""
         if self._max_token_chars is None:
-            from tokenizers.decoders import ByteLevel
-
-            if isinstance(self._tok.decoder, ByteLevel):
+            self._max_token_chars = 0
+            if self._is_byte_level:
                 vocab = self._tok.get_vocab(with_added_tokens=True)
                 self._max_token_chars = max(len(piece) for piece in vocab)
-            else:
-                self._max_token_chars = 0
         return self._max_token_chars or None
 
     @property
@@ -152,11 +152,6 @@ class Tokenizer:
         vocabulary a piece of a multi-byte character is its raw bytes, not the U+FFFD
         its lone decode gives. Other vocabularies, and added tokens (text): the UTF-8 of
         its decode."""
-        if self._added_ids is None:  # (found on first use: only logprobs need them)
-            from tokenizers.decoders import ByteLevel
-
-            self._is_byte_level = isinstance(self._tok.decoder, ByteLevel)
-            self._added_ids = frozenset(self._tok.get_added_tokens_decoder())
         piece = self._tok.id_to_token(token_id)
         table = byte_level_decoder()
         if (
@@ -175,13 +170,8 @@ class Tokenizer:
         a stop string "\ufffd" matched before the character was whole (a probe,
         2026-12-06). Bytes invalid in the middle still decode to U+FFFD."""
         text = self.decode(ids)
-        if "\ufffd" not in text or not ids:
-            return text
-        if self._added_ids is None:
-            self.token_bytes(ids[0])  # (finds the added ids and the vocabulary's kind)
-        if not self._is_byte_level:  # (its tokens' bytes are no pieces of characters)
-            return text
-        assert self._added_ids is not None
+        if "\ufffd" not in text or not self._is_byte_level:
+            return text  # (other vocabularies' tokens are no pieces of characters)
         data = b"".join(self.token_bytes(t) for t in ids if t not in self._added_ids)
         start = 0  # continuation bytes of a character that began before the window
         while start < min(3, len(data)) and 0x80 <= data[start] < 0xC0:
@@ -251,19 +241,25 @@ def _export_tokenizer(source: str, out: Path) -> None:
     (out / "baton_tokenizer.json").write_text(json.dumps(meta))
 
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=16)
 def load_tokenizer(model_name: str) -> Tokenizer:
-    """The tokenizer of a model name (family members share SmolLM2's)."""
+    """The tokenizer of a model name: one object per source (family members share
+    SmolLM2's), so its chat template and vocabulary facts are worked out once (the
+    chat template's copy for message content took ~130 ms per tokenizer at start)."""
+    return _load_tokenizer(resolve(model_name).tokenizer)
+
+
+@lru_cache(maxsize=8)
+def _load_tokenizer(src: str) -> Tokenizer:
     from tokenizers import Tokenizer as FastTokenizer
 
-    src = resolve(model_name).tokenizer
     key = src if src == FAMILY_BASE else "path-" + str(abs(hash(src)))
     out = cache_dir() / "tokenizers" / key
     if not (out / "baton_tokenizer.json").is_file():
         _export_tokenizer(src, out)
     meta = json.loads((out / "baton_tokenizer.json").read_text())
     tok = FastTokenizer.from_file(str(out / "tokenizer.json"))
-    return Tokenizer(model_name, tok, meta["chat_template"], int(meta["eos_token_id"]))
+    return Tokenizer(src, tok, meta["chat_template"], int(meta["eos_token_id"]))
 
 
 def model_digest(model: str) -> str:

@@ -187,7 +187,7 @@ def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False
         bus = "down"
         if service.bus.is_connected:
             bus = "ok" if service.is_bus_responsive else "unresponsive"
-        relay = service.relay_state if cfg.cluster.token_presets() else None
+        relay = service.relay_state
         status = "unavailable"
         if service.is_ready:
             healthy = all(models.values()) and bus == "ok" and relay in (None, "ok", "unknown")

@@ -187,9 +187,10 @@ def prepare(
             f"logprobs are not available for the token-level preset {body.model!r}",
             "logprobs",
         )
-    vocab = tokenizer.vocab_size
-    if any(not 0 <= t < vocab for t in params.stop_token_ids):
-        raise bad_request(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+    if params.stop_token_ids and not _ids_in_vocab(params.stop_token_ids, tokenizer):
+        raise bad_request(
+            f"stop_token_ids must be in [0, {tokenizer.vocab_size})", "stop_token_ids"
+        )
     try:
         params.validate()
     except InvalidParam as exc:
@@ -304,6 +305,11 @@ def message_text(i: int, message: ChatMessage) -> str:
     return "".join(parts)
 
 
+def _ids_in_vocab(ids: list[int], tokenizer: Any) -> bool:
+    vocab = tokenizer.vocab_size
+    return all(0 <= t < vocab for t in ids)
+
+
 def _too_long(num_chars: int, max_chars: int, param: str) -> GatewayError:
     return bad_request(
         f"the prompt has {num_chars} characters: more than this model's context can hold "
@@ -337,22 +343,19 @@ def _tokenize(
             raise bad_request(str(exc), f"messages[{exc.index}].content") from None
     if body.echo:
         raise bad_request("echo is not supported", "echo")
-    prompt = body.prompt
-    text = prompt if isinstance(prompt, str) else prompt[0] if len(prompt) == 1 else None
-    if isinstance(text, str) and len(text) > max_chars:
-        raise _too_long(len(text), max_chars, "prompt")
+    prompt: str | list[str | int | list[int]] | list[int] = body.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # a batch of one prompt: that prompt
     if isinstance(prompt, str):
+        if len(prompt) > max_chars:
+            raise _too_long(len(prompt), max_chars, "prompt")
         return list(tokenizer.encode(prompt))
-    items = prompt[0] if len(prompt) == 1 and isinstance(prompt[0], list) else prompt
-    ids = [p for p in items if isinstance(p, int)]  # (a batch of one list of ids: its ids)
-    if ids and len(ids) == len(items):
+    ids = [p for p in prompt if isinstance(p, int)]
+    if ids and len(ids) == len(prompt):
         # checked here, not only by the worker: a stream's status is sent before it answers
-        vocab = tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if not _ids_in_vocab(ids, tokenizer):
+            raise bad_request(f"prompt token ids must be in [0, {tokenizer.vocab_size})", "prompt")
         return ids
-    if len(prompt) == 1 and isinstance(prompt[0], str):
-        return list(tokenizer.encode(prompt[0]))
     raise bad_request(
         "prompt must be a string, a list of token ids, or a list with exactly one string or "
         "one list of token ids (n=1: one prompt)",

@@ -30,8 +30,9 @@ log = get_logger(component="gateway")
 # is sent to another instance (Generation.first_event).
 MAX_REROUTES = 2
 
-# What one delta adds: (new text, new token ids, the logprobs it releases: TextStream)
-Piece = tuple[str, list[int], LogprobSlice]
+# What one delta adds: (new text, new token ids, the logprobs it releases: TextStream;
+# None when the request asked for none)
+Piece = tuple[str, list[int], LogprobSlice | None]
 
 
 class ClientDisconnected(Exception):
@@ -198,12 +199,13 @@ class Generation:
                 more_text, more_ids, more_lps = self._take(nxt)
                 text += more_text
                 ids += more_ids
-                lps.extend(more_lps)
+                if lps is not None and more_lps is not None:
+                    lps.extend(more_lps)
             self._observe(len(ids))
             if self.finish_reason is not None:
                 self.is_finished = True
                 text += self.text.finish()
-                if self._wants_logprobs:
+                if lps is not None:
                     lps.extend(self.text.take_logprobs(final=True))
                 yield text, ids, lps
                 return
@@ -217,7 +219,7 @@ class Generation:
         text, ids = self.text.add(
             event.position, event.token_ids, event.logprobs, event.top_logprobs
         )
-        lps = self.text.take_logprobs() if self._wants_logprobs else LogprobSlice()
+        lps = self.text.take_logprobs() if self._wants_logprobs else None
         if event.finish_reason is not None and not self.text.assembler.has_gap:
             self.finish_reason = event.finish_reason
         elif self.text.is_stopped:
@@ -277,17 +279,9 @@ class Generation:
             cost = float(f"{cost:.10g}")
         return {**self.baton, "first_token_ms": first_token_ms, "cost": cost}
 
-    def _no_logprobs(self) -> dict[str, Any]:
-        """The logprobs object of an answer with no token to show (cut at a stop string
-        at its first token): empty, not null, as the client asked for it."""
-        if self.p.is_chat:
-            return {"content": []}
-        k = self.p.params.logprobs
-        top: list[Any] | None = [] if k else None
-        return {"tokens": [], "token_logprobs": [], "top_logprobs": top, "text_offset": []}
-
-    def _logprobs(self, lps: LogprobSlice) -> Any:
-        """OpenAI's logprobs object for these tokens (None when not asked for, or none).
+    def _logprobs(self, lps: LogprobSlice | None) -> Any:
+        """OpenAI's logprobs object for these tokens (None when not asked for; empty, not
+        null, for an answer with no token to show, cut at its first token).
 
         Chat: `content` entries with `top_logprobs: [{token, logprob, bytes}]`.
         Completions (legacy): `top_logprobs: [{token: logprob}]` per position, None for k = 0,
@@ -297,7 +291,7 @@ class Generation:
         completions write it (its lone decode is U+FFFD, which names no bytes).
         """
         k = self.p.params.logprobs
-        if k is None or not lps.logprobs:
+        if k is None or lps is None:
             return None
         text, raw = self.text.token_text, self.text.token_bytes
         ids, tops = lps.ids, (lps.top if k > 0 else [])
@@ -346,14 +340,13 @@ class Generation:
 
     async def collect(self, first: GatewayEvent) -> dict:
         parts: list[str] = []
-        all_lps = LogprobSlice()
+        all_lps = LogprobSlice() if self._wants_logprobs else None
         async for text, _, lps in self.pieces(first):
             parts.append(text)
-            all_lps.extend(lps)
+            if all_lps is not None and lps is not None:
+                all_lps.extend(lps)
         text = "".join(parts)
         logprobs = self._logprobs(all_lps)
-        if logprobs is None and self.p.params.logprobs is not None:  # asked, no token shown
-            logprobs = self._no_logprobs()
         if self.p.is_chat:
             choice = {
                 "index": 0,
@@ -415,7 +408,7 @@ class Generation:
                 )
             first = await self.first_event()
             async for text, _, lps in self.pieces(first):
-                lp = self._logprobs(lps)
+                lp = self._logprobs(lps) if lps is not None and lps.ids else None
                 if not text and lp is None and self.finish_reason is None:
                     # Nothing to show yet (tokens held back as a possible stop string's
                     # start, a character's first bytes): no empty chunk, as OpenAI's.

@@ -106,10 +106,10 @@ class GatewayService:
         # its connections open, so `bus.is_connected` stays true until nats-py's own
         # pings (every 2 minutes) give up: /health says "degraded" meanwhile.
         self.is_bus_responsive = True
-        # The token-routing relay's answer to the last probe, when a preset routes per
-        # token: "ok", "unresponsive" (it hangs: routed requests stall), "down" (none
-        # subscribed: the launcher restarts it) or "unknown" (not asked yet).
-        self.relay_state = "unknown"
+        # The token-routing relay's answer to the last probe: "ok", "unresponsive" (it
+        # hangs: routed requests stall), "down" (none subscribed: the launcher restarts
+        # it), "unknown" (not asked yet); None: no preset routes per token, none asked.
+        self.relay_state: str | None = "unknown" if self.cluster.token_presets() else None
         self._closing = False  # close() began: the refresh loop ends
         self._background: set[asyncio.Task[Any]] = set()
         self._fitted: dict[str, str] = {}  # instance -> feature set of its MAPE gauge
@@ -255,7 +255,6 @@ class GatewayService:
         routes per token, the relay's liveness probe too (`relay_state`): a hung relay
         stalls every routed request until the workers' `origin_wait_s`."""
         failures = RetryLog(log, "nats_unresponsive", recovered="nats_responsive")
-        probe_relay = bool(self.cluster.token_presets())
         while not self._closing:
             if not self.bus.is_connected:
                 await asyncio.sleep(BUS_CHECK_S)
@@ -270,7 +269,7 @@ class GatewayService:
             else:
                 self.is_bus_responsive = True
                 failures.ok()
-                if probe_relay:
+                if self.relay_state is not None:
                     self.relay_state = await self._probe_relay()
             await asyncio.sleep(BUS_CHECK_S)  # (the first check at start: no "unknown" then)
 

@@ -26,10 +26,10 @@ is here (waiting, running or parked between its visits), the plain requests' pre
 chunks take at most `max_chunk_beside_guests` tokens of a step between them (their
 decodes are not counted): a visit waits out the step in flight and then its own, and
 on a CPU a 512-token chunk made each ~1 s against ~0.15 s at 64
-(docs/token-routing.md). Without them the policy is exactly the one
-above. The estimator's replay (`services.estimator.sfs.kernel`)
-follows a snapshot's queues in their order, so it schedules running priority
-requests first too; it admits waiting ones FIFO (peer copies are few and short).
+(docs/token-routing.md). Without them the policy is exactly the one above. The
+estimator's replay (`services.estimator.sfs.kernel`) follows a snapshot's queues in
+their order, so it schedules running priority requests first too; it admits waiting
+ones FIFO (peer copies are few and short) and does not model the cap.
 """
 
 from __future__ import annotations

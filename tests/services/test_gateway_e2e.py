@@ -817,17 +817,17 @@ async def test_a_crash_mid_stream_is_reported_in_band_and_released(
     admission is given back and the worker's KV freed."""
     from services.gateway.generation import Generation
 
-    real = Generation._logprobs
+    real = Generation._observe  # (called for every piece of the answer)
 
-    def broken(self: Generation, *args: object) -> object:
+    def broken(self: Generation, num_new: int) -> None:
         if self.num_output_tokens >= 2:
             raise RuntimeError("a bug")
-        return real(self, *args)  # type: ignore[arg-type]
+        real(self, num_new)
 
     in_flight = stack.gateway.num_in_flight
     body = {**CHAT, "stream": True, "max_tokens": 50, "ignore_eos": True}
     with monkeypatch.context() as patch:
-        patch.setattr(Generation, "_logprobs", broken)
+        patch.setattr(Generation, "_observe", broken)
         async with (
             httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client,
             client.stream("POST", "/v1/chat/completions", json=body) as resp,
