@@ -413,6 +413,12 @@ class GatewayService:
             # its link died and its port refuses: the registry has not caught up yet
             return self._fallback(req)
         if reply.instance_id is None:
+            if self.serving(model):
+                # The estimator knows no live instance that this gateway does: each reads
+                # the registry on its own interval, and its view is the older one (right
+                # after start, or a worker's restart). The model and the policy were
+                # checked here, so that is the only refusal left: route it here.
+                return self._fallback(req)
             raise GatewayError(
                 503,
                 reply.error or f"no worker serves model {model!r}",

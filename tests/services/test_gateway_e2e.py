@@ -391,6 +391,29 @@ async def test_a_prompt_batch_of_one_id_list_is_that_prompt(stack: Stack) -> Non
     assert bad.status_code == 400 and "token ids must be in" in bad.json()["error"]["message"]
 
 
+async def test_an_estimator_whose_registry_lags_is_routed_around(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The estimator and the gateway read the worker registry on their own intervals: a
+    request sent as the launcher says "serving" met an estimator that knew no worker yet
+    and got a 503 (a fresh clone's launcher test). The gateway routes such a request by
+    its own view instead."""
+    est = stack.estimator
+    fallbacks = stack.gateway.metrics.route_fallbacks._value.get()
+    with monkeypatch.context() as patch:
+
+        async def stale() -> None:  # the estimator's view stays empty
+            return None
+
+        patch.setattr(est, "_refresh_workers", stale)
+        patch.setattr(est, "instances", {})
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+            resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["baton"]["policy"] == "gateway-fallback"
+    assert stack.gateway.metrics.route_fallbacks._value.get() == fallbacks + 1
+
+
 async def test_chat_logprobs_without_top_k_has_empty_top_lists(stack: Stack) -> None:
     body = {**CHAT, "max_tokens": 3, "ignore_eos": True, "logprobs": True}
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
