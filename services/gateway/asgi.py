@@ -68,7 +68,7 @@ def authorize(headers: Mapping[str, str], api_keys: list[bytes]) -> None:
 
 def error_response(service: GatewayService, exc: GatewayError, path: str) -> JSONResponse:
     """A GatewayError as OpenAI's error object, counted (and logged when it is a 5xx)."""
-    service.metrics.requests.labels("", str(exc.status)).inc()
+    service.metrics.requests.labels(exc.model, str(exc.status)).inc()
     if exc.status >= 500:
         log.warning(
             "request_failed",

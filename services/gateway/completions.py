@@ -149,6 +149,24 @@ def prepare(
             "model_not_found",
             "model",
         )
+    try:
+        return _prepare_served(service, body, is_chat, request_id, ttft_target_ms, task, policy)
+    except GatewayError as exc:
+        exc.model = body.model
+        raise
+
+
+def _prepare_served(
+    service: GatewayService,
+    body: ChatCompletionRequest | CompletionRequest,
+    is_chat: bool,
+    request_id: str,
+    ttft_target_ms: float | None,
+    task: str | None,
+    policy: str | None,
+) -> Prepared:
+    """`prepare` past the checks that need no model: `body.model` is one the cluster
+    serves (a model or a preset)."""
     tokenizer = service.tokenizer(body.model)
     prompt_ids = _tokenize(body, tokenizer, service.max_prompt_chars(body.model))
     if not prompt_ids:
@@ -447,6 +465,7 @@ async def handle(
         return await _respond(service, p, prepare_ms, receive, ids)
     except GatewayError as exc:
         exc.headers.update(ids)
+        exc.model = p.body.model
         raise
 
 

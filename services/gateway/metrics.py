@@ -14,7 +14,7 @@ class GatewayMetrics:
         r = self.registry
         self.requests = Counter(
             "baton_requests",
-            "HTTP requests answered, by model and status",
+            'HTTP requests answered, by model and status (model "" before the body names one served)',
             ["model", "status"],
             registry=r,
         )

@@ -68,6 +68,9 @@ class GatewayError(Exception):
         # (X-Request-Id: asgi.CompletionRoutes adds it; X-Instance-Id: completions.handle,
         # once the request was sent)
         self.headers = dict(headers or {})
+        # the requested model, once the gateway knows it serves that name (the metric
+        # label: never the client's raw string, whose values would be unbounded)
+        self.model = ""
         if retry_after_s is not None:
             self.headers["Retry-After"] = str(retry_after_s)
 

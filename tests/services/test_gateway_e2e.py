@@ -1059,6 +1059,34 @@ async def test_health_models_and_metrics(stack: Stack) -> None:
     assert 'baton_requests_total{model="random-tiny",status="200"}' in text
 
 
+async def test_refusals_are_counted_by_the_model_once_it_is_known(stack: Stack) -> None:
+    """`baton_requests_total` labels a refusal with the model it asked for once the
+    gateway knows that name (a bad field, a 429 at admission), and with "" before (an
+    unknown name is never a label: clients could mint any number of them)."""
+    gw = stack.gateway
+    requests = gw.metrics.requests
+
+    def count(model: str, status: str) -> float:
+        return float(requests.labels(model, status)._value.get())
+
+    before = {k: count(*k) for k in [("", "404"), ("random-tiny", "400"), ("random-tiny", "429")]}
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+        unknown = await client.post("/v1/chat/completions", json={**CHAT, "model": "nope-x"})
+        bad = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": -3})
+        saved = gw.num_in_flight
+        gw.num_in_flight = gw.settings.max_in_flight
+        try:
+            busy = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+        finally:
+            gw.num_in_flight = saved
+        text = (await client.get("/metrics")).text
+    assert (unknown.status_code, bad.status_code, busy.status_code) == (404, 400, 429)
+    assert count("", "404") == before[("", "404")] + 1
+    assert count("random-tiny", "400") == before[("random-tiny", "400")] + 1
+    assert count("random-tiny", "429") == before[("random-tiny", "429")] + 1
+    assert "nope-x" not in text
+
+
 async def test_stop_string_cuts_the_text_in_stream_and_non_stream(stack: Stack) -> None:
     base = {
         "model": "random-tiny",
