@@ -18,6 +18,7 @@ import msgspec
 import pytest
 import pytest_asyncio
 
+from services.estimator.sfs.correction import TtftCorrection
 from services.launcher.servers import free_port
 from shared.config import parse_cluster
 from shared.messages.worker import CALIBRATION_DECODER
@@ -168,30 +169,45 @@ async def test_idle_cluster_policies_and_the_slo_header(sim: Stack) -> None:
 
 
 @pytest.mark.asyncio(loop_scope="session")
-async def test_measured_ttft_comes_back_to_the_estimator(sim: Stack) -> None:
+async def test_measured_ttft_comes_back_to_the_estimator(
+    sim: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An SFS-routed request's RequestDoneEvent carries its predicted and measured TTFT,
     and the estimator's correction of that instance takes it (sfs/correction.py)."""
     correction = sim.estimator.latency.correction
     assert correction is not None
+    # Which request each measurement came from: an earlier test's done event may still
+    # be on its way, so counts alone cannot tell this test's from it.
+    seen: dict[str, int] = {}
+    observe = TtftCorrection.observe
 
-    async def feedback_after(count: int) -> int:
+    def spy(
+        self: TtftCorrection,
+        instance_id: str,
+        estimated_s: float,
+        measured_s: float,
+        request_id: str | None = None,
+    ) -> None:
+        before = self.num_observed(instance_id)
+        observe(self, instance_id, estimated_s, measured_s, request_id)
+        if request_id is not None:
+            seen[request_id] = self.num_observed(instance_id) - before
+
+    monkeypatch.setattr(TtftCorrection, "observe", spy)  # (slotted: not per object)
+
+    async def feedback_for(request_id: str) -> int:
         for _ in range(500):  # the done event is published after the answer
-            if correction.num_observed(iid) > count:
-                break
+            if request_id in seen:
+                return seen[request_id]
             await asyncio.sleep(0.01)
-        return correction.num_observed(iid)
+        raise TimeoutError(f"no measured TTFT came back for {request_id}")
 
-    await sim.wait_idle()
-    resp = await chat(sim, "constraint")  # idle: big, one 30 ms prefill step
-    assert served_by(sim, resp) == "big"
-    iid = resp.headers["x-instance-id"]
-    before = await feedback_after(0)
-    assert before >= 1
-    await sim.wait_idle()
-    resp = await chat(sim, "constraint")
-    assert resp.headers["x-instance-id"] == iid
-    assert await feedback_after(before) == before + 1
-    assert correction.factor(iid) == 1.0  # not before min_samples measured TTFTs
+    for _ in range(2):
+        await sim.wait_idle()
+        resp = await chat(sim, "constraint")  # idle: big, one 30 ms prefill step
+        assert served_by(sim, resp) == "big"
+        assert await feedback_for(resp.headers["x-request-id"]) == 1  # taken, not skipped
+    assert correction.factor(resp.headers["x-instance-id"]) == 1.0  # not before min_samples
 
 
 @pytest.mark.asyncio(loop_scope="session")

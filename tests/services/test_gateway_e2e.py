@@ -875,13 +875,15 @@ async def test_a_crash_mid_stream_is_reported_in_band_and_released(
 
 async def test_admission_limit_answers_429_with_retry_after(stack: Stack) -> None:
     service = stack.gateway
-    saved = service.num_in_flight
-    service.num_in_flight = service.settings.max_in_flight  # as if the gateway were full
+    # As if the gateway were full; added and taken back, not saved and restored: a
+    # request of an earlier test that ends meanwhile releases its own admission.
+    full = service.settings.max_in_flight
+    service.num_in_flight += full
     try:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
             resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
     finally:
-        service.num_in_flight = saved
+        service.num_in_flight -= full
     assert resp.status_code == 429
     assert resp.headers["retry-after"] == "1"
     assert resp.json()["error"]["code"] == "too_many_requests"
@@ -1039,12 +1041,12 @@ async def test_health_models_and_metrics(stack: Stack) -> None:
         assert again["random-tiny"]["created"] == by_id["random-tiny"]["created"]
         text = (await client.get("/metrics")).text
         # the in-flight gauge reads the admission count when scraped
-        saved = stack.gateway.num_in_flight
-        stack.gateway.num_in_flight = saved + 7
+        stack.gateway.num_in_flight += 7
         try:
+            saved = stack.gateway.num_in_flight - 7
             scraped = (await client.get("/metrics")).text
         finally:
-            stack.gateway.num_in_flight = saved
+            stack.gateway.num_in_flight -= 7
     assert f"baton_in_flight_requests {float(saved + 7)}" in scraped
     for name in (
         "baton_requests_total",
@@ -1073,12 +1075,11 @@ async def test_refusals_are_counted_by_the_model_once_it_is_known(stack: Stack) 
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
         unknown = await client.post("/v1/chat/completions", json={**CHAT, "model": "nope-x"})
         bad = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": -3})
-        saved = gw.num_in_flight
-        gw.num_in_flight = gw.settings.max_in_flight
+        gw.num_in_flight += gw.settings.max_in_flight
         try:
             busy = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
         finally:
-            gw.num_in_flight = saved
+            gw.num_in_flight -= gw.settings.max_in_flight
         text = (await client.get("/metrics")).text
     assert (unknown.status_code, bad.status_code, busy.status_code) == (404, 400, 429)
     assert count("", "404") == before[("", "404")] + 1

@@ -118,12 +118,15 @@ async def test_a_reply_past_the_deadline_fails_and_drops_the_connection(own_redi
     lane = lane_for(own_redis, socket_timeout=0.1)
     admin = redis.Redis.from_url(own_redis)
     try:
+        lane._timeout_s = 5.0  # the commands meant to succeed get room on a slow machine
         await lane.command("SET", "resp:d", b"before")
         first = lane._protocol
         await admin.execute_command("CLIENT", "PAUSE", "400", "ALL")
+        lane._timeout_s = 0.1
         with pytest.raises(redis.TimeoutError, match=r"no reply from Redis within 0\.1 s"):
             await lane.command("GET", "resp:d")
         assert first is not None and first.is_lost
+        lane._timeout_s = 5.0
         await asyncio.sleep(0.4)
         # the next command's reply is its own, not the one that came too late
         assert await lane.command("SET", "resp:d", b"after") == b"OK"

@@ -292,9 +292,9 @@ async def test_registry_expires_without_heartbeat(redis_url: str) -> None:
             started_at_s=0.0,
             heartbeat_at_s=0.0,
         )
-        await store.register(info, ttl_s=0.2)
+        await store.register(info, ttl_s=1.0)  # (room for a stalled loop before the read)
         assert [w.instance_id for w in await store.live_workers()] == ["w"]
-        await asyncio.sleep(0.35)
+        await asyncio.sleep(1.3)
         assert await store.live_workers() == []
     finally:
         await store.close()

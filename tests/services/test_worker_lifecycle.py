@@ -19,7 +19,7 @@ from shared.messages.registry import WorkerInfo
 from shared.messages.worker import AbortRequest, SubmitRequest
 from shared.resp_lane import RespLane
 from shared.sampling import SamplingParams
-from tests.services.conftest import start_stack, start_worker, tiny_cluster_text
+from tests.services.conftest import kill, start_stack, start_worker, tiny_cluster_text
 
 CHAT = {"model": "random-tiny", "messages": [{"role": "user", "content": "Tell me a story."}]}
 
@@ -398,7 +398,7 @@ async def test_an_owner_seen_gone_once_gets_the_whole_grace_again(
     store = stack.gateway.store
     try:
         assert worker._heartbeat_task is not None
-        worker._heartbeat_task.cancel()  # only the calls below check owners
+        await kill(worker._heartbeat_task)  # only the calls below check owners
         await store.register_gateway("gw-a", ttl_s=60)
         await store.register_gateway("gw-b", ttl_s=60)
         for rid, owner in (("r1", "gw-b"), ("r2", "gw-a")):
