@@ -278,12 +278,15 @@ async def test_batch_time_fit_is_published_and_carried_by_snapshots(sim: Stack) 
         cal = CALIBRATION_DECODER.decode(blobs[w.cfg.instance_id] or b"")
         assert cal.feature_set == "six-term"
         assert cal.mape < 0.05  # the sim's batch times are exactly its six-term model
-        # The worker's next snapshot carries what the estimator fitted.
+        # The worker's next snapshot carries what the estimator fitted (the fit as
+        # stored now: the estimator may refit from the last round's samples meanwhile).
         snap = None
         for _ in range(100):
-            blob = (await store.read_snapshots([w.cfg.instance_id]))[w.cfg.instance_id]
+            iid = w.cfg.instance_id
+            blob = (await store.read_snapshots([iid]))[iid]
             assert blob is not None
             snap = msgspec.msgpack.decode(blob.data, type=WorkloadSnapshot)
+            cal = CALIBRATION_DECODER.decode((await store.read_calibrations([iid]))[iid] or b"")
             if snap.batch_time_coefs == cal.coefs:
                 break
             await asyncio.sleep(0.05)
