@@ -54,7 +54,9 @@ registry_refresh_s = 0.2
 
 [worker]
 heartbeat_interval_s = 0.3
-heartbeat_ttl_s = 1.0
+# 2 s: every in-process service shares the test's loop, and a stall of TTL less one
+# interval (GC, a slow inline step, a fixture's sync work) made both workers "gone"
+heartbeat_ttl_s = 2.0
 drain_timeout_s = 3.0
 
 [models.random-tiny]

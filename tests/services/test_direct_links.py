@@ -410,7 +410,7 @@ async def test_a_killed_worker_is_routed_around_before_the_registry_notices(
     """Its link closes and its port refuses: the gateway stops routing there at once,
     though its registration lives on for its TTL (10 s here)."""
     text = tiny_cluster_text(nats_url, redis_url).replace(
-        "heartbeat_ttl_s = 1.0", "heartbeat_ttl_s = 10.0"
+        "heartbeat_ttl_s = 2.0", "heartbeat_ttl_s = 10.0"
     )
     (tmp_path / "cluster.toml").write_text(text)
     victim = subprocess.Popen(

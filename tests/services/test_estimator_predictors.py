@@ -42,7 +42,7 @@ default_output_tokens = 7
 
 [worker]
 heartbeat_interval_s = 0.2
-heartbeat_ttl_s = 1.0
+heartbeat_ttl_s = 2.0
 drain_timeout_s = 3.0
 
 {models}

@@ -46,7 +46,7 @@ fit_refit_every = 8
 
 [worker]
 heartbeat_interval_s = 0.2
-heartbeat_ttl_s = 1.0
+heartbeat_ttl_s = 2.0
 drain_timeout_s = 3.0
 
 [models.big]

@@ -93,7 +93,7 @@ def reference(prompt: list[int], n: int) -> Reference:
     Call it through `asyncio.to_thread`: it builds two engines and decodes token by
     token (about a second on a slow core); on the event loop it would stall the
     in-process workers' heartbeats, the relay and the gateway for that long, close to
-    the suite's 1 s registration TTL."""
+    the suite's 2 s registration TTL."""
     small, big = (
         LLMEngine.create(
             EngineConfig(model=m, dtype="float32", seed=seed, num_kv_blocks=64, max_model_len=256)
