@@ -34,6 +34,9 @@ redis_url = "{redis_url}"
 port = {port}
 registry_refresh_s = 0.2
 event_timeout_s = 60.0
+# these tests check the estimator's decisions: a reply slowed by a loaded machine must
+# not turn one into the gateway's fallback
+route_timeout_s = 10.0
 
 [estimator]
 policy = "sfs-constraint"
