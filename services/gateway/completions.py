@@ -135,6 +135,24 @@ def prepare(
         raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:  # msgspec's depth guard: no request nests this deep
         raise bad_request("the body's JSON nests too deeply", code="invalid_json") from None
+    try:
+        return _prepare_decoded(service, body, is_chat, request_id, ttft_target_ms, task, policy)
+    except GatewayError as exc:
+        if service.cluster.candidates(body.model):  # a name it serves: a bounded label
+            exc.model = body.model
+        raise
+
+
+def _prepare_decoded(
+    service: GatewayService,
+    body: ChatCompletionRequest | CompletionRequest,
+    is_chat: bool,
+    request_id: str,
+    ttft_target_ms: float | None,
+    task: str | None,
+    policy: str | None,
+) -> Prepared:
+    """`prepare` past decoding: the checks of the request's fields."""
     if body.n not in (1, None):
         raise bad_request("only n=1 is supported", "n")
     if body.stream_options is not None and not body.stream:
@@ -149,24 +167,6 @@ def prepare(
             "model_not_found",
             "model",
         )
-    try:
-        return _prepare_served(service, body, is_chat, request_id, ttft_target_ms, task, policy)
-    except GatewayError as exc:
-        exc.model = body.model
-        raise
-
-
-def _prepare_served(
-    service: GatewayService,
-    body: ChatCompletionRequest | CompletionRequest,
-    is_chat: bool,
-    request_id: str,
-    ttft_target_ms: float | None,
-    task: str | None,
-    policy: str | None,
-) -> Prepared:
-    """`prepare` past the checks that need no model: `body.model` is one the cluster
-    serves (a model or a preset)."""
     tokenizer = service.tokenizer(body.model)
     prompt_ids = _tokenize(body, tokenizer, service.max_prompt_chars(body.model))
     if not prompt_ids:
@@ -465,7 +465,7 @@ async def handle(
         return await _respond(service, p, prepare_ms, receive, ids)
     except GatewayError as exc:
         exc.headers.update(ids)
-        exc.model = p.body.model
+        exc.model = exc.model or p.body.model  # (not routed yet: the name asked for)
         raise
 
 
@@ -494,15 +494,19 @@ async def _respond(
     try:
         try:
             first = await run.first_event()
-        except BaseException:
-            run.close()
-            raise
-        if isinstance(first, RequestFailed):
-            run.is_engine_done = True
-            run.close()
-            raise failure(first)
-        try:
+            if isinstance(first, RequestFailed):
+                run.is_engine_done = True
+                raise failure(first)
             return JSONResponse(await run.collect(first), headers=headers)
+        except ClientDisconnected:
+            raise  # counted by close(): a 499
+        except GatewayError as exc:  # answered and counted by asgi.error_response
+            exc.model = run.model  # (the model that answered, as its 200s are counted)
+            run.is_reported = True
+            raise
+        except Exception:  # a bug: asgi answers and counts a 500
+            run.is_reported = True
+            raise
         finally:
             run.close()  # aborts on the worker unless the answer is complete
     except ClientDisconnected:

@@ -83,6 +83,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.is_finished = False  # the answer is complete (the client got or gets all of it)
         self.is_engine_done = False  # the worker sends nothing more: no abort needed
+        self.is_reported = False  # its status is counted (here, or by the error answer)
         self._closed = False
         self._last_token_t: float | None = None
         # Routing facts for the response's `baton` object (model, instance, policy,
@@ -454,10 +455,14 @@ class Generation:
             yield pending + sse(error_body(exc.message, exc.type, exc.code)) + SSE_DONE
         except ClientDisconnected:  # nobody to tell
             return
+        except Exception:  # a bug: the SSEResponse logs it and ends the stream with an error
+            self._count("500")
+            raise
         finally:
             self.close()
 
     def _count(self, status: str) -> None:
+        self.is_reported = True
         self.service.metrics.requests.labels(self.model, status).inc()
 
     def close(self) -> None:
@@ -473,5 +478,5 @@ class Generation:
         if self.is_finished:
             self._count("200")
             self.service.metrics.e2e_s.labels(self.model).observe(time.perf_counter() - self.p.t0)
-        elif not self.is_engine_done:
+        elif not self.is_engine_done and not self.is_reported:  # the client left
             self._count("499")

@@ -14,7 +14,8 @@ class GatewayMetrics:
         r = self.registry
         self.requests = Counter(
             "baton_requests",
-            'HTTP requests answered, by model and status (model "" before the body names one served)',
+            "HTTP requests answered, by status and model: the one that answered, else the"
+            ' name asked for; "" when the request names none served',
             ["model", "status"],
             registry=r,
         )
