@@ -443,7 +443,9 @@ def test_launcher_starts_once_a_stopped_deployments_registrations_expire(
     """A registration left by a killed deployment (not renewed) expires within the
     heartbeat TTL: the launcher waits it out and then serves."""
     namespace = f"ns{uuid.uuid4().hex[:8]}"
-    register_worker(redis_url, namespace, "killed-0", ttl_s=1.4)  # under the wait: TTL 2 s + 0.5
+    register_worker(
+        redis_url, namespace, "killed-0", ttl_s=2.4
+    )  # gone by the re-read: TTL 2 s + 0.5 after the first
     nats_url = f"nats://127.0.0.1:{free_port()}"
     (tmp_path / "cluster.toml").write_text(
         tiny_cluster_text(nats_url, redis_url, namespace=namespace, port=free_port())

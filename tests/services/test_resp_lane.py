@@ -121,7 +121,7 @@ async def test_a_reply_past_the_deadline_fails_and_drops_the_connection(own_redi
         lane._timeout_s = 5.0  # the commands meant to succeed get room on a slow machine
         await lane.command("SET", "resp:d", b"before")
         first = lane._protocol
-        await admin.execute_command("CLIENT", "PAUSE", "400", "ALL")
+        await admin.execute_command("CLIENT", "PAUSE", "1500", "ALL")
         lane._timeout_s = 0.1
         with pytest.raises(redis.TimeoutError, match=r"no reply from Redis within 0\.1 s"):
             await lane.command("GET", "resp:d")
