@@ -63,10 +63,19 @@ class RelayBooks:
         """A worker sent a hand-off: where does it go?"""
         route = self.routes.get(msg.request_id)
         if route is None:
-            if msg.request_id in self.given_back or msg.seq_no != 1:
+            is_origin = msg.sender_instance == msg.origin_instance
+            if msg.request_id in self.given_back or (msg.seq_no != 1 and not is_origin):
                 self.counters.dropped_unknown += 1
                 return self._release_sender(msg)
             route = self.routes[msg.request_id] = Route(msg.origin_instance, msg.preset)
+            if msg.seq_no != 1:
+                # The origin's later hand-off, and this relay routed none before it (it
+                # started since): where the peer's copy is, and how current, only a
+                # predecessor knew. Sent after this relay's start notice, it is one the
+                # origin would not ask about (it would wait `origin_wait_s`): given
+                # back at once, the request goes on alone.
+                route.last_seq, route.last = msg.seq_no, msg
+                return self._give_back(msg.request_id, route, "the relay restarted")
         if msg.seq_no <= route.last_seq:
             self.counters.dropped_stale += 1
             return []

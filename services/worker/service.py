@@ -438,10 +438,11 @@ class WorkerService:
         # After a relay's start notice every request that left before it is asked
         # about at once: the new relay times none of the hand-offs sent before it
         # subscribed. (Not the later ones: its hand-off and query subscriptions run
-        # apart, so a query could overtake a hand-off it is about. One sent between its
-        # subscribing and the notice's arrival may be asked about and overtaken: the
-        # origin then finishes alone and the peer's late answer is dropped, work lost
-        # but no wrong text.)
+        # apart, so a query could overtake a hand-off it is about; the relay gives a
+        # later hand-off of a request it never routed back at once, RelayBooks.on_peer.
+        # One sent between its subscribing and the notice's arrival may be asked about
+        # and overtaken: the origin then finishes alone and the peer's late answer is
+        # dropped, work lost but no wrong text.)
         assert self._link is not None
         started_at_s, self._link.relay_started_at_s = self._link.relay_started_at_s, None
         wait_s = relay.origin_wait_s if started_at_s is None else max(0.0, now - started_at_s)
