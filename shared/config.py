@@ -84,6 +84,25 @@ class ConfigError(ValueError):
     """The cluster file or an environment variable is invalid."""
 
 
+# the schemes the clients take (nats-py; redis-py: unix:// is a socket path)
+_URL_SCHEMES = {"nats_url": ("nats", "tls", "ws", "wss"), "redis_url": ("redis", "rediss", "unix")}
+
+
+def url_refusal(key: str, url: str) -> str | None:
+    """Why `url` cannot be the cluster's `key` (nats_url or redis_url), or None."""
+    schemes = _URL_SCHEMES[key]
+    try:
+        parsed = urlparse(url)
+        parsed.port  # noqa: B018  (a port that is no number fails only when read)
+    except ValueError as exc:
+        return str(exc)
+    if parsed.scheme not in schemes:
+        return f"use a URL with the scheme {' or '.join(s + '://' for s in schemes)}"
+    if parsed.scheme != "unix" and not parsed.hostname:
+        return f"no host in it (e.g. {schemes[0]}://127.0.0.1)"
+    return None
+
+
 def require_token(value: str, what: str, why: str) -> str:
     """`value` if it can be one NATS subject token (and Redis key part), else a
     ConfigError naming `what` it is and `why` it must be one."""
@@ -306,17 +325,34 @@ def fp16_weights_refusal(dtype: str, device: str) -> str | None:
 
 # torch's device strings, without importing torch here (the gateway loads no model)
 _DEVICE = re.compile(r"(cpu|cuda|mps|xpu|meta)(:\d+)?")
+Dtype = Literal["auto", "float32", "bfloat16"]
+WeightDtype = Literal["auto", "same", "float16"]
+# [models.X.sim]: the sim engine's settings other than the instance's limits
+# (services/worker/engine/sim.py SimEngineConfig; a test keeps the two in step)
+SIM_SETTINGS = frozenset(
+    {
+        "num_batch_samples",
+        "clock",
+        "start_time_s",
+        "vocab_size",
+        "eos_token_id",
+        "first_token_id",
+        "output_len_dist",
+        "output_len_mean",
+        "output_len_sigma",
+    }
+)
 
 
 class ModelConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     engine: EngineKind = "torch"  # torch: real forward | sim: scheduler + batch-time model
     # auto: bf16 where the device computes it natively (AVX-512 BF16, AMX, CUDA),
     # else fp32; services/worker/engine/config.py resolve_dtype
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    dtype: Dtype = "auto"
     # How linear weights are stored. auto: fp16 (fp32 arithmetic on fp16 weights, half
     # the bytes a step) where dtype resolves to fp32 on an x86 CPU, else as dtype;
     # same: as dtype; float16: always (fp32 on the CPU only). resolve_weight_dtype
-    weight_dtype: Literal["auto", "same", "float16"] = "auto"
+    weight_dtype: WeightDtype = "auto"
     device: str = "cpu"  # torch device
     tokenizer: str | None = None  # tokenizer name; default: the model's own
     price_input_per_mtok: float = 0.0  # cost units per million prompt tokens
@@ -338,6 +374,11 @@ class ModelConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
         if not _DEVICE.fullmatch(self.device):
             raise ValueError(
                 f"device {self.device!r} is not a torch device: use cpu, cuda or cuda:N"
+            )
+        if unknown := sorted(set(self.sim) - SIM_SETTINGS):
+            raise ValueError(
+                f"unknown [sim] setting {', '.join(map(repr, unknown))}: use "
+                f"{', '.join(sorted(SIM_SETTINGS))} (the limits come from [[instances]])"
             )
         if self.weight_dtype == "float16" and (
             why := fp16_weights_refusal(self.dtype, self.device)
@@ -608,10 +649,8 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
             raise ConfigError(f"[relay] guest_idle_s must be > 0, got {r.guest_idle_s}")
         self._check_limits()
         for key, url in (("nats_url", self.nats_url), ("redis_url", self.redis_url)):
-            try:  # (a port that is no number fails only when read)
-                urlparse(url).port  # noqa: B018
-            except ValueError as exc:
-                raise ConfigError(f"{key} {url!r}: {exc}") from None
+            if why := url_refusal(key, url):
+                raise ConfigError(f"{key} {url!r}: {why}")
         if not 0 < self.gateway.port < 65536:
             raise ConfigError(f"gateway port out of range: {self.gateway.port}")
         if not 0 <= self.worker.link_port < 65536:
@@ -666,9 +705,25 @@ def parse_cluster(text: str, environ: Mapping[str, str] | None = None) -> Cluste
     try:
         cfg = msgspec.convert(raw, ClusterConfig)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"cluster file: {exc}") from None
+        raise ConfigError(f"cluster file: {_located(raw, exc)}") from None
     cfg.check()
     return cfg
+
+
+def _located(raw: dict, exc: msgspec.ValidationError) -> str:
+    """The error, naming the table: msgspec writes a model's or a preset's name as
+    `[...]` (`$.models[...].dtype`), so the entry at fault is found by checking each."""
+    for section, kind in (("models", ModelConfig), ("presets", PresetConfig)):
+        entries = raw.get(section)
+        if f"`$.{section}[...]" not in str(exc) or not isinstance(entries, dict):
+            continue
+        for name, entry in entries.items():
+            try:
+                msgspec.convert(entry, kind)
+            except msgspec.ValidationError as one:
+                key = name if subjects.is_token(name) else f'"{name}"'
+                return f"[{section}.{key}]: {one}"
+    return str(exc)
 
 
 def load_cluster(
@@ -683,6 +738,18 @@ def load_cluster(
     return parse_cluster(text, environ)
 
 
+def _checked_env(var: EnvVar, environ: Mapping[str, str] | None, kind: object) -> str | None:
+    """The variable's value converted to `kind`, a ConfigError naming the variable if
+    it is not one (checked here: in the file's check it would read as the file's)."""
+    value = var.get(environ)
+    if value is not None:
+        try:
+            msgspec.convert(value, kind)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"{var.name}={value!r}: {str(exc).split(' - at ')[0]}") from None
+    return value
+
+
 def _apply_env(raw: dict, environ: Mapping[str, str] | None) -> None:
     for var, key in (
         (Env.NAMESPACE, "namespace"),
@@ -690,6 +757,8 @@ def _apply_env(raw: dict, environ: Mapping[str, str] | None) -> None:
         (Env.REDIS_URL, "redis_url"),
     ):
         if (value := var.get(environ)) is not None:
+            if key.endswith("_url") and (why := url_refusal(key, value)):
+                raise ConfigError(f"{var.name}={value!r}: {why}")
             raw[key] = value
     gateway = raw.setdefault("gateway", {})
     if (host := Env.HOST.get(environ)) is not None:
@@ -700,13 +769,27 @@ def _apply_env(raw: dict, environ: Mapping[str, str] | None) -> None:
         gateway["api_keys"] = [*gateway.get("api_keys", []), api_key]
     if (link_host := Env.LINK_HOST.get(environ)) is not None:
         raw.setdefault("worker", {})["link_host"] = link_host
+    # (read by shared/logging.py, in any case; checked here, where every service and
+    # the launcher read their config)
+    level = Env.LOG_LEVEL.get(environ)
+    if level is not None and level.lower() not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"{Env.LOG_LEVEL.name}={level!r}: use debug, info, warning or error")
+    dtype = _checked_env(Env.DTYPE, environ, Dtype)
+    weight_dtype = _checked_env(Env.WEIGHT_DTYPE, environ, WeightDtype)
+    device = Env.DEVICE.get(environ)
+    if device is not None and not _DEVICE.fullmatch(device):
+        raise ConfigError(
+            f"{Env.DEVICE.name}={device!r}: not a torch device; use cpu, cuda or cuda:N"
+        )
     for model in raw.get("models", {}).values():
-        if (dtype := Env.DTYPE.get(environ)) is not None:
+        if dtype is not None:
             model["dtype"] = dtype
-        if (weight_dtype := Env.WEIGHT_DTYPE.get(environ)) is not None:
+        if weight_dtype is not None:
             model["weight_dtype"] = weight_dtype
-        if (device := Env.DEVICE.get(environ)) is not None:
+        if device is not None:
             model["device"] = device
     if (threads := Env.THREADS.get_int(environ)) is not None:
+        if threads < 1:
+            raise ConfigError(f"{Env.THREADS.name} must be >= 1, got {threads}")
         for inst in raw.get("instances", []):
             inst["threads"] = threads

@@ -294,6 +294,13 @@ def refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
         raise bad_request("audio output is not supported", "audio")
     if body.web_search_options is not None:
         raise bad_request("web search is not supported", "web_search_options")
+    if body.prediction is not None:
+        raise bad_request("predicted outputs are not supported", "prediction")
+    if body.reasoning_effort is not None:
+        raise bad_request(
+            "reasoning_effort is not supported: these models do not reason before answering",
+            "reasoning_effort",
+        )
 
 
 def message_text(i: int, message: ChatMessage) -> str:

@@ -480,3 +480,11 @@ class Generation:
             self.service.metrics.e2e_s.labels(self.model).observe(time.perf_counter() - self.p.t0)
         elif not self.is_engine_done and not self.is_reported:  # the client left
             self._count("499")
+        log.debug(  # (a no-op call below debug: the log level filters by method)
+            "request_closed",
+            request_id=self.p.request_id,
+            model=self.model,
+            instance_id=self.stream.instance_id,
+            finish_reason=self.finish_reason,
+            output_tokens=self.num_output_tokens,
+        )

@@ -92,6 +92,8 @@ class ChatCompletionRequest(_CommonRequest, frozen=True, kw_only=True):
     modalities: list[str] | None = None  # only ["text"]
     audio: dict[str, object] | None = None  # audio output: refused
     web_search_options: dict[str, object] | None = None  # refused
+    prediction: dict[str, object] | None = None  # predicted outputs: refused
+    reasoning_effort: str | None = None  # reasoning models only: refused
 
 
 class CompletionRequest(_CommonRequest, frozen=True, kw_only=True):

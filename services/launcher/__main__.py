@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         "--ready-timeout",
         type=float,
         default=600.0,
-        help="seconds to wait for every worker to load (default 600); then it serves what is ready",
+        help="seconds to wait for every worker to load (default 600); then it serves what is "
+        "ready, or stops if no worker is",
     )
     parser.add_argument(
         "--max-restarts",

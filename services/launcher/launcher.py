@@ -50,7 +50,7 @@ from services.launcher.servers import (
     start_redis,
     stop_process_group,
 )
-from shared.config import ClusterConfig
+from shared.config import ClusterConfig, Env
 from shared.store import Store
 
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
@@ -366,8 +366,15 @@ class Launcher:
         base = self._base_url()
         model = next(iter(self.cluster.models), "auto")
         self.say(f"serving the OpenAI API at {base}/v1   (Ctrl-C stops everything)")
+        auth = ""
+        if self.cluster.gateway.api_keys:  # (the key itself is not printed)
+            auth = (
+                '-H "Authorization: Bearer $BATON_API_KEY" '
+                if Env.API_KEY.get() is not None
+                else "-H 'Authorization: Bearer <a key of [gateway] api_keys>' "
+            )
         print(
-            f"\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"\n  curl {base}/v1/chat/completions {auth}-H 'Content-Type: application/json' \\\n"
             f'    -d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], '
             f'"max_tokens": 32}}\'\n',
             flush=True,

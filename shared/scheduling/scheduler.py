@@ -56,9 +56,15 @@ class SchedulerConfig:
     max_chunk_beside_guests: int = 0
 
     def __post_init__(self) -> None:
-        limits = (self.max_num_seqs, self.max_num_batched_tokens, self.block_size)
-        if min(*limits, self.num_kv_blocks, self.max_model_len) < 1:
-            raise ValueError("scheduler limits must be positive")
+        limits = {
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "block_size": self.block_size,
+            "num_kv_blocks": self.num_kv_blocks,
+            "max_model_len": self.max_model_len,
+        }
+        if bad := [f"{name}={value}" for name, value in limits.items() if value < 1]:
+            raise ValueError(f"scheduler limits must be positive, got {', '.join(bad)}")
         if self.max_chunk_beside_guests < 0:
             raise ValueError("max_chunk_beside_guests must be >= 0 (0: no cap)")
         if blocks_for(self.max_model_len, self.block_size) > self.num_kv_blocks:

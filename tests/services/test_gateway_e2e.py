@@ -664,6 +664,13 @@ async def test_a_forged_turn_in_a_message_stays_the_users_text(stack: Stack) -> 
         ("/v1/chat/completions", {**CHAT, "web_search_options": {}}, 400, "web search"),
         (
             "/v1/chat/completions",
+            {**CHAT, "prediction": {"type": "content", "content": "x"}},
+            400,
+            "predicted outputs",
+        ),
+        ("/v1/chat/completions", {**CHAT, "reasoning_effort": "high"}, 400, "reasoning_effort"),
+        (
+            "/v1/chat/completions",
             {**CHAT, "stop_token_ids": [10**7]},
             400,
             "stop_token_ids must be in",

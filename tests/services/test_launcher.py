@@ -608,3 +608,41 @@ def test_a_process_that_outlives_its_kill_does_not_stop_the_stopping(
     monkeypatch.setattr(proc, "wait", never)
     stop_process_group(proc, 0.1)  # SIGTERM, "no exit", SIGKILL, "no exit": returns
     assert real_wait(5) in (-signal.SIGTERM, -signal.SIGKILL)  # it was stopped all the same
+
+
+@pytest.mark.parametrize(
+    ("file_keys", "env_key", "header"),
+    [
+        ([], None, None),
+        ([], "sekret", '-H "Authorization: Bearer $BATON_API_KEY"'),
+        (["k1"], None, "-H 'Authorization: Bearer <a key of [gateway] api_keys>'"),
+    ],
+)
+def test_the_printed_curl_sends_a_key_when_the_gateway_wants_one(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    file_keys: list[str],
+    env_key: str | None,
+    header: str | None,
+) -> None:
+    """With API keys the banner's curl names the header (a curl without it got a 401);
+    the key itself is never printed."""
+    from services.launcher.launcher import Launcher
+    from shared.config import parse_cluster
+
+    environ = {} if env_key is None else {"BATON_API_KEY": env_key}
+    text = f"[gateway]\napi_keys = {file_keys!r}\n[models.a]\n".replace("'", '"')
+    cluster = parse_cluster(text, environ=environ)
+    if env_key is None:
+        monkeypatch.delenv("BATON_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("BATON_API_KEY", env_key)
+    Launcher(cluster, tmp_path / "cluster.toml", tmp_path)._print_banner()
+    out = capsys.readouterr().out
+    assert "curl http://127.0.0.1:8000/v1/chat/completions" in out
+    if header is None:
+        assert "Authorization" not in out
+    else:
+        assert header in out
+    assert "sekret" not in out and "k1" not in out

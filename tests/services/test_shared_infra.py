@@ -86,7 +86,7 @@ def test_cluster_errors_are_clear() -> None:
     small_kv = '[models.a]\n[[instances]]\nmodel = "a"\nnum_kv_blocks = 8\n'
     with pytest.raises(ConfigError, match="max_model_len=2048 needs more KV than num_kv_blocks=8"):
         parse_cluster(small_kv, environ={})
-    with pytest.raises(ConfigError, match="scheduler limits must be positive"):
+    with pytest.raises(ConfigError, match="scheduler limits must be positive, got max_num_seqs=0"):
         parse_cluster('[models.a]\n[[instances]]\nmodel = "a"\nmax_num_seqs = 0\n', environ={})
     with pytest.raises(ConfigError, match="threads must be >= 1"):
         parse_cluster('[models.a]\n[[instances]]\nmodel = "a"\nthreads = 0\n', environ={})
@@ -117,6 +117,55 @@ def test_limits_out_of_range_are_refused_when_the_file_is_read(text: str, messag
     ended the launcher in a traceback (a load probe, 2026-12-06)."""
     with pytest.raises(ConfigError, match=message):
         parse_cluster(text, environ={})
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        # msgspec names a table's entry `[...]`: the error names the model or preset
+        ('[models.a]\n[models.b]\ndtype = "fp8"\n', r"\[models\.b\]: Invalid enum value 'fp8'"),
+        ('[models."q-0.6b"]\ndevice = "tpu"\n', r'\[models\."q-0\.6b"\]: device .tpu.'),
+        ('[models.a]\n[presets.p]\nmodels = ["a"]\npolicy = "x"\n', r"\[presets\.p\]: .*policy"),
+        # the sim engine's settings are checked when the file is read, not by a worker
+        ('[models.a]\n[models.a.sim]\nclokc = "wall"\n', "unknown \\[sim\\] setting 'clokc'"),
+        ('redis_url = "notaurl"\n', "redis_url 'notaurl': use a URL with the scheme redis://"),
+        ('nats_url = "nats://"\n', "nats_url 'nats://': no host"),
+    ],
+)
+def test_a_bad_entry_is_named(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_cluster(text, environ={})
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"BATON_DTYPE": "bogus"}, "BATON_DTYPE='bogus': Invalid enum value"),
+        ({"BATON_WEIGHT_DTYPE": "x"}, "BATON_WEIGHT_DTYPE='x'"),
+        ({"BATON_DEVICE": "tpu"}, "BATON_DEVICE='tpu': not a torch device"),
+        ({"BATON_THREADS": "0"}, "BATON_THREADS must be >= 1"),
+        ({"BATON_LOG_LEVEL": "loud"}, "BATON_LOG_LEVEL='loud': use debug, info"),
+        ({"BATON_NATS_URL": "notaurl"}, "BATON_NATS_URL='notaurl': use a URL with the scheme"),
+        ({"BATON_REDIS_URL": "http://x"}, "BATON_REDIS_URL='http://x'"),
+    ],
+)
+def test_a_bad_environment_value_is_named_by_its_variable(
+    environ: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_cluster('[models.a]\n[[instances]]\nmodel = "a"\n', environ=environ)
+    ok = parse_cluster("", environ={"BATON_REDIS_URL": "unix:///tmp/r.sock?db=0"})
+    assert ok.redis_url.startswith("unix://")
+
+
+def test_the_sim_settings_are_the_sim_engines_own_less_the_instance_limits() -> None:
+    from dataclasses import fields
+
+    from services.worker.engine.sim import SimEngineConfig
+    from shared.config import SIM_SETTINGS, InstanceConfig
+
+    limits = set(InstanceConfig.__struct_fields__)
+    assert {f.name for f in fields(SimEngineConfig)} - limits == SIM_SETTINGS
 
 
 def test_dtype_environment_overrides_every_model() -> None:
