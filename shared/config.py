@@ -25,13 +25,14 @@ starts (shared.runtime.pin_cpus says why and what was measured).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 from urllib.parse import urlparse
 
 import msgspec
@@ -98,9 +99,22 @@ def url_refusal(key: str, url: str) -> str | None:
         return str(exc)
     if parsed.scheme not in schemes:
         return f"use a URL with the scheme {' or '.join(s + '://' for s in schemes)}"
-    if parsed.scheme != "unix" and not parsed.hostname:
+    if parsed.scheme == "unix":  # (redis-py would drop a host part and read the rest)
+        if parsed.hostname or not parsed.path.startswith("/"):
+            return "a unix:// URL names a socket by its absolute path (unix:///path/to/sock)"
+    elif not parsed.hostname:
         return f"no host in it (e.g. {schemes[0]}://127.0.0.1)"
     return None
+
+
+def shown_url(url: str) -> str:
+    """`url` for a message: a password in it written as ***."""
+    parsed = urlparse(url)
+    if parsed.password is None:
+        return url
+    return parsed._replace(
+        netloc=parsed.netloc.replace(f":{parsed.password}@", ":***@", 1)
+    ).geturl()
 
 
 def require_token(value: str, what: str, why: str) -> str:
@@ -650,7 +664,7 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
         self._check_limits()
         for key, url in (("nats_url", self.nats_url), ("redis_url", self.redis_url)):
             if why := url_refusal(key, url):
-                raise ConfigError(f"{key} {url!r}: {why}")
+                raise ConfigError(f"{key} {shown_url(url)!r}: {why}")
         if not 0 < self.gateway.port < 65536:
             raise ConfigError(f"gateway port out of range: {self.gateway.port}")
         if not 0 <= self.worker.link_port < 65536:
@@ -703,10 +717,20 @@ def parse_cluster(text: str, environ: Mapping[str, str] | None = None) -> Cluste
         raise ConfigError(f"cluster file is not valid TOML: {exc}") from None
     _apply_env(raw, environ)
     try:
-        cfg = msgspec.convert(raw, ClusterConfig)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"cluster file: {_located(raw, exc)}") from None
-    cfg.check()
+        try:
+            cfg = msgspec.convert(raw, ClusterConfig)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"cluster file: {_located(raw, exc)}") from None
+        cfg.check()
+    except ConfigError as exc:  # a value the environment set may be the one at fault
+        applied = [
+            f"{var.name}={value!r}"
+            for var in (Env.DTYPE, Env.WEIGHT_DTYPE, Env.DEVICE, Env.THREADS)
+            if (value := var.get(environ)) is not None
+        ]
+        if applied:
+            raise ConfigError(f"{exc} (with {', '.join(applied)} applied)") from None
+        raise
     return cfg
 
 
@@ -745,8 +769,9 @@ def _checked_env(var: EnvVar, environ: Mapping[str, str] | None, kind: object) -
     if value is not None:
         try:
             msgspec.convert(value, kind)
-        except msgspec.ValidationError as exc:
-            raise ConfigError(f"{var.name}={value!r}: {str(exc).split(' - at ')[0]}") from None
+        except msgspec.ValidationError:
+            allowed = " | ".join(map(str, get_args(kind)))
+            raise ConfigError(f"{var.name}={value!r}: not one of {allowed}") from None
     return value
 
 
@@ -758,7 +783,7 @@ def _apply_env(raw: dict, environ: Mapping[str, str] | None) -> None:
     ):
         if (value := var.get(environ)) is not None:
             if key.endswith("_url") and (why := url_refusal(key, value)):
-                raise ConfigError(f"{var.name}={value!r}: {why}")
+                raise ConfigError(f"{var.name}={shown_url(value)!r}: {why}")
             raw[key] = value
     gateway = raw.setdefault("gateway", {})
     if (host := Env.HOST.get(environ)) is not None:
@@ -772,7 +797,7 @@ def _apply_env(raw: dict, environ: Mapping[str, str] | None) -> None:
     # (read by shared/logging.py, in any case; checked here, where every service and
     # the launcher read their config)
     level = Env.LOG_LEVEL.get(environ)
-    if level is not None and level.lower() not in ("debug", "info", "warning", "error"):
+    if level is not None and not isinstance(logging.getLevelName(level.upper()), int):
         raise ConfigError(f"{Env.LOG_LEVEL.name}={level!r}: use debug, info, warning or error")
     dtype = _checked_env(Env.DTYPE, environ, Dtype)
     weight_dtype = _checked_env(Env.WEIGHT_DTYPE, environ, WeightDtype)
@@ -781,7 +806,10 @@ def _apply_env(raw: dict, environ: Mapping[str, str] | None) -> None:
         raise ConfigError(
             f"{Env.DEVICE.name}={device!r}: not a torch device; use cpu, cuda or cuda:N"
         )
-    for model in raw.get("models", {}).values():
+    models = raw.get("models", {})
+    for model in models.values() if isinstance(models, dict) else ():
+        if not isinstance(model, dict):
+            continue  # (the file's check names it)
         if dtype is not None:
             model["dtype"] = dtype
         if weight_dtype is not None:
@@ -792,4 +820,5 @@ def _apply_env(raw: dict, environ: Mapping[str, str] | None) -> None:
         if threads < 1:
             raise ConfigError(f"{Env.THREADS.name} must be >= 1, got {threads}")
         for inst in raw.get("instances", []):
-            inst["threads"] = threads
+            if isinstance(inst, dict):
+                inst["threads"] = threads

@@ -246,7 +246,8 @@ def refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
     output, function calling, logit bias, best_of, suffix): answering as if the field
     were absent would hand the client an answer of another kind than it asked for.
     Empty or neutral values (tools [] or tool_choice "none", response_format "text",
-    logit_bias {}, best_of 1, min_tokens 0, repetition_penalty 1) are served."""
+    logit_bias {}, best_of 1, min_tokens 0, repetition_penalty 1, reasoning_effort
+    "none") are served."""
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     if body.min_tokens:
@@ -296,7 +297,7 @@ def refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
         raise bad_request("web search is not supported", "web_search_options")
     if body.prediction is not None:
         raise bad_request("predicted outputs are not supported", "prediction")
-    if body.reasoning_effort is not None:
+    if body.reasoning_effort not in (None, "none"):
         raise bad_request(
             "reasoning_effort is not supported: these models do not reason before answering",
             "reasoning_effort",

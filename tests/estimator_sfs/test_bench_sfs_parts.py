@@ -385,3 +385,19 @@ def test_make_requests() -> None:
             max_model_len=10,
             ttft_target_s=default_ttft_target_s,
         )
+
+
+def test_every_sim_setting_the_file_takes_builds_a_simulated_cluster() -> None:
+    """[models.X.sim] may set any key of SIM_SETTINGS; those the cluster simulation sets
+    itself (a virtual clock from 0, no samples) gave a duplicate-keyword TypeError."""
+    from services.estimator.sfs.cluster_sim import build_instances
+
+    sim = '[models.small.sim]\nclock = "wall"\nstart_time_s = 5.0\nnum_batch_samples = 8\n'
+    sim += "output_len_mean = 64.0\n"
+    built = build_instances(parse_cluster(TINY + sim))
+    small = [cfg for info, cfg, _ in built if info.model == "small"]
+    assert small and all(
+        (c.clock, c.start_time_s, c.num_batch_samples, c.output_len_mean)
+        == ("virtual", 0.0, 1, 64.0)
+        for c in small
+    )

@@ -474,6 +474,8 @@ async def test_neutral_values_of_unserved_fields_are_served(stack: Stack) -> Non
         "repetition_penalty": 1.0,
         "modalities": ["text"],
         "audio": None,
+        "reasoning_effort": "none",
+        "prediction": None,
     }
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
         chat = await client.post("/v1/chat/completions", json={**CHAT, **neutral, "max_tokens": 2})

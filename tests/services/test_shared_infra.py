@@ -140,13 +140,21 @@ def test_a_bad_entry_is_named(text: str, message: str) -> None:
 @pytest.mark.parametrize(
     ("environ", "message"),
     [
-        ({"BATON_DTYPE": "bogus"}, "BATON_DTYPE='bogus': Invalid enum value"),
+        ({"BATON_DTYPE": "bogus"}, "BATON_DTYPE='bogus': not one of auto | float32 | bfloat16"),
         ({"BATON_WEIGHT_DTYPE": "x"}, "BATON_WEIGHT_DTYPE='x'"),
         ({"BATON_DEVICE": "tpu"}, "BATON_DEVICE='tpu': not a torch device"),
         ({"BATON_THREADS": "0"}, "BATON_THREADS must be >= 1"),
         ({"BATON_LOG_LEVEL": "loud"}, "BATON_LOG_LEVEL='loud': use debug, info"),
         ({"BATON_NATS_URL": "notaurl"}, "BATON_NATS_URL='notaurl': use a URL with the scheme"),
         ({"BATON_REDIS_URL": "http://x"}, "BATON_REDIS_URL='http://x'"),
+        ({"BATON_REDIS_URL": "unix://tmp/r.sock"}, "by its absolute path"),
+        # a password is not printed
+        ({"BATON_REDIS_URL": "redis://:s3cret@h:x/0"}, r"'redis://:\*\*\*@h:x/0': Port"),
+        # a combination the environment made: said so
+        (
+            {"BATON_DTYPE": "bfloat16", "BATON_WEIGHT_DTYPE": "float16"},
+            r"needs dtype float32 .* \(with BATON_DTYPE='bfloat16', BATON_WEIGHT_DTYPE='float16' applied\)",
+        ),
     ],
 )
 def test_a_bad_environment_value_is_named_by_its_variable(
@@ -156,6 +164,8 @@ def test_a_bad_environment_value_is_named_by_its_variable(
         parse_cluster('[models.a]\n[[instances]]\nmodel = "a"\n', environ=environ)
     ok = parse_cluster("", environ={"BATON_REDIS_URL": "unix:///tmp/r.sock?db=0"})
     assert ok.redis_url.startswith("unix://")
+    for level in ("DEBUG", "warn", "critical"):  # what stdlib logging takes
+        parse_cluster("", environ={"BATON_LOG_LEVEL": level})
 
 
 def test_the_sim_settings_are_the_sim_engines_own_less_the_instance_limits() -> None:

@@ -178,7 +178,9 @@ def build_instances(
         mc = cluster.models[inst.model]
         if mc.engine != "sim":
             raise ValueError(f"model {inst.model!r} is not engine = 'sim'")
-        sim_fields = {k: v for k, v in mc.sim.items() if k != "clock"}
+        # (these three are set below: a virtual clock from 0, no samples kept)
+        set_here = ("clock", "start_time_s", "num_batch_samples")
+        sim_fields = {k: v for k, v in mc.sim.items() if k not in set_here}
         for r, iid in enumerate(cluster.replica_ids(inst)):  # the launcher's ids
             cfg = SimEngineConfig(
                 max_num_seqs=inst.max_num_seqs,
