@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -97,8 +98,31 @@ def is_reachable(host: str, port: int, timeout_s: float = 0.5) -> bool:
         return False
 
 
+# Ports free_port draws from: below the kernel's ephemeral range, if it leaves room
+LOWEST_DRAWN_PORT = 20000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A TCP port free on `host` now, for a server to bind a moment later.
+
+    Drawn below the kernel's ephemeral range: the port is not held in between, and a
+    port from that range (what binding port 0 gives) can meanwhile become the local
+    end of any outgoing connection (a test's gateway once found its port taken so,
+    next to the NATS and Redis clients of the processes around it)."""
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default; elsewhere the bind below checks all the same
+    for _ in range(200 if low - LOWEST_DRAWN_PORT >= 1000 else 0):
+        port = LOWEST_DRAWN_PORT + secrets.randbelow(low - LOWEST_DRAWN_PORT)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:  # in use (or not ours to take): another draw
+                continue
+            return port
+    with socket.socket() as s:  # no room below the range: the kernel's pick
         s.bind((host, 0))
         return int(s.getsockname()[1])
 

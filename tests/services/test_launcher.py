@@ -646,3 +646,18 @@ def test_the_printed_curl_sends_a_key_when_the_gateway_wants_one(
     else:
         assert header in out
     assert "sekret" not in out and "k1" not in out
+
+
+@pytest.mark.skipif(not Path("/proc/sys/net/ipv4").is_dir(), reason="reads Linux's port range")
+def test_free_ports_are_drawn_below_the_ephemeral_range() -> None:
+    """A port the kernel may hand to an outgoing connection meanwhile is not drawn (a
+    test's gateway found its port so taken); each drawn port can be bound."""
+    from services.launcher.servers import EPHEMERAL_RANGE, LOWEST_DRAWN_PORT
+
+    low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1
+    for port in ports:
+        assert LOWEST_DRAWN_PORT <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
