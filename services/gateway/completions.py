@@ -500,25 +500,21 @@ async def _respond(
     if p.body.stream:  # the response owns the watcher: it watches the client while streaming
         return SSEResponse(run.sse(), headers, watcher, run.close)
     try:
-        try:
-            first = await run.first_event()
-            if isinstance(first, RequestFailed):
-                run.is_engine_done = True
-                raise failure(first)
-            return JSONResponse(await run.collect(first), headers=headers)
-        except ClientDisconnected:
-            raise  # counted by close(): a 499
-        except GatewayError as exc:  # answered and counted by asgi.error_response
-            exc.model = run.model  # (the model that answered, as its 200s are counted)
-            run.is_reported = True
-            raise
-        except Exception:  # a bug: asgi answers and counts a 500
-            run.is_reported = True
-            raise
-        finally:
-            run.close()  # aborts on the worker unless the answer is complete
-    except ClientDisconnected:
+        first = await run.first_event()
+        if isinstance(first, RequestFailed):
+            run.is_engine_done = True
+            raise failure(first)
+        return JSONResponse(await run.collect(first), headers=headers)
+    except ClientDisconnected:  # counted by close(): a 499
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+    except GatewayError as exc:  # answered and counted by asgi.error_response
+        exc.model = run.model  # (the model that answered, as its 200s are counted)
+        run.is_reported = True
+        raise
+    except Exception:  # a bug: asgi answers and counts a 500
+        run.is_reported = True
+        raise
     finally:
+        run.close()  # aborts on the worker unless the answer is complete
         if watcher is not None:
             watcher.cancel()
