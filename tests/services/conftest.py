@@ -144,6 +144,10 @@ class Stack:
     _tasks: list[asyncio.Task] = field(default_factory=list)
     _server: uvicorn.Server | None = None
 
+    def requests_counted(self, status: str, model: str = "random-tiny") -> float:
+        """The gateway's `baton_requests_total` for `model` and `status` so far."""
+        return float(self.gateway.metrics.requests.labels(model, status)._value.get())
+
     async def wait_idle(self) -> None:
         """Until every snapshot the estimator holds shows no request and its ledger is
         empty (a test that routes a burst must not see an earlier test's leftovers)."""

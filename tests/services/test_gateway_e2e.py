@@ -862,11 +862,7 @@ async def test_a_crash_mid_stream_is_reported_in_band_and_released(
         real(self, num_new)
 
     in_flight = stack.gateway.num_in_flight
-
-    def count(status: str) -> float:
-        return float(stack.gateway.metrics.requests.labels("random-tiny", status)._value.get())
-
-    counts = {s: count(s) for s in ("500", "499")}
+    counts = {s: stack.requests_counted(s) for s in ("500", "499")}
     body = {**CHAT, "stream": True, "max_tokens": 50, "ignore_eos": True}
     with monkeypatch.context() as patch:
         patch.setattr(Generation, "_observe", broken)
@@ -881,7 +877,8 @@ async def test_a_crash_mid_stream_is_reported_in_band_and_released(
     assert json.loads(lines[-2][6:])["error"]["type"] == "server_error"
     assert stack.gateway.num_in_flight == in_flight
     # counted once, as a 500 (not also as a client that left: 499)
-    assert count("500") == counts["500"] + 1 and count("499") == counts["499"]
+    assert stack.requests_counted("500") == counts["500"] + 1
+    assert stack.requests_counted("499") == counts["499"]
     for _ in range(200):
         snap = await snapshot_of(stack, instance_id)
         if snap.num_free_blocks == snap.num_kv_blocks:
@@ -1082,13 +1079,8 @@ async def test_refusals_are_counted_by_the_model_once_it_is_known(stack: Stack) 
     """`baton_requests_total` labels a refusal with the model it asked for once the
     gateway knows that name (a bad field, a 429 at admission), and with "" before (an
     unknown name is never a label: clients could mint any number of them)."""
-    gw = stack.gateway
-    requests = gw.metrics.requests
-
-    def count(model: str, status: str) -> float:
-        return float(requests.labels(model, status)._value.get())
-
-    before = {k: count(*k) for k in [("", "404"), ("random-tiny", "400"), ("random-tiny", "429")]}
+    gw, count = stack.gateway, stack.requests_counted
+    before = {k: count(*k) for k in [("404", ""), ("400", "random-tiny"), ("429", "random-tiny")]}
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
         unknown = await client.post("/v1/chat/completions", json={**CHAT, "model": "nope-x"})
         bad = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": -3})
@@ -1101,9 +1093,9 @@ async def test_refusals_are_counted_by_the_model_once_it_is_known(stack: Stack) 
         text = (await client.get("/metrics")).text
     assert (unknown.status_code, bad.status_code, two.status_code) == (404, 400, 400)
     assert busy.status_code == 429
-    assert count("", "404") == before[("", "404")] + 1
-    assert count("random-tiny", "400") == before[("random-tiny", "400")] + 2
-    assert count("random-tiny", "429") == before[("random-tiny", "429")] + 1
+    assert count("404", "") == before[("404", "")] + 1
+    assert count("400") == before[("400", "random-tiny")] + 2
+    assert count("429") == before[("429", "random-tiny")] + 1
     assert "nope-x" not in text
 
 

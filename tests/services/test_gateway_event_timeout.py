@@ -17,13 +17,8 @@ from shared.config import parse_cluster
 from shared.messages.gateway import DeltaBatch, TokenDelta
 from shared.messages.worker import WORKER_INBOUND_DECODER, SubmitRequest, WorkerInbound
 from shared.store import Store
-from tests.services.conftest import Stack, hand_worker_info, start_stack, tiny_cluster_text
+from tests.services.conftest import hand_worker_info, start_stack, tiny_cluster_text
 from tests.services.test_worker_lifecycle import wait_for
-
-
-def counted(stack: Stack, status: str) -> float:
-    """`baton_requests_total` for random-tiny and `status`."""
-    return float(stack.gateway.metrics.requests.labels("random-tiny", status)._value.get())
 
 
 def delta(request_id: str, position: int) -> TokenDelta:
@@ -70,7 +65,7 @@ async def test_silent_worker_times_out_with_504(nats_url: str, redis_url: str) -
             assert time.perf_counter() - t0 >= 0.3
             assert stack.gateway.num_in_flight == 0  # admission released
             # counted once, as what the client got (the abort on the worker is no 499)
-            assert (counted(stack, "504"), counted(stack, "499")) == (1, 0)
+            assert (stack.requests_counted("504"), stack.requests_counted("499")) == (1, 0)
     finally:
         await stack.stop()
         await store.deregister("silent")
@@ -126,7 +121,7 @@ async def test_a_worker_silent_after_its_first_token_fails_the_stream_in_band(
                 break
             await asyncio.sleep(0.02)
         assert stack.gateway.num_in_flight == 0
-        assert (counted(stack, "504"), counted(stack, "499")) == (1, 0)
+        assert (stack.requests_counted("504"), stack.requests_counted("499")) == (1, 0)
     finally:
         await stack.stop()
         await store.deregister("onetoken")
