@@ -18,15 +18,20 @@ test *args:
 test-all *args:
     ./baton test --slow "$@"
 
-# ruff and mypy over the project
+# ruff and mypy over the project, and the history-word check over every file
 lint:
-    ./baton ruff check services shared loadgen scripts tests
-    ./baton mypy services shared loadgen scripts
+    ./baton ruff check services shared loadgen bench scripts tests
+    ./baton mypy services shared loadgen bench scripts
+    ./baton python scripts/check_history.py
 
 # compile the SFS replay kernel with mypyc (./baton does it at install), then say which loads
 native:
     ./baton python -m services.estimator.sfs build-native
     ./baton python -m services.estimator.sfs kernel
+
+# report the data directory (traces, prompt sets; BATON_DATA_DIR, default data/); --from DIR links them
+data *args:
+    ./baton python -m loadgen.data "$@"
 
 # build the smaller SmolLM2 family members (models/*.safetensors) by distillation
 models *args:

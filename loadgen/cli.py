@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from loadgen.config import DEFAULT_DATA_DIR, DEFAULT_NUM_PROMPTS
+from loadgen.config import DEFAULT_NUM_PROMPTS
+from loadgen.data import data_dir
 from loadgen.tokens import TOKENS_PER_WORD
 from loadgen.traces import TRACE_FORMATS
 from loadgen.workloads import PROMPT_SET_FILES
@@ -16,7 +17,7 @@ and report TTFT, TPOT, ITL, E2EL, throughput, goodput, SLO attainment and
 OnTimeUtility (JSON fields named as `vllm bench serve` names them).
 
   python -m loadgen --model auto --dataset mixed --request-rate 4 --num-prompts 200
-  python -m loadgen --trace ../shared/data/traces/azure_llm_2023_conv.csv \\
+  python -m loadgen --trace data/traces/azure_llm_2023_conv.csv \\
       --time-scale 0.5 --duration 120 --save-result run.json --plot plots/
   python -m loadgen compare A.json B.json
 
@@ -270,8 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--data-dir",
-        default=str(DEFAULT_DATA_DIR),
-        help="shared data directory with prompts/ (default %(default)s)",
+        default=str(data_dir()),
+        help="data directory with prompts/ (default: $BATON_DATA_DIR, else data/; "
+        "see `just data`; now %(default)s)",
     )
 
     g = p.add_argument_group("routing inputs per request")

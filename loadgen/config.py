@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
-# The shared data lives next to the repository: <repo>/../shared/data.
-DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+from loadgen.data import data_dir
+
 DEFAULT_NUM_PROMPTS = 1000
 
 
@@ -61,7 +60,7 @@ class BenchConfig:
     random_output_len: int = 128
     random_range_ratio: float = 0.0
     max_tokens: int | None = None
-    data_dir: str = str(DEFAULT_DATA_DIR)
+    data_dir: str = field(default_factory=lambda: str(data_dir()))
     # per-request routing inputs
     slo_ttft_ms: str = "paper"
     budget: float | None = None

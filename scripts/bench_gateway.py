@@ -66,7 +66,7 @@ services it measures: by default it is aiohttp on uvloop (what vLLM's and SGLang
 serving benchmarks use), whose HTTP floor here is half httpx's (the openai SDK's
 client; --client httpx measures with it).
 
-Targets (issue 3): added TTFT p50 <= 2 ms; the gateway keeps >= 90% of the
+Targets: added TTFT p50 <= 2 ms; the gateway keeps >= 90% of the
 engine's token rate at 16 streams.
 
     python scripts/bench_gateway.py --model random-tiny --out results/bench_gateway.json

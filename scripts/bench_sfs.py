@@ -1,4 +1,4 @@
-"""SFS benchmark (issue 6): TTFT prediction error on a real CPU engine, OnTimeUtility vs
+"""SFS benchmark: TTFT prediction error on a real CPU engine, OnTimeUtility vs
 arrival rate on the simulated SFS testbed, the delta frontier, the routing decision
 cost, and the fidelity of the simulated engine. Every part side by side in one run:
 
@@ -9,13 +9,13 @@ cost, and the fidelity of the simulated engine. Every part side by side in one r
      lengths scaled and capped to the engine's max_model_len, prompts cut from alpaca
      text. At each arrival the new request's TTFT is predicted from the engine's
      snapshot plus the requests submitted but not yet in it: SFS (in-flight aware, see
-     services/estimator/sfs/evaluation.py), SFS as the estimator service computes it
+     bench/sfs_evaluation.py), SFS as the estimator service computes it
      (from the snapshot's time), and the throughput estimator. Actual TTFT = add_request
      to the step that returns the request's first token. Batch-time model: fitted on a
      warm-up of request bursts, refitted online as the estimator does; the throughput
      baseline's profile is re-measured on the same window at every refit.
   2. OnTimeUtility vs arrival rate on configs/sim-sfs.toml (Qwen3 0.6B/8B/32B, H100
-     coefficients) in a discrete-event simulation (services/estimator/sfs/cluster_sim.py):
+     coefficients) in a discrete-event simulation (bench/cluster_sim.py):
      SimEngines on one virtual clock, the estimator's policies and LatencyEstimator
      deciding; Poisson and MMPP-2 (ratios 3, 6) arrivals; the paper's four tasks.
   3. sfs-lagrangian over delta at one rate: the utility-latency frontier (PNG).
@@ -65,8 +65,24 @@ import numpy as np  # noqa: E402
 import uvloop  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from bench.cluster_sim import (  # noqa: E402
+    Arrival,
+    ClusterRun,
+    build_views,
+    make_requests,
+    simulate_cluster,
+    simulate_single,
+)
+from bench.sfs_evaluation import (  # noqa: E402
+    auc_ratio,
+    estimate_from_now,
+    ks_distance,
+    mape,
+    percentile,
+    signed_relative_errors,
+)
 from loadgen.arrivals import arrival_offsets, constant_profile, mmpp_profile  # noqa: E402
-from loadgen.config import DEFAULT_DATA_DIR  # noqa: E402
+from loadgen.data import data_dir, how_to_get  # noqa: E402
 from loadgen.tokens import WordCounter  # noqa: E402
 from loadgen.traces import read_trace  # noqa: E402
 from loadgen.workloads import PROMPT_SET_FILES, load_prompt_set  # noqa: E402
@@ -79,23 +95,6 @@ from services.estimator.ledger import Ledger, LedgerEntry  # noqa: E402
 from services.estimator.policies import create_policy  # noqa: E402
 from services.estimator.sfs import kernel, native, replay  # noqa: E402
 from services.estimator.sfs.baselines import profile_throughput, throughput_ttft_s  # noqa: E402
-from services.estimator.sfs.batch_time import FEATURE_SETS, SFS_H100_QWEN3, BatchTimeModel  # noqa: E402
-from services.estimator.sfs.cluster_sim import (  # noqa: E402
-    Arrival,
-    ClusterRun,
-    build_views,
-    make_requests,
-    simulate_cluster,
-    simulate_single,
-)
-from services.estimator.sfs.evaluation import (  # noqa: E402
-    auc_ratio,
-    estimate_from_now,
-    ks_distance,
-    mape,
-    percentile,
-    signed_relative_errors,
-)
 from services.estimator.sfs.fit import OnlineBatchTimeFitter, fit_batch_time  # noqa: E402
 from services.estimator.sfs.replay import (  # noqa: E402
     OutputPolicy,
@@ -103,12 +102,13 @@ from services.estimator.sfs.replay import (  # noqa: E402
     Probe,
     SfsReplayer,
 )
-from services.estimator.sfs.speed import RecentSpeed  # noqa: E402
 from services.estimator.sfs.utility import default_ttft_target_s  # noqa: E402
 from shared.config import ClusterConfig, EstimatorConfig, ModelConfig, load_cluster  # noqa: E402
 from shared.messages.estimator import RouteRequest  # noqa: E402
 from shared.messages.registry import WorkerInfo  # noqa: E402
+from shared.scheduling.batch_time import FEATURE_SETS, SFS_H100_QWEN3, BatchTimeModel  # noqa: E402
 from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot  # noqa: E402
+from shared.scheduling.speed import RecentSpeed  # noqa: E402
 
 TASKS = ("alpaca", "hotpotqa", "govreport", "writingprompts")
 BASELINES = ("round-robin", "shortest-queue", "latency-agnostic")
@@ -354,7 +354,7 @@ def alpaca_token_ids(model: str, limit_chars: int = 2_000_000) -> list[int]:
     from shared.model_store import load_tokenizer
 
     tok = load_tokenizer(model)
-    prompts = load_prompt_set("alpaca", DEFAULT_DATA_DIR)
+    prompts = load_prompt_set("alpaca", data_dir())
     text = "\n\n".join(p.text + "\n" + p.reference for p in prompts)[:limit_chars]
     return tok.encode(text)
 
@@ -876,7 +876,7 @@ def paper_tasks(min_out: int, max_out: int) -> dict[str, list[tuple[int, int]]]:
     counter = WordCounter()
     out = {}
     for task in TASKS:
-        prompts = load_prompt_set(task, DEFAULT_DATA_DIR)
+        prompts = load_prompt_set(task, data_dir())
         out[task] = [
             (counter.count(p.text), min(max_out, max(min_out, counter.count(p.reference))))
             for p in prompts
@@ -1433,7 +1433,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default="smollm2-small", help="smollm2-135m | smollm2-medium | smollm2-small"
     )
     g1.add_argument(
-        "--trace", type=Path, default=DEFAULT_DATA_DIR / "traces" / "azure_llm_2023_conv.csv"
+        "--trace", type=Path, default=data_dir() / "traces" / "azure_llm_2023_conv.csv"
     )
     g1.add_argument(
         "--trace-start-s",
@@ -1530,9 +1530,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def data_files(parts: set[int], trace: Path) -> list[Path]:
-    """The shared files the asked parts read: 1 and 5 the trace they replay and alpaca
+    """The data files the asked parts read: 1 and 5 the trace they replay and alpaca
     (the length predictor's corpus), 2 and 3 every task's prompt set (their lengths)."""
-    prompts = DEFAULT_DATA_DIR / "prompts"
+    prompts = data_dir() / "prompts"
     files: list[Path] = []
     if parts & {1, 5}:
         files += [trace, prompts / PROMPT_SET_FILES["alpaca"]]
@@ -1553,9 +1553,9 @@ def main() -> None:
     missing = [str(p) for p in data_files(set(args.parts), args.trace) if not p.is_file()]
     if missing:  # (before any part runs: part 2's worker pool would fail with a traceback)
         ap.error(
-            "the shared data these parts read is not there: "
+            "the data these parts read is not there: "
             + ", ".join(missing)
-            + " (it lives beside the repository, in ../shared/data; --parts 4 needs none)"
+            + f" ({how_to_get()}; --parts 4 needs none)"
         )
 
     args.out.parent.mkdir(parents=True, exist_ok=True)

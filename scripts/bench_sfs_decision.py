@@ -1,4 +1,4 @@
-"""Per-decision cost of the SFS replay for 3 and 13 instances (issue 6, "routing decision cost").
+"""Per-decision cost of the SFS replay for 3 and 13 instances (bench_sfs part 4's "routing decision cost").
 
 Each instance's snapshot comes from a live `Scheduler` driven by Poisson-ish arrivals
 until it holds tens of running requests (prompts 20..4000 tokens, outputs 50..800),
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import msgspec
 
-from services.estimator.sfs.batch_time import SFS_H100_QWEN3, BatchTimeModel
 from services.estimator.sfs.replay import PendingRequest, Probe, SfsReplayer
+from shared.scheduling.batch_time import SFS_H100_QWEN3, BatchTimeModel
 from shared.scheduling.scheduler import Scheduler, SchedulerConfig
 from shared.scheduling.snapshot import WorkloadSnapshot, take_snapshot
 

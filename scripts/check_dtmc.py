@@ -5,7 +5,7 @@ model L) run in one process, each in its own thread with one torch thread (torch
 releases the GIL in its kernels, so the two step loops overlap as on two devices).
 N requests are active (a finished one is replaced at once). After each S token a
 Bernoulli(p) hook hands the request to L, which writes one token (or a geometric
-run) and hands it back. Each loop obeys the hold rule (services/batcher/hold.py):
+run) and hands it back. Each loop obeys the hold rule (shared/hold.py):
 step when >= B_m requests are ready, or all N are here, or the hold timeout fired.
 
 1. calibrate: an eager run (B = 1, 1); its step samples give t_S(b), t_L(b) (affine fit)
@@ -37,12 +37,12 @@ from tqdm import tqdm
 
 from services.batcher.dtmc import AffineLatency, predicted_throughput
 from services.batcher.estimates import DecayedAffineFit
-from services.batcher.hold import may_step, wait_left_s
 from services.batcher.simulate import simulate
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.loader import build_model, random_config, random_state_dict
 from services.worker.engine.outputs import StepOutputs
+from shared.hold import may_step, wait_left_s
 from shared.sampling import SamplingParams
 
 VOCAB = 4096

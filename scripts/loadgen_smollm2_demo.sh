@@ -9,7 +9,8 @@
 # Settings (environment variables, defaults in brackets):
 #   BATON_URL      gateway root                                [http://127.0.0.1:8000]
 #   MODEL          model or routing preset                     [smollm2-135m]
-#   TRACE          trace file                                  [../shared/data/traces/azure_llm_2023_conv.csv]
+#   TRACE          trace file                                  [$BATON_DATA_DIR/traces/azure_llm_2023_conv.csv,
+#                  BATON_DATA_DIR defaulting to data/]
 #   TRACE_SECONDS  how much of the trace, in trace seconds     [60: 191 requests]
 #   RATE           mean replay rate, req/s (sets the stretch)  [0.4: the minute takes ~8 min]
 #   MAX_IN         cap on prompt tokens                        [256]
@@ -29,7 +30,7 @@ cd "$(dirname "$0")/.."
 
 URL=${BATON_URL:-http://127.0.0.1:8000}
 MODEL=${MODEL:-smollm2-135m}
-TRACE=${TRACE:-../shared/data/traces/azure_llm_2023_conv.csv}
+TRACE=${TRACE:-${BATON_DATA_DIR:-data}/traces/azure_llm_2023_conv.csv}
 TRACE_SECONDS=${TRACE_SECONDS:-60}
 RATE=${RATE:-0.4}
 MAX_IN=${MAX_IN:-256}

@@ -24,15 +24,15 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_sfs  # noqa: E402  (the same trace mapping and load calibration)
 
-from services.estimator.sfs.batch_time import FEATURE_SETS, SEVEN_TERM, BatchTimeModel  # noqa: E402
-from services.estimator.sfs.cluster_sim import Arrival, sfs_errors_on_sim  # noqa: E402
-from services.estimator.sfs.evaluation import mape, signed_relative_errors  # noqa: E402
+from bench.cluster_sim import Arrival, sfs_errors_on_sim  # noqa: E402
+from bench.sfs_evaluation import mape, signed_relative_errors  # noqa: E402
 from services.estimator.sfs.replay import OutputPolicy  # noqa: E402
 from services.worker.engine.config import EngineConfig  # noqa: E402
 from services.worker.engine.sim import SimEngineConfig  # noqa: E402
+from shared.scheduling.batch_time import FEATURE_SETS, SEVEN_TERM, BatchTimeModel  # noqa: E402
 
-# A seven-term fit of smollm2-small (bf16, one thread) from bench_sfs part 1 on the
-# development machine, 2026-11-30: used when --batch-time-json has none.
+# A seven-term fit of smollm2-small (bf16, one thread) from bench_sfs part 1 on a 2-core
+# x86 VM: used when --batch-time-json has none.
 FALLBACK_COEFS = (0.0187, 2.89e-4, 7.83e-8, 4.55e-4, 0.0, 1.50e-8, 3.52e-5)
 
 
@@ -70,7 +70,7 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    model, source = BatchTimeModel(SEVEN_TERM, FALLBACK_COEFS), "built-in fit (2026-11-30)"
+    model, source = BatchTimeModel(SEVEN_TERM, FALLBACK_COEFS), "built-in fit"
     if args.batch_time_json.is_file():
         fit = json.loads(args.batch_time_json.read_text()).get("ttft_prediction", {})
         fit = fit.get("batch_time_fit", {})

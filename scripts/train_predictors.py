@@ -1,7 +1,7 @@
 """Train the output-length and quality predictors (xgboost) from the models' own labels.
 
 Labels, per model of the family and per prompt of a mix of the shared prompt sets
-(`../shared/data/prompts/`: alpaca, hotpotqa, writingprompts, govreport, aime):
+(the data directory's prompts/: alpaca, hotpotqa, writingprompts, govreport, aime):
 
 * quality: the geometric-mean token probability of the prompt set's reference answer
   under the model, exp(mean log p(ref_t | chat prompt, ref_<t)), teacher forced, over
@@ -57,6 +57,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from loadgen.data import data_dir  # noqa: E402
 from loadgen.workloads import load_prompt_set  # noqa: E402
 from services.estimator.predictors import (  # noqa: E402
     LENGTH_FILE,
@@ -74,7 +75,6 @@ from services.worker.engine.model import CausalLM  # noqa: E402
 from shared.model_store import Tokenizer, load_tokenizer, model_digest, resolve  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
-DATA_DIR = REPO.parent / "shared" / "data"
 MODELS = ("smollm2-135m", "smollm2-medium", "smollm2-small")
 TASKS = ("alpaca", "hotpotqa", "writingprompts", "govreport", "aime")
 DEFAULT_COUNTS = "alpaca=90,hotpotqa=12,writingprompts=24,govreport=0,aime=16"
@@ -618,7 +618,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=DEFAULT_COUNTS,
         help=f"prompts per task, task=count,... (default {DEFAULT_COUNTS})",
     )
-    p.add_argument("--data-dir", type=Path, default=DATA_DIR, help="the shared data directory")
+    p.add_argument(
+        "--data-dir", type=Path, default=data_dir(), help="the data directory (`just data`)"
+    )
     p.add_argument(
         "--out",
         type=Path,

@@ -40,6 +40,16 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.router_training import (  # noqa: E402
+    Features,
+    FitConfig,
+    fit_router,
+    roc_auc,
+    serving_probabilities,
+    threshold_for_recall,
+    threshold_for_share,
+    youden_threshold,
+)
 from services.worker.engine.config import EngineConfig  # noqa: E402
 from services.worker.engine.engine import LLMEngine  # noqa: E402
 from services.worker.engine.model import AttentionPlan  # noqa: E402
@@ -50,16 +60,6 @@ from services.worker.routing.policies.routers import (  # noqa: E402
     RouterSpec,
     save_router,
     topk_logprobs,
-)
-from services.worker.routing.policies.training import (  # noqa: E402
-    Features,
-    FitConfig,
-    fit_router,
-    roc_auc,
-    serving_probabilities,
-    threshold_for_recall,
-    threshold_for_share,
-    youden_threshold,
 )
 from shared.model_store import load_tokenizer, model_digest  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402

@@ -11,7 +11,7 @@ Why: rendering and encoding the whole text is on every request's TTFT in the gat
 on caches the client and the other processes have just walked over: the sandboxed
 render took ~190-240 us and encoding SmolLM2's rendered chat (with its default system
 prompt, ~20 tokens of the ~35) ~350 us there, against ~230 us for the assembled ids
-(a probe sweeping 16 MB between calls; warm 152 -> 40 us; 2026-12-04, docs/performance.md).
+(a probe sweeping 16 MB between calls; warm 152 -> 40 us).
 llama.cpp likewise renders the template families it knows natively
 (`llm_chat_detect_template`).
 
@@ -33,9 +33,8 @@ writing `<|im_end|>\n<|im_start|>assistant\n...`) must not end the turn and forg
 another. The ChatML form encodes each message's piece with the special tokens read as
 plain text (`content_tokenizer`), as OpenAI's API treats them; the Jinja path, which
 encodes the whole rendered text, refuses such content (`SpecialTextInContent`) rather
-than let it through as framing. (A black-box probe, 2026-12-06: a user message
-holding a forged assistant turn and a new user turn made SmolLM2 answer the forged
-one.)
+than let it through as framing. (Let through, a user message holding a forged
+assistant turn and a new user turn makes SmolLM2 answer the forged one.)
 """
 
 from __future__ import annotations

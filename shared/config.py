@@ -184,6 +184,9 @@ class Env:
     NATIVE = EnvVar(
         "BATON_NATIVE", "0: run the SFS replay kernel as plain Python, not its mypyc build"
     )
+    DATA_DIR = EnvVar(
+        "BATON_DATA_DIR", "traces and prompt sets of loadgen and the benchmarks (default data/)"
+    )
 
     @classmethod
     def all(cls) -> list[EnvVar]:
@@ -288,7 +291,7 @@ class WorkerConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # request's first and last tokens and failures never wait. 0: a write every step.
     stream_interval_ms: float = 5.0
     # Weight of the newest iteration in the snapshot's batch_time_speed (measured /
-    # modeled batch time lately, services/estimator/sfs/speed.py); 0: always 1.
+    # modeled batch time lately, shared/scheduling/speed.py); 0: always 1.
     batch_time_speed_alpha: float = 0.2
     # Gateways send a worker its requests, and take their tokens back, over one direct
     # TCP link per worker (shared/link.py: one hop, no NATS server between); false:
@@ -300,7 +303,7 @@ class WorkerConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     link_advertise_host: str = ""
     # The same link also listens on an abstract Unix socket (Linux), which a gateway on
     # the same host dials instead of the TCP port: a write there costs the sender about
-    # half a loopback TCP write (docs/performance.md, twenty-fourth session)
+    # half a loopback TCP write
     link_unix: bool = True
 
 

@@ -7,21 +7,21 @@ each other across two transports. Everything else (routing, the estimator's even
 peer requests, calibration) stays on NATS, and a request goes over NATS when no link
 to its worker is up.
 
-Why: every request and every engine iteration crossed the NATS server twice, and on
-the development VM (2 vCPUs, guest halt-polling off) a NATS request/reply between two
-processes took 0.20 ms back to back and 1.1 ms after 50 ms idle (the Go server's
+Why: over NATS every request and every engine iteration crosses the NATS server
+twice, and on a 2-vCPU VM (guest halt-polling off) a NATS request/reply between two
+processes takes 0.20 ms back to back and 1.1 ms after 50 ms idle (the Go server's
 threads are woken on idle vCPUs), against 0.08 / 0.30 ms for the same round trip over
-a plain TCP connection (docs/performance.md, twenty-second session). A link also
+a plain TCP connection. A link also
 drops the per-message work of nats-py on both ends (a flusher task and a futures
 queue per publish, a task hop per delivery), and makes a peer's death visible at
 once: the connection closes.
 
 The connection is TCP, or an abstract Unix socket when the gateway runs on the
 worker's host (`WorkerInfo.link_unix_name`): after an engine step (caches cold), one
-600-byte write took the sender ~71 us over loopback TCP and ~38 over a Unix socket,
+600-byte write takes the sender ~71 us over loopback TCP and ~38 over a Unix socket,
 the receiver idle on the other vCPU (the TCP write runs the receiving side's stack
-too, on the sender's core); at 16 streams the worker's gap between engine steps fell
-by 35-63 us, four alternated pairs (docs/performance.md, twenty-fourth session).
+too, on the sender's core); at 16 streams the worker's gap between engine steps is
+35-63 us shorter.
 
 Frame: a 4-byte big-endian length, then that many bytes of one msgpack message. The
 payloads are the NATS messages' own (SubmitRequest / AbortRequest one way, DeltaBatch

@@ -167,8 +167,7 @@ class Tokenizer:
         """The text of a window of an answer's tokens (special ones skipped) without the
         pieces of a character cut at either end: a byte-level vocabulary spends a token
         per byte of a rare character, and a plain decode turns a piece into U+FFFD, which
-        a stop string "\ufffd" matched before the character was whole (a probe,
-        2026-12-06). Bytes invalid in the middle still decode to U+FFFD."""
+        a stop string "\ufffd" would match before the character is whole. Bytes invalid in the middle still decode to U+FFFD."""
         text = self.decode(ids)
         if "\ufffd" not in text or not self._is_byte_level:
             return text  # (other vocabularies' tokens are no pieces of characters)

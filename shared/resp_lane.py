@@ -2,8 +2,8 @@
 
 A worker writes its snapshot every few engine steps on the core that runs the steps,
 so each write's CPU comes out of the token rate. Through redis-py's asyncio
-connection (even under store.py's `_Lane`) one write cost that core ~450 us on the
-cold caches a step leaves behind (docs/performance.md, twenty-fourth session): the
+connection (even under store.py's `_Lane`) one write costs that core ~450 us on the
+cold caches a step leaves behind: the
 command packed in Python, a StreamWriter and a StreamReader between the socket and
 the parser, a lock and a deadline per exchange. Here hiredis packs the command and
 parses the reply (both in C), the loop hands received bytes straight to the parser

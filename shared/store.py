@@ -18,7 +18,7 @@ and per reply (a further 22-36 us). A worker's snapshot writes (up to one per en
 step, `[worker] snapshot_interval_ms` apart, on the core that runs the steps) go over
 a bare asyncio Protocol with hiredis packing and parsing (shared/resp_lane.py): on the
 cold caches a step leaves, 232-352 -> 139-207 us of the core's CPU per write over TCP
-(`_Lane` on redis-py's connection against it, alternated, 2026-12-04; docs/performance.md);
+(`_Lane` on redis-py's connection against it, alternated);
 a URL that asks for TLS (or a credential provider) keeps them on a `_Lane`.
 """
 

@@ -37,7 +37,6 @@ from typing import Literal
 
 from services.estimator.ledger import LedgerEntry
 from services.estimator.sfs.baselines import ArrivalRateEstimator, lps_ttft_s
-from services.estimator.sfs.batch_time import EIGHT_TERM, BatchTimeModel, raw_from_chunks
 from services.estimator.sfs.correction import TtftCorrection
 from services.estimator.sfs.fit import FitResult, OnlineBatchTimeFitter
 from services.estimator.sfs.kernel import KernelState
@@ -51,10 +50,11 @@ from services.estimator.sfs.replay import (
     run_on_state,
     snapshot_ids,
 )
-from services.estimator.sfs.speed import horizon_factor
 from shared.config import EstimatorConfig, ModelConfig
 from shared.messages.registry import WorkerInfo
+from shared.scheduling.batch_time import EIGHT_TERM, BatchTimeModel, raw_from_chunks
 from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot
+from shared.scheduling.speed import horizon_factor
 
 TtftSource = Literal["sfs", "lps"]
 
@@ -126,7 +126,7 @@ class InstanceState:
     def batch_time_speed(self) -> float:
         """Measured / modeled time of the instance's latest iterations under the model
         batch_time_model() returns: the snapshot's factor when that model is the
-        snapshot's own calibration (sfs/speed.py), else 1 (also for a factor that is
+        snapshot's own calibration (shared/scheduling/speed.py), else 1 (also for a factor that is
         not a positive number: it divides the snapshot's age)."""
         snap = self.snapshot
         if snap is None or not snap.carries_calibration:

@@ -8,9 +8,8 @@ The output side (events to SSE or JSON) is `generation.Generation`.
 Everything that can be checked before routing is checked here, so bad input gets a
 4xx status without touching a worker. A stream's headers (200) go out as soon as the
 request is submitted, as vLLM's and OpenAI's do: the client takes them in while the
-worker runs the prefill, which kept ~0.3 ms off the TTFT (perf_counter stamps in the
-gateway and the worker against the client's, random-tiny, requests alternated in one
-run, 2026-12-03). What fails after that is reported in-band, as an error chunk. A
+worker runs the prefill, which keeps ~0.3 ms off the TTFT (perf_counter stamps in the
+gateway and the worker against the client's, random-tiny). What fails after that is reported in-band, as an error chunk. A
 non-stream request still waits for the first event, and so answers a worker's refusal
 with its status. A 503 before the first token (the worker was draining, or it or its
 link went away) is not the client's to see: the request goes to another instance

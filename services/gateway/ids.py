@@ -3,7 +3,7 @@
 A random 64-bit prefix per process and a scrambled counter, not `uuid.uuid4().hex` per
 request: uuid4 took ~87 us of a request's TTFT on the gateway's cold caches (its
 getrandom syscall and the UUID object; 6 us warm), this ~1 (a probe sweeping 16 MB
-between calls, 2026-12-04). The counter, offset by a random key, goes through
+between calls). The counter, offset by a random key, goes through
 splitmix64's finalizer (xor-shifts and odd multipliers: a bijection of 64-bit numbers
 that mixes every input bit into every output bit), so ids do not read as a sequence yet
 never repeat within a process. They stay unique across gateways (each draws its own prefix

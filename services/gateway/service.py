@@ -91,8 +91,8 @@ class GatewayService:
         self.metrics = GatewayMetrics()
         self.workers: dict[str, WorkerInfo] = {}  # live instances, refreshed from Redis
         self.num_in_flight = 0
-        # read when /metrics is scraped: a Gauge.set per admission and release was ~20-50
-        # us of each request's path on cold caches (its lock; 2026-12-04 probes)
+        # read when /metrics is scraped: a Gauge.set per admission and release costs
+        # ~20-50 us of each request's path on cold caches (its lock)
         self.metrics.in_flight.set_function(lambda: self.num_in_flight)
         self._tokenizers: dict[str, Any] = {}
         self._max_prompt_chars: dict[str, int] = {}  # model -> max_prompt_chars

@@ -249,7 +249,7 @@ def start_redis(
     """redis-server with no persistence; port None picks a free one. With `unix_socket`
     (a path short enough to be one) it also listens there, for this host's processes:
     a Redis command over a Unix socket costs the client's core ~20-35% less CPU than
-    over loopback TCP (docs/performance.md, twenty-fifth session)."""
+    over loopback TCP."""
     port = port if port is not None else free_port(host)
     cmd = [
         find_redis_server(),

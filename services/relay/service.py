@@ -1,4 +1,4 @@
-"""The relay service: the third loop of token-level routing (DESIGN.md, "relay").
+"""The relay service: the third loop of token-level routing (docs/token-routing.md).
 
     {ns}.relay.in (queue group) -> books.on_peer / on_release -> {ns}.worker.{id}.peer
     every 0.1 s: books.check (timeouts, departed peers and origins)

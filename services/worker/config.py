@@ -134,8 +134,8 @@ class WorkerServiceConfig:
 def create_engine(cfg: WorkerServiceConfig) -> Any:
     """Build the engine the cluster file names for this model: "torch" or "sim"."""
     if cfg.model_config.engine == "sim":
-        from services.estimator.sfs.batch_time import BatchTimeModel
         from services.worker.engine.sim import SimEngine, SimEngineConfig
+        from shared.scheduling.batch_time import BatchTimeModel
 
         inst = cfg.instance
         sim_cfg = SimEngineConfig(

@@ -47,8 +47,6 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from services.estimator.sfs.batch_time import BatchTimeModel
-from services.estimator.sfs.speed import RecentSpeed
 from services.worker.config import WorkerServiceConfig, create_engine
 from services.worker.links import GatewayLinks
 from services.worker.pacing import StreamPacer, group, is_urgent
@@ -71,7 +69,9 @@ from shared.messages.worker import (
     SubmitRequest,
     WorkerInbound,
 )
+from shared.scheduling.batch_time import BatchTimeModel
 from shared.scheduling.snapshot import BatchSample
+from shared.scheduling.speed import RecentSpeed
 from shared.store import Store
 from shared.subjects import is_token
 
@@ -644,9 +644,9 @@ class WorkerService:
         outpace the interval (a fast model), fewer and fuller writes instead of a queue
         of stale ones, and no encoding of snapshots nobody will read. Each write costs
         the worker's core ~0.1 ms (the encoding, the Redis command, two syscalls): after
-        every 1.5 ms decode step of random-tiny that was ~5% of the gateway path's token
-        rate (docs/performance.md, twentieth session); with a write every 5 ms still
-        ~2.5% (twenty-second session), while the estimator reads snapshots every 20 ms."""
+        every 1.5 ms decode step of random-tiny that is ~5% of the gateway path's token
+        rate; with a write every 5 ms still ~2.5%, while the estimator reads snapshots
+        every 20 ms."""
         if samples:  # (the speed observes them when they are written: fewer calls)
             self._unsent_samples.extend(self._engine.pop_batch_samples())
             del self._unsent_samples[: -self.cfg.max_batch_samples]

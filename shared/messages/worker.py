@@ -39,7 +39,7 @@ class BatchTimeCalibration(msgspec.Struct, frozen=True, kw_only=True):
     always prices with the calibration the publisher carried.
     """
 
-    feature_set: str  # name of the feature set (services/estimator/sfs/batch_time.py)
+    feature_set: str  # name of the feature set (shared/scheduling/batch_time.py)
     coefs: list[float]  # seconds per feature unit
     mape: float  # fraction, fit error over inlier samples
     mape_all: float  # fraction, fit error over every sample (stalls included)

@@ -2,7 +2,7 @@
 
 The scheduler sees only this: no token ids, no tensors. The engine keeps the tokens
 next to it; the estimator rebuilds these counters from a snapshot to replay the
-schedule (DESIGN.md, "One scheduler, two uses").
+schedule: one scheduler, two uses.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A snapshot is everything the scheduler knows, as counters (a column each, a row 
 request: `WorkloadSnapshot` says why), so that the estimator can rebuild the same
 scheduler state (`restore_scheduler`) and replay it forward.
 Batch samples are (composition, measured wall time) pairs for fitting the
-batch-time model (DESIGN.md, "Batch-time model").
+batch-time model (shared/scheduling/batch_time.py).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class WorkloadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     batch_time_features: str = ""  # name of the feature set of batch_time_coefs
     batch_time_coefs: list[float] = []  # seconds per feature unit, publisher's calibration
     # measured / modeled time of the latest iterations under batch_time_coefs (an EWMA,
-    # services/estimator/sfs/speed.py); the estimator scales an SFS TTFT estimate T by
+    # shared/scheduling/speed.py); the estimator scales an SFS TTFT estimate T by
     # this ** exp(-T / speed_horizon_s)
     batch_time_speed: float = 1.0
     # quantiles of actual / predicted output length of requests finished here lately

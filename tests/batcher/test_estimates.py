@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from services.batcher.estimates import DecayedAffineFit, PresetEstimator, Thresholds, check_stats
-from services.batcher.hold import may_step, wait_left_s
+from shared.hold import may_step, wait_left_s
 from shared.messages.batcher import RoutingStats
 
 NEED = Thresholds(min_tokens=500, min_handoffs=20, min_step_samples=20)

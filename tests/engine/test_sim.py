@@ -9,13 +9,13 @@ import time
 
 import pytest
 
-from services.estimator.sfs.batch_time import FOUR_TERM, SFS_H100_QWEN3, SIX_TERM, BatchTimeModel
 from services.estimator.sfs.replay import Probe, estimate
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import RequestError
 from services.worker.engine.outputs import RequestOutput
 from services.worker.engine.sim import SimEngine, SimEngineConfig
 from shared.sampling import SamplingParams
+from shared.scheduling.batch_time import FOUR_TERM, SFS_H100_QWEN3, SIX_TERM, BatchTimeModel
 from shared.scheduling.scheduler import Scheduler
 from shared.scheduling.snapshot import BatchSample, describe_batch
 

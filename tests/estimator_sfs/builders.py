@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 from functools import partial
 
-from services.estimator.sfs.batch_time import SIX_TERM, BatchTimeModel
 from services.worker.engine.sim import SimEngine, SimEngineConfig
 from shared.sampling import SamplingParams
+from shared.scheduling.batch_time import SIX_TERM, BatchTimeModel
 from shared.scheduling.scheduler import ScheduledBatch, Scheduler
 from shared.scheduling.snapshot import WorkloadSnapshot
 from tests.scheduling import builders as scheduling_builders

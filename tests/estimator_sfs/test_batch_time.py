@@ -8,7 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from services.estimator.sfs.batch_time import (
+from services.estimator.sfs.fit import OnlineBatchTimeFitter, fit_batch_time, huber_irls
+from shared.scheduling.batch_time import (
     EIGHT_TERM,
     FEATURE_SETS,
     FOUR_TERM,
@@ -18,7 +19,6 @@ from services.estimator.sfs.batch_time import (
     BatchTimeModel,
     features,
 )
-from services.estimator.sfs.fit import OnlineBatchTimeFitter, fit_batch_time, huber_irls
 from shared.scheduling.snapshot import BatchSample, describe_batch
 from tests.estimator_sfs.builders import make_scheduler, step
 

@@ -9,8 +9,7 @@ import random
 
 import pytest
 
-from services.estimator.policies import create_policy
-from services.estimator.sfs.cluster_sim import (
+from bench.cluster_sim import (
     Arrival,
     ClusterSimSettings,
     SimRequest,
@@ -19,7 +18,7 @@ from services.estimator.sfs.cluster_sim import (
     simulate_cluster,
     simulate_single,
 )
-from services.estimator.sfs.evaluation import (
+from bench.sfs_evaluation import (
     auc_ratio,
     estimate_from_now,
     ks_distance,
@@ -28,6 +27,7 @@ from services.estimator.sfs.evaluation import (
     signed_relative_errors,
     trapezoid_area,
 )
+from services.estimator.policies import create_policy
 from services.estimator.sfs.replay import MAX_CATCH_UP_STEPS, OutputPolicy, PendingRequest, Probe
 from services.estimator.sfs.utility import default_ttft_target_s
 from services.worker.engine.sim import SimEngine, SimEngineConfig
@@ -390,7 +390,7 @@ def test_make_requests() -> None:
 def test_every_sim_setting_the_file_takes_builds_a_simulated_cluster() -> None:
     """[models.X.sim] may set any key of SIM_SETTINGS; those the cluster simulation sets
     itself (a virtual clock from 0, no samples) gave a duplicate-keyword TypeError."""
-    from services.estimator.sfs.cluster_sim import build_instances
+    from bench.cluster_sim import build_instances
 
     sim = '[models.small.sim]\nclock = "wall"\nstart_time_s = 5.0\nnum_batch_samples = 8\n'
     sim += "output_len_mean = 64.0\n"

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.config import DEFAULT_DATA_DIR
+from loadgen.data import data_dir
 
 REPO = Path(__file__).resolve().parents[2]
 POLICIES = {"round-robin", "shortest-queue", "latency-agnostic", "sfs-constraint", "sfs-lagrangian"}
 
 
-@pytest.mark.skipif(not (DEFAULT_DATA_DIR / "prompts").is_dir(), reason="shared data not present")
+@pytest.mark.skipif(not (data_dir() / "prompts").is_dir(), reason="no data directory (`just data`)")
 def test_bench_sfs_writes_every_figure_it_names(tmp_path: Path) -> None:
     out = tmp_path / "bench_sfs.json"
     cmd = [
@@ -62,7 +62,7 @@ def test_bench_sfs_writes_every_figure_it_names(tmp_path: Path) -> None:
 
 
 def test_bench_sfs_without_the_shared_data_says_what_is_missing(tmp_path: Path) -> None:
-    """A clone without ../shared/data: a usage error naming the files, no traceback."""
+    """A data file missing: a usage error naming the file, no traceback."""
     missing = tmp_path / "no-trace.csv"
     run = subprocess.run(
         [sys.executable, "scripts/bench_sfs.py", "--parts", "1", "--trace", str(missing)],

@@ -9,12 +9,12 @@ import statistics
 
 import pytest
 
-from services.estimator.sfs.batch_time import SEVEN_TERM, BatchTimeModel
-from services.estimator.sfs.cluster_sim import Arrival, WorkloadSimEngine, sfs_errors_on_sim
-from services.estimator.sfs.evaluation import signed_relative_errors
+from bench.cluster_sim import Arrival, WorkloadSimEngine, sfs_errors_on_sim
+from bench.sfs_evaluation import signed_relative_errors
 from services.estimator.sfs.replay import OutputPolicy, kernel_state
 from services.worker.engine.sim import SimEngineConfig
 from shared.sampling import SamplingParams
+from shared.scheduling.batch_time import SEVEN_TERM, BatchTimeModel
 from shared.scheduling.lengths import LengthRatios
 from shared.scheduling.snapshot import RequestCounters, WorkloadSnapshot, take_snapshot
 from tests.estimator_sfs.builders import make_scheduler

@@ -8,13 +8,6 @@ import random
 
 import pytest
 
-from services.estimator.sfs.batch_time import (
-    EIGHT_TERM,
-    FOUR_TERM,
-    SEVEN_TERM,
-    SIX_TERM,
-    BatchTimeModel,
-)
 from services.estimator.sfs.replay import (
     PROBE_ID,
     OutputPolicy,
@@ -26,6 +19,13 @@ from services.estimator.sfs.replay import (
     kernel_state,
     replay_exact,
     run_on_state,
+)
+from shared.scheduling.batch_time import (
+    EIGHT_TERM,
+    FOUR_TERM,
+    SEVEN_TERM,
+    SIX_TERM,
+    BatchTimeModel,
 )
 from shared.scheduling.snapshot import take_snapshot
 from tests.estimator_sfs.builders import MODEL, as_pairs, make_scheduler, random_live, step

@@ -7,14 +7,14 @@ import random
 import msgspec
 import pytest
 
+from bench.sfs_evaluation import estimate_from_now
 from services.estimator.instances import LatencyEstimator, create_instance_state
 from services.estimator.ledger import LedgerEntry
-from services.estimator.sfs.batch_time import SIX_TERM, BatchTimeModel
-from services.estimator.sfs.evaluation import estimate_from_now
 from services.estimator.sfs.replay import OutputPolicy, Probe, estimate
 from services.worker.engine.sim import SimEngine
 from shared.config import EstimatorConfig, ModelConfig
 from shared.messages.registry import WorkerInfo
+from shared.scheduling.batch_time import SIX_TERM, BatchTimeModel
 from shared.scheduling.snapshot import WorkloadSnapshot, take_snapshot
 from tests.estimator_sfs.builders import (
     MODEL,

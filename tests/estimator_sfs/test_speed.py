@@ -8,14 +8,14 @@ import math
 import msgspec
 import pytest
 
-from services.estimator.sfs.batch_time import SIX_TERM, BatchTimeModel
-from services.estimator.sfs.speed import (
+from shared.scheduling.batch_time import SIX_TERM, BatchTimeModel
+from shared.scheduling.snapshot import BatchSample
+from shared.scheduling.speed import (
     IDLE_FADE_S,
     MAX_STEP_LOG_RATIO,
     RecentSpeed,
     horizon_factor,
 )
-from shared.scheduling.snapshot import BatchSample
 
 MODEL = BatchTimeModel(SIX_TERM, (2e-3, 1e-5, 0.0, 1e-4, 0.0, 0.0))
 

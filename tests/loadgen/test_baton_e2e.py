@@ -2,7 +2,7 @@
 
 loadgen runs as its own process (`python -m loadgen`, as a user runs it) while
 the stack serves from the test's event loop; NATS and Redis are real servers on
-free ports (tests/loadgen/conftest.py). This is the end-to-end check of issue 4:
+free ports (tests/loadgen/conftest.py). The end-to-end check of the load generator:
 200 requests of the Azure conversation trace, time-compressed and capped to what
 the tiny stack holds, and a run of bad requests that must end as failures.
 """
@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
-from loadgen.config import DEFAULT_DATA_DIR
+from loadgen.data import data_dir
 from loadgen.traces import read_trace
 from tests.services.conftest import Stack
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-AZURE = DEFAULT_DATA_DIR / "traces" / "azure_llm_2023_conv.csv"
-pytestmark = pytest.mark.skipif(not AZURE.is_file(), reason="shared data not present")
+AZURE = data_dir() / "traces" / "azure_llm_2023_conv.csv"
+pytestmark = pytest.mark.skipif(not AZURE.is_file(), reason="no data directory (`just data`)")
 
 NUM_REQUESTS = 200
 TIME_SCALE = 0.15  # the first 200 rows span 61 s (3.3 req/s): replayed in ~9 s (~22 req/s)
@@ -33,7 +33,7 @@ MAX_OUTPUT_TOKENS = 8  # every one of the first 200 rows asks for more, so each 
 WORKERS = {"w0", "w1"}  # instance ids start_stack gives the workers
 LOADGEN_TIMEOUT_S = 120.0
 
-# Issue 4's fields, which must all be numbers after a run where everything completed.
+# The report's fields that must all be numbers after a run where everything completed.
 REQUIRED_NUMBERS = (
     "completed",
     "failed",

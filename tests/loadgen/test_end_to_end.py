@@ -15,13 +15,13 @@ import pytest
 from fastapi import FastAPI
 
 from loadgen.__main__ import main
-from loadgen.config import DEFAULT_DATA_DIR
+from loadgen.data import data_dir
 from tests.loadgen.fake_openai import MAX_CHUNKS, free_port, serve_fake_openai
 
-AZURE = DEFAULT_DATA_DIR / "traces" / "azure_llm_2023_conv.csv"
-pytestmark = pytest.mark.skipif(not AZURE.is_file(), reason="shared data not present")
+AZURE = data_dir() / "traces" / "azure_llm_2023_conv.csv"
+pytestmark = pytest.mark.skipif(not AZURE.is_file(), reason="no data directory (`just data`)")
 
-# The fields issue 4 names, all of which must be numbers after a good run.
+# The report's fields that must all be numbers after a good run.
 REQUIRED_NUMBERS = (
     "completed",
     "failed",

@@ -6,12 +6,12 @@ import itertools
 
 import pytest
 
-from loadgen.config import DEFAULT_DATA_DIR
+from loadgen.data import data_dir
 from loadgen.plan import detect_trace_format
 from loadgen.traces import TraceRow, TraceWindow, native_rate, read_trace, select_rows
 
-TRACES = DEFAULT_DATA_DIR / "traces"
-pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason="shared data not present")
+TRACES = data_dir() / "traces"
+pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason="no data directory (`just data`)")
 
 
 def test_azure_conversation_trace() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadgen.config import DEFAULT_DATA_DIR
+from loadgen.data import data_dir
 from loadgen.tokens import WordCounter
 from loadgen.traces import TraceRow
 from loadgen.workloads import (
@@ -27,8 +27,8 @@ from loadgen.workloads import (
     parse_mix,
 )
 
-HAS_DATA = (DEFAULT_DATA_DIR / "prompts").is_dir()
-needs_data = pytest.mark.skipif(not HAS_DATA, reason="shared data not present")
+HAS_DATA = (data_dir() / "prompts").is_dir()
+needs_data = pytest.mark.skipif(not HAS_DATA, reason="no data directory (`just data`)")
 
 
 def test_paper_slo_rule() -> None:
@@ -58,7 +58,7 @@ def test_policy_applies_caps_slo_model_and_budget() -> None:
 @needs_data
 @pytest.mark.parametrize("name", list(PROMPT_SET_FILES))
 def test_every_prompt_set_loads_as_text_with_references(name: str) -> None:
-    prompts = load_prompt_set(name, DEFAULT_DATA_DIR)
+    prompts = load_prompt_set(name, data_dir())
     assert len(prompts) >= 14
     assert all(p.task == name and p.text.strip() for p in prompts)
     assert sum(bool(p.reference.strip()) for p in prompts) >= 0.99 * len(prompts)
@@ -70,7 +70,7 @@ def test_task_shapes_differ_as_the_paper_says() -> None:
 
     def mean_len(name: str) -> float:
         return float(
-            np.mean([counter.count(p.text) for p in load_prompt_set(name, DEFAULT_DATA_DIR)])
+            np.mean([counter.count(p.text) for p in load_prompt_set(name, data_dir())])
         )
 
     assert mean_len("govreport") > mean_len("hotpotqa") > 10 * mean_len("alpaca")
@@ -79,7 +79,7 @@ def test_task_shapes_differ_as_the_paper_says() -> None:
 @needs_data
 def test_mixed_workload_follows_the_shares() -> None:
     shares = parse_mix("alpaca:3,aime:1")
-    sets = {t: load_prompt_set(t, DEFAULT_DATA_DIR) for t in shares}
+    sets = {t: load_prompt_set(t, data_dir()) for t in shares}
     workload = PromptSetWorkload(sets, shares, WordCounter(), np.random.default_rng(0))
     tasks = Counter(d.task for d in itertools.islice(workload.drafts(), 4000))
     assert tasks["alpaca"] / 4000 == pytest.approx(0.75, abs=0.03)

@@ -350,7 +350,7 @@ def test_a_silent_relay_never_strands_a_request_or_a_copy() -> None:
         large.on_handoffs(large_engine.pop_handoffs(), large_engine, back)
     (answer,) = back.peer
     assert isinstance(answer, PeerReq) and answer.to_model == 0
-    # Overdue again and the relay no longer answers: the origin resumes alone and
+    # Overdue again and the relay silent: the origin resumes alone and
     # releases the peers.
     assert small.overdue_origins(t0 + 62.0, 30.0) == {"a": t0 + 31.0}
     outbox = Outbox()

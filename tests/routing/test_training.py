@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.routing.policies.routers import RouterNet, RouterSpec
-from services.worker.routing.policies.training import (
+from bench.router_training import (
     Features,
     FitConfig,
     fit_router,
@@ -17,6 +16,7 @@ from services.worker.routing.policies.training import (
     threshold_for_share,
     youden_threshold,
 )
+from services.worker.routing.policies.routers import RouterNet, RouterSpec
 
 VOCAB, HIDDEN = 40, 12
 

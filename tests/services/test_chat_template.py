@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
 from tokenizers import Tokenizer as FastTokenizer
 
-from loadgen.config import DEFAULT_DATA_DIR
+from loadgen.data import data_dir
 from shared.chat_template import (
     IM_END,
     IM_START,
@@ -71,9 +70,9 @@ def test_smollm2_takes_the_chatml_form_with_its_default_system_message() -> None
 
 
 def test_the_form_gives_the_jinja_paths_ids_for_real_prompts() -> None:
-    path = Path(DEFAULT_DATA_DIR) / "prompts" / "alpaca_5000_random.json"
+    path = data_dir() / "prompts" / "alpaca_5000_random.json"
     if not path.is_file():
-        pytest.skip(f"{path} is not here (the project's shared data)")
+        pytest.skip(f"{path} is not here (`just data`)")
     rows = json.loads(path.read_text())
     texts = [" ".join(str(r.get(k) or "") for k in ("instruction", "input")).strip() for r in rows]
     assert len(texts) == 5000

@@ -7,11 +7,10 @@ import math
 import msgspec
 import pytest
 
+from bench.sfs_evaluation import estimate_from_now
 from services.estimator.instances import LatencyEstimator, TtftEstimate, create_instance_state
 from services.estimator.ledger import Ledger, LedgerEntry
 from services.estimator.policies import InstanceView, Scores, UtilityPolicy, create_policy
-from services.estimator.sfs.batch_time import SIX_TERM, BatchTimeModel
-from services.estimator.sfs.evaluation import estimate_from_now
 from services.estimator.sfs.replay import OutputPolicy, Probe
 from services.estimator.sfs.utility import default_ttft_target_s
 from services.gateway.completions import routing_headers
@@ -19,6 +18,7 @@ from services.gateway.service import GatewayError
 from shared.config import ConfigError, EstimatorConfig, ModelConfig, parse_cluster
 from shared.messages.estimator import RouteRequest
 from shared.messages.registry import WorkerInfo
+from shared.scheduling.batch_time import SIX_TERM, BatchTimeModel
 from shared.scheduling.snapshot import RequestCounters, WorkloadSnapshot
 
 MODEL = BatchTimeModel(SIX_TERM, (0.01, 1e-4, 0.0, 1e-3, 0.0, 0.0))

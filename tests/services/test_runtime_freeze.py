@@ -1,5 +1,5 @@
 """A service process freezes its heap once it is ready (shared.runtime.freeze_heap), so
-the cyclic garbage collector no longer walks its start-up objects. Run in a child
+the cyclic garbage collector does not walk its start-up objects. Run in a child
 process: freezing belongs to a process's own entry point, not to the test's."""
 
 from __future__ import annotations

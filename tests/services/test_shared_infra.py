@@ -112,9 +112,9 @@ def test_cluster_errors_are_clear() -> None:
     ],
 )
 def test_limits_out_of_range_are_refused_when_the_file_is_read(text: str, message: str) -> None:
-    """Each of these started a cluster that then failed every request (429s), flapped
-    (registrations expiring before renewal) or spun (a heartbeat loop at 0 s), or
-    ended the launcher in a traceback (a load probe, 2026-12-06)."""
+    """Each of these, let through, starts a cluster that then fails every request
+    (429s), flaps (registrations expiring before renewal) or spins (a heartbeat loop at
+    0 s), or ends the launcher in a traceback."""
     with pytest.raises(ConfigError, match=message):
         parse_cluster(text, environ={})
 

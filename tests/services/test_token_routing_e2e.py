@@ -287,8 +287,8 @@ async def test_requests_past_the_running_cap_wait_without_empty_steps(
 ) -> None:
     """More requests than the origin's `max_num_seqs` (8): while the admitted ones are
     parked at the peer, the others wait for a slot that no step can free, and the origin
-    waits for a message instead of stepping. It used to run empty steps back to back,
-    ~7,000 a second on a 2-core host, until a request came back."""
+    waits for a message instead of stepping, not running empty steps back to back until
+    a request comes back."""
     stack, relay = routed
     origin = stack.workers[0]
     relayed = relay._send

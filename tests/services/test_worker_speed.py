@@ -1,5 +1,5 @@
 """The worker's snapshots report how fast its iterations run against the calibration
-the estimator published (WorkloadSnapshot.batch_time_speed, sfs/speed.py).
+the estimator published (WorkloadSnapshot.batch_time_speed, shared/scheduling/speed.py).
 
 A real worker (random-tiny) on real NATS and Redis; calibrations are written to Redis
 by hand, as the estimator writes them, so the expected factor is known: a model that
@@ -16,11 +16,11 @@ import statistics
 import msgspec
 import pytest
 
-from services.estimator.sfs.batch_time import SIX_TERM, BatchTimeModel
-from services.estimator.sfs.speed import RecentSpeed
 from shared.messages import encode
 from shared.messages.worker import BatchTimeCalibration
+from shared.scheduling.batch_time import SIX_TERM, BatchTimeModel
 from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot
+from shared.scheduling.speed import RecentSpeed
 from tests.services.test_worker_inline_step import running_worker
 
 

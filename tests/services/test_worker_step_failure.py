@@ -26,7 +26,7 @@ from tests.services.test_worker_inline_step import Client
 class FailingSteps:
     """An engine factory whose engine's step raises while `failures_left` > 0: after
     the real step ran (`broken` False: a fault in one batch) or instead of it (`broken`
-    True: an engine that can no longer step at all)."""
+    True: an engine that cannot step at all)."""
 
     def __init__(self) -> None:
         self.failures_left = 0

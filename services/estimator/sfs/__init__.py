@@ -1,41 +1,4 @@
-"""SFS (Serving Framework Simulation) core for the estimator: batch-time models and
-their robust fit, the scheduler replay that predicts TTFT/E2E from a snapshot, the
-throughput and LPS-queue baselines, and the routing utilities. Pure: no I/O."""
-
-from services.estimator.sfs.batch_time import (
-    EIGHT_TERM,
-    FOUR_TERM,
-    SEVEN_TERM,
-    SIX_TERM,
-    BatchTimeModel,
-    features,
-)
-from services.estimator.sfs.fit import FitResult, OnlineBatchTimeFitter, fit_batch_time
-from services.estimator.sfs.replay import (
-    OutputPolicy,
-    PendingRequest,
-    Probe,
-    ReplayEstimate,
-    SfsReplayer,
-    estimate,
-    replay_exact,
-)
-
-__all__ = [
-    "EIGHT_TERM",
-    "FOUR_TERM",
-    "SEVEN_TERM",
-    "SIX_TERM",
-    "BatchTimeModel",
-    "FitResult",
-    "OnlineBatchTimeFitter",
-    "OutputPolicy",
-    "PendingRequest",
-    "Probe",
-    "ReplayEstimate",
-    "SfsReplayer",
-    "estimate",
-    "features",
-    "fit_batch_time",
-    "replay_exact",
-]
+"""SFS (Serving Framework Simulation) core for the estimator: the batch-time fit, the
+scheduler replay that predicts TTFT/E2E from a snapshot, the throughput and LPS-queue
+baselines, and the routing utilities. Pure: no I/O. The batch-time model itself lives in
+shared/scheduling/batch_time.py, since workers and the simulated engine use it too."""

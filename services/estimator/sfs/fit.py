@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import nnls
 
-from services.estimator.sfs.batch_time import (
+from shared.scheduling.batch_time import (
     SIX_TERM,
     BatchTimeModel,
     features_from_raw,

@@ -36,9 +36,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.estimator.sfs.batch_time import BatchTimeModel
 from services.estimator.sfs.kernel import KernelState, RunResult
 from services.estimator.sfs.native import IMPL as kernel_impl  # this module or its build
+from shared.scheduling.batch_time import BatchTimeModel
 from shared.scheduling.lengths import predicted_capped
 from shared.scheduling.snapshot import WorkloadSnapshot, restore_scheduler
 

@@ -12,7 +12,7 @@ tests/engine/test_cpu_kernels.py) and measured here (1 thread, batch 1-16):
 fp32 is packed too, for another reason: `F.linear` in fp32 goes to MKL's sgemm,
 which packs the weight panel by panel inside every call; with a few rows per call
 (decode) that costs more than the arithmetic. Measured on an AVX-512 CPU without
-BF16 (1 thread, 2026-12-01): a 1536x576 weight at 8 rows 366 us plain vs 214 us
+BF16 (1 thread): a 1536x576 weight at 8 rows 366 us plain vs 214 us
 packed, the 49152x576 LM head 26.5 ms vs 10.4 ms; a whole SmolLM2 decode step
 1.49x faster at batch 8, 1.24x at 16. But a single row is faster through sgemm's
 matrix-vector path (129 vs 232 us), so fp32 layers keep their plain weight too and
@@ -31,7 +31,7 @@ dynamic fp16 quantization) keeps each weight as fp16, half the bytes, and conver
 to fp32 in registers (F16C), so the arithmetic is an fp32 GEMM on fp16-rounded weights
 (measured: 4e-7 relative to F.linear on those rounded weights; the rounding itself
 moves a product ~2e-4 relative, a tenth of bf16's). Measured on an AVX2 Zen 3
-(1 thread, 2026-12-01, 30 distinct 3072x576 weights so they come from DRAM): 34 vs
+(1 thread, 30 distinct 3072x576 weights so they come from DRAM): 34 vs
 11-14 ms at 1 row, 46-49 vs 24-25 ms at 8, 67 vs 29-39 ms at 16, still ahead at 512
 rows (796 vs 717 ms); the 49152x576 LM head 25.4 vs 15.0 ms at 8 rows. No plain copy
 is kept: fbgemm is faster than sgemm's gemv at one row too.
@@ -130,7 +130,7 @@ def pack_linears(module: nn.Module, batch_hint: int, fp16_weights: bool = False)
     """Replace every nn.Linear under `module` by a PackedLinear (or, with
     `fp16_weights`, an Fp16WeightLinear); returns how many.
 
-    After this the module's state_dict no longer holds those weights: pack only
+    After this the module's state_dict does not hold those weights: pack only
     models that serve (the engine), never ones that are saved or compared by name.
     """
     count = 0

@@ -6,8 +6,8 @@
         for out in engine.step(): ...
     engine.now()  # virtual seconds: the sum of the modeled batch times
 
-Every iteration runs the very same `Scheduler` as LLMEngine (DESIGN.md, "One
-scheduler, two uses"); only step 3 differs: instead of a forward pass, the modeled
+Every iteration runs the very same `Scheduler` as LLMEngine (one scheduler, two
+uses); only step 3 differs: instead of a forward pass, the modeled
 time T(batch) of the scheduled batch passes, and every chunk that samples gets a
 synthetic token. So the batches, the snapshots and the batch samples are what the
 real engine would produce if its forward took exactly the modeled time.
@@ -54,10 +54,10 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import msgspec
 
-from services.estimator.sfs.batch_time import BatchTimeModel
 from services.worker.engine.frontend import RequestInbox, generate_all, validate_request
 from services.worker.engine.outputs import FinishReason, RequestOutput
 from shared.sampling import SamplingParams
+from shared.scheduling.batch_time import BatchTimeModel
 from shared.scheduling.request import SchedRequest
 from shared.scheduling.scheduler import Scheduler, SchedulerConfig
 from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot, describe_batch, take_snapshot

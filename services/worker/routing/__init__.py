@@ -1,2 +1,2 @@
 """Token-level routing on a worker: the route hook API, the policies and the runtime
-that turns the engine's hand-offs into PeerReqs (DESIGN.md, "Route hook API")."""
+that turns the engine's hand-offs into PeerReqs (docs/token-routing.md)."""

@@ -29,11 +29,11 @@ from typing import Any
 import msgspec
 import torch
 
-from services.batcher.hold import may_step, wait_left_s
 from services.worker.engine.outputs import Handoff, RequestOutput, StepOutputs
 from services.worker.routing.api import STAY, RouteBatch, RouteState, TokenPolicy, target_of
 from services.worker.routing.chars import CharBoundaries
 from shared.config import PresetConfig
+from shared.hold import may_step, wait_left_s
 from shared.logging import get_logger
 from shared.messages.batcher import BatchTables
 from shared.messages.peer import PeerRelease, PeerReq
@@ -580,7 +580,7 @@ class TokenRouting:
         """None: step now. Else seconds the loop may wait for more requests first.
 
         Holds only when every request ready here belongs to a preset that holds:
-        `baton` whose B*(N) is not reached (services/batcher/hold.py has the rule),
+        `baton` whose B*(N) is not reached (shared/hold.py has the rule),
         or `barrier` with one of its requests away at a peer. Plain requests are
         never held (a step they force carries the held presets' ready rows too).
         """

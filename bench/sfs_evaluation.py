@@ -13,7 +13,7 @@ entries and the probe, and continues:
 
     TTFT_hat(now) = max(0, end_hat(iteration in flight) - age) + TTFT_hat(rest)
 
-(the SFS public code ships the in-flight batch in its snapshot, anchors.md 3.3). The
+(the SFS public code ships the in-flight batch in its snapshot). The
 estimator service's `SfsReplayer.estimate` counts from the snapshot instead and lets
 the probe join the first replayed batch: high by up to `age`, low by up to one batch.
 """
@@ -26,7 +26,6 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from services.estimator.sfs.batch_time import BatchTimeModel
 from services.estimator.sfs.replay import (
     OutputPolicy,
     PendingLike,
@@ -37,6 +36,7 @@ from services.estimator.sfs.replay import (
     run_in_flight,
     run_on_state,
 )
+from shared.scheduling.batch_time import BatchTimeModel
 from shared.scheduling.snapshot import WorkloadSnapshot
 
 

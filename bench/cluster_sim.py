@@ -36,11 +36,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
+from bench.sfs_evaluation import estimate_from_now
 from services.estimator.instances import InstanceState, LatencyEstimator, create_instance_state
 from services.estimator.ledger import Ledger, LedgerEntry
 from services.estimator.policies import InstanceView, Policy, Scores
-from services.estimator.sfs.batch_time import BatchTimeModel
-from services.estimator.sfs.evaluation import estimate_from_now
 from services.estimator.sfs.replay import OutputPolicy, PendingRequest, Probe
 from services.worker.engine.outputs import FinishReason
 from services.worker.engine.sim import SimEngine, SimEngineConfig, SimSequence
@@ -48,6 +47,7 @@ from shared.config import ClusterConfig
 from shared.messages.estimator import RouteRequest
 from shared.messages.registry import WorkerInfo
 from shared.sampling import SamplingParams
+from shared.scheduling.batch_time import BatchTimeModel
 from shared.scheduling.snapshot import WorkloadSnapshot
 
 PROMPT_TOKEN_ID = 100  # every simulated prompt token (lengths are all the sim reads)

@@ -1,24 +1,22 @@
 """How fast an instance's iterations run right now, against its batch-time model.
 
 A CPU instance's step time drifts around any fit of its composition, and the drift
-is slow: on the tenth session's machine (smollm2-small, bf16, 1,254 iterations of
-bursts and steady decode) the log residual of the seven-term fit had an
-autocorrelation of 0.73 at one iteration, 0.36 at five and 0.29 at ten, so the last
-few iterations say much about the next few, which are what a queued request waits
-through. Offline on those iterations (fit on the first half, priced on the second),
-the modeled sum of the next 3-25 iterations was 8.4-11.4% off; scaled by an
-exponentially weighted mean of the recent log residual (alpha 0.2), 6.0-6.4%.
+is slow: on smollm2-small (bf16, 1,254 iterations of bursts and steady decode) the
+log residual of the seven-term fit has an autocorrelation of 0.73 at one iteration,
+0.36 at five and 0.29 at ten, so the last few iterations say much about the next
+few, which are what a queued request waits through. Fit on the first half and priced
+on the second, the modeled sum of the next 3-25 iterations is 8.4-11.4% off; scaled
+by an exponentially weighted mean of the recent log residual (alpha 0.2), 6.0-6.4%.
 
 The worker keeps this factor against the calibration its snapshot carries (it sees
 every iteration as it ends; the estimator reads samples only once a second) and
 publishes it as `WorkloadSnapshot.batch_time_speed`. The estimator scales an SFS
 TTFT estimate T by speed ** exp(-T / horizon) (`horizon_factor`): the residuals
 decorrelate within ~10-50 iterations, so the speed of now tells about the first
-iterations of a wait, hardly about those a second away. In one part-1 run priced
-both ways (799 requests), the factor on the whole estimate helped TTFTs under 100 ms
-(12.7% -> 11.4% MAPE) and hurt those over 300 ms (10.0% -> 10.8%): 11.4% -> 11.3%
-overall, within noise. Faded over 0.3 s (picked on that run), the next run gave 10.8%
-against 11.4% without it, a paired difference of -0.61 +- 0.16 points (docs/sfs.md).
+iterations of a wait, hardly about those a second away. Applied to the whole
+estimate, the factor helps TTFTs under 100 ms and hurts those over 300 ms; faded
+over 0.3 s it takes the TTFT MAPE of bench_sfs part 1 from 11.4% to 10.8%, a paired
+difference of -0.61 +- 0.16 points (docs/sfs.md).
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from services.estimator.sfs.batch_time import BatchTimeModel
+from shared.scheduling.batch_time import BatchTimeModel
 from shared.scheduling.snapshot import BatchSample
 
 # Each iteration's residual is clamped to this log ratio before it enters the mean: a

@@ -15,23 +15,20 @@ so the replay kernel accumulates those sums once and any feature set prices them
 
 Feature sets (coefficients in seconds per feature unit):
 
-* ``"six-term"`` (DESIGN.md, SFS public code "legacy"):
+* ``"six-term"`` (the SFS public code's "legacy" model):
   T = b0 + b_p*P + b_p2*PP + b_d*D + b_s*S + b_s2*S2
 * ``"four-term"`` (the SFS paper, eq. 11):
   T = b0 + b1*(P + D) + b2*DC + b3*PC
-* ``"seven-term"`` (the CPU default before eight-term): six-term + b_d2*DD. On a CPU the linears
-  are bandwidth-bound for a few rows and compute-bound from ~8, so a decode batch's
-  cost is convex in its size; measured on smollm2-small (10,875 iterations, batches
-  of 1-32) the six-term fit priced batches of 25-32 requests 21% short (-20% TTFT
-  in deep queues), the D^2 term cut that to 9% and the overall error 5.1% -> 4.2%.
-* ``"eight-term"`` (Baton's CPU default since the thirteenth session): seven-term +
-  b_hp*HP, a fixed cost of every iteration that prefills. The engine's prefill path
-  (its own attention call, the chunk's metadata, the prompt's first tokens in the
-  sampler) costs the same whatever the chunk's size, and without the term the fit
-  spread it over P and b0: on bench_sfs part 1's 6,064 replay iterations
-  (smollm2-small, an Intel Xeon) the online seven-term fit priced prefill iterations
-  3.4% short in sum and decode-only ones 1.6% long; with HP 1.1% short and 1.1% long,
-  prefill MAPE 7.3% -> 6.5%. A queued request waits through prefill iterations.
+* ``"seven-term"``: six-term + b_d2*DD. On a CPU the linears are bandwidth-bound for
+  a few rows and compute-bound from ~8, so a decode batch's cost is convex in its
+  size: on smollm2-small (10,875 iterations, batches of 1-32) the six-term fit prices
+  batches of 25-32 requests 21% short, the D^2 term 9% (overall error 5.1% -> 4.2%).
+* ``"eight-term"`` (Baton's CPU default): seven-term + b_hp*HP, a fixed cost of every
+  iteration that prefills. The engine's prefill path (its own attention call, the
+  chunk's metadata, the prompt's first tokens in the sampler) costs the same whatever
+  the chunk's size; without the term the fit spreads it over P and b0 and prices
+  prefill iterations 3.4% short in sum (1.1% with it; bench_sfs part 1, smollm2-small).
+  A queued request waits through prefill iterations.
 
 Context "after the step" is what `BatchSample.context_lens` records (chunk end).
 """
@@ -208,7 +205,7 @@ class BatchTimeModel:
         return cls(snapshot.batch_time_features, tuple(snapshot.batch_time_coefs))
 
 
-# SFS public code, H100, Qwen3, vLLM (anchors.md 3.6), six-term, seconds.
+# The SFS paper's public code: H100, Qwen3, vLLM; six-term, seconds.
 SFS_H100_QWEN3: dict[str, BatchTimeModel] = {
     "qwen3-0.6b": BatchTimeModel(
         SIX_TERM, (2.582e-3, 2.034e-6, 1.893e-10, 1.689e-5, 3.543e-8, 1.575e-13)
