@@ -183,22 +183,18 @@ def build_instances(
         sim_fields = {k: v for k, v in mc.sim.items() if k not in set_here}
         for r, iid in enumerate(cluster.replica_ids(inst)):  # the launcher's ids
             cfg = SimEngineConfig(
-                max_num_seqs=inst.max_num_seqs,
-                max_num_batched_tokens=inst.max_num_batched_tokens,
-                block_size=inst.block_size,
-                num_kv_blocks=inst.num_kv_blocks,
-                max_model_len=inst.max_model_len,
                 clock="virtual",
                 seed=seed + inst.seed + r,
                 num_batch_samples=1,  # samples are not read here
+                scheduler=inst.scheduler,
                 **sim_fields,  # type: ignore[arg-type]
             )
             info = WorkerInfo(
                 instance_id=iid,
                 model=inst.model,
                 inbox=f"sim.{iid}",
-                max_model_len=inst.max_model_len,
-                max_num_seqs=inst.max_num_seqs,
+                max_model_len=inst.scheduler.max_model_len,
+                max_num_seqs=inst.scheduler.max_num_seqs,
                 started_at_s=0.0,
                 heartbeat_at_s=0.0,
             )
@@ -543,7 +539,7 @@ def sfs_errors_on_sim(
 ) -> tuple[list[float], list[float]]:
     """(predicted, actual) TTFT of every request when each is estimated at its arrival
     from the instance's latest snapshot, as the estimator service does
-    (`evaluation.estimate_from_now`), on one SimEngine with a virtual clock.
+    (`sfs_evaluation.estimate_from_now`), on one SimEngine with a virtual clock.
 
     Batch times are exactly `model`, so every error is the replay's own: output lengths
     it has to predict, and requests that arrive after the probe (it cannot know them).
@@ -563,7 +559,7 @@ def sfs_errors_on_sim(
         raise ValueError("sfs_errors_on_sim needs clock='virtual'")
 
     def cap_of(a: Arrival) -> int:
-        room = config.max_model_len - a.num_prompt_tokens
+        room = config.scheduler.max_model_len - a.num_prompt_tokens
         return min(room, a.num_output_tokens if max_tokens is None else max_tokens)
 
     engine = WorkloadSimEngine(config, model)

@@ -170,7 +170,7 @@ def estimate_from_now(
         probe,
         coefs,
         policy,
-        max_model_len=snapshot.max_model_len,
+        max_model_len=snapshot.scheduler.max_model_len,
         want_e2e=False,
         max_steps=max_steps,
     )

@@ -33,6 +33,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from loadgen.data import data_dir  # noqa: E402
 from services.worker.engine.config import EngineConfig, resolve_dtype  # noqa: E402
 from services.worker.engine.cpu_kernels import fp16_weights_supported  # noqa: E402
 from services.worker.engine.engine import LLMEngine  # noqa: E402
@@ -40,8 +41,9 @@ from services.worker.engine.loader import build_model, load_gguf  # noqa: E402
 from shared.model_store import load_tokenizer, smollm2_gguf_path  # noqa: E402
 from shared.runtime import freeze_heap  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
+from shared.scheduling.scheduler import SchedulerConfig  # noqa: E402
 
-ALPACA = REPO.parent / "shared" / "data" / "prompts" / "alpaca_5000_random.json"
+ALPACA = data_dir() / "prompts" / "alpaca_5000_random.json"
 
 
 def alpaca_prompts(count: int, seed: int, path: Path) -> list[list[int]]:
@@ -117,11 +119,17 @@ def greedy_agreement(
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     outs = []
     for dt, wd in (("float32", "same"), (dtype, weight_dtype)):
-        conf = EngineConfig(model="smollm2-135m", dtype=dt, weight_dtype=wd,
-                            max_num_seqs=len(prompts), num_kv_blocks=256, max_model_len=2048)
+        conf = EngineConfig(
+            model="smollm2-135m",
+            dtype=dt,
+            weight_dtype=wd,
+            scheduler=SchedulerConfig(
+                max_num_seqs=len(prompts), num_kv_blocks=256, max_model_len=2048
+            ),
+        )
         model = build_model(cfg, dict(state), conf.torch_dtype, torch.device("cpu"))  # type: ignore[arg-type]
         if conf.fp16_weights:
-            model.pack_for_cpu(batch_hint=conf.max_num_seqs, fp16_weights=True)
+            model.pack_for_cpu(batch_hint=conf.scheduler.max_num_seqs, fp16_weights=True)
         engine = LLMEngine(conf, model)  # fp32 and bf16: the plain model
         outs.append(engine.generate(prompts, params))
         del engine
@@ -154,28 +162,54 @@ def rss_probe(num_kv_blocks: int, dtype: str, weight_dtype: str) -> dict[str, fl
         "print(e.runner.kv_cache_bytes, hwm)"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     ).stdout.split()
     return {"kv_cache_mib": int(out[0]) / 2**20, "peak_rss_mib": int(out[1]) / 1024}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16])
-    ap.add_argument("--requests-per-slot", type=int, default=2, help="requests = this x N (default 2)")
+    ap.add_argument(
+        "--requests-per-slot", type=int, default=2, help="requests = this x N (default 2)"
+    )
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="alternate engine and HF runs this many times per N; report medians "
-                         "(shared machines drift: alternating keeps the comparison fair)")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                    help="auto (as workers run): bf16 where the CPU computes it natively, else fp32")
-    ap.add_argument("--weight-dtype", default="auto", choices=["auto", "same", "float16"],
-                    help="auto (as workers run): fp16 weights where fp32 runs on an x86 CPU")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="alternate engine and HF runs this many times per N; report medians "
+        "(shared machines drift: alternating keeps the comparison fair)",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="auto (as workers run): bf16 where the CPU computes it natively, else fp32",
+    )
+    ap.add_argument(
+        "--weight-dtype",
+        default="auto",
+        choices=["auto", "same", "float16"],
+        help="auto (as workers run): fp16 weights where fp32 runs on an x86 CPU",
+    )
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--variants-at", type=int, default=8, help="N for the dtype/threads variants (0 = skip)")
-    ap.add_argument("--agreement-prompts", type=int, default=16,
-                    help="prompts for the greedy agreement checks against fp32 (0 = skip)")
+    ap.add_argument(
+        "--variants-at", type=int, default=8, help="N for the dtype/threads variants (0 = skip)"
+    )
+    ap.add_argument(
+        "--agreement-prompts",
+        type=int,
+        default=16,
+        help="prompts for the greedy agreement checks against fp32 (0 = skip)",
+    )
     ap.add_argument("--prompts", type=Path, default=ALPACA)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO / "results" / "bench_engine.json")
@@ -189,15 +223,22 @@ def main() -> None:
     prompts = alpaca_prompts(max_n * args.requests_per_slot, args.seed, args.prompts)
     max_len = max(len(p) for p in prompts) + args.new_tokens + 16
     econf = EngineConfig(
-        model="smollm2-135m", dtype=args.dtype, weight_dtype=args.weight_dtype, threads=args.threads,
-        max_num_seqs=max_n, num_kv_blocks=max(128, -(-max_len // EngineConfig().block_size) * max_n + 4), max_model_len=2048,
+        model="smollm2-135m",
+        dtype=args.dtype,
+        weight_dtype=args.weight_dtype,
+        threads=args.threads,
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_n,
+            num_kv_blocks=max(128, -(-max_len // EngineConfig().scheduler.block_size) * max_n + 4),
+            max_model_len=2048,
+        ),
     )
 
     def make_engine(conf: EngineConfig) -> LLMEngine:
         """The engine as a worker serves it (packed as LLMEngine.create packs it)."""
         model = build_model(cfg, dict(state), conf.torch_dtype, torch.device("cpu"))
         if conf.pack_weights:
-            model.pack_for_cpu(batch_hint=conf.max_num_seqs, fp16_weights=conf.fp16_weights)
+            model.pack_for_cpu(batch_hint=conf.scheduler.max_num_seqs, fp16_weights=conf.fp16_weights)
         return LLMEngine(conf, model)
 
     def label(conf: EngineConfig) -> str:
@@ -216,10 +257,19 @@ def main() -> None:
     # was being timed when one came), as the services and bench_gateway do.
     freeze_heap()
 
-    result: dict[str, object] = {"model": "smollm2-135m", "dtype": args.dtype,
-                                 "weight_dtype": econf.resolved_weight_dtype, "threads": args.threads,
-                                 "new_tokens": args.new_tokens, "engine_tok_s": {}, "hf_tok_s": {}, "ratio": {}}
-    print(f"SmolLM2-135M, engine {label(econf)} vs HF {args.dtype}, {args.new_tokens} new tokens per request")
+    result: dict[str, object] = {
+        "model": "smollm2-135m",
+        "dtype": args.dtype,
+        "weight_dtype": econf.resolved_weight_dtype,
+        "threads": args.threads,
+        "new_tokens": args.new_tokens,
+        "engine_tok_s": {},
+        "hf_tok_s": {},
+        "ratio": {},
+    }
+    print(
+        f"SmolLM2-135M, engine {label(econf)} vs HF {args.dtype}, {args.new_tokens} new tokens per request"
+    )
     print(f"{'N':>4} {'requests':>9} {'engine tok/s':>13} {'HF tok/s':>10} {'ratio':>7}")
     for n in args.concurrency:
         group = prompts[: n * args.requests_per_slot]
@@ -238,7 +288,9 @@ def main() -> None:
         n = args.variants_at
         group = prompts[: n * args.requests_per_slot]
         variants: dict[str, float] = {}
-        variants[label(econf)] = result["engine_tok_s"].get(str(n)) or engine_closed_loop(engine, group, n, args.new_tokens, "base")  # type: ignore[union-attr,attr-defined]
+        variants[label(econf)] = result["engine_tok_s"].get(  # type: ignore[union-attr,attr-defined]
+            str(n)
+        ) or engine_closed_loop(engine, group, n, args.new_tokens, "base")
         del engine
         other = "float32" if args.dtype == "bfloat16" else "bfloat16"
         alts = [dataclasses.replace(econf, dtype=other, weight_dtype="same")]
@@ -271,21 +323,34 @@ def main() -> None:
     if args.agreement_prompts:
         checks = [("bf16_vs_fp32_greedy", "bfloat16", "same", "bf16")]
         if fp16_weights_supported():
-            checks.append(("fp16_weights_vs_fp32_greedy", "float32", "float16", "fp32 on fp16 weights"))
+            checks.append(
+                ("fp16_weights_vs_fp32_greedy", "float32", "float16", "fp32 on fp16 weights")
+            )
         for key, dt, wd, name in checks:
             agree = greedy_agreement(cfg, state, prompts[: args.agreement_prompts], 64, dt, wd)
-            result[key] = {"prompts": args.agreement_prompts, "new_tokens": 64,
-                           **{k: round(v, 3) for k, v in agree.items()}}
-            print(f"\n{name} vs fp32 greedy, {args.agreement_prompts} prompts x 64 tokens: "
-                  f"{agree['position_match']:.1%} of positions equal, {agree['prefix_match']:.1%} before "
-                  f"the first divergence, {agree['identical_answers']:.0%} of answers identical")
+            result[key] = {
+                "prompts": args.agreement_prompts,
+                "new_tokens": 64,
+                **{k: round(v, 3) for k, v in agree.items()},
+            }
+            print(
+                f"\n{name} vs fp32 greedy, {args.agreement_prompts} prompts x 64 tokens: "
+                f"{agree['position_match']:.1%} of positions equal, {agree['prefix_match']:.1%} before "
+                f"the first divergence, {agree['identical_answers']:.0%} of answers identical"
+            )
 
     # A worker's KV capacity as configs/local.toml sizes it: 8192 tokens.
-    bs = EngineConfig().block_size
+    bs = EngineConfig().scheduler.block_size
     rss = rss_probe(8192 // bs, args.dtype, econf.weight_dtype)
-    result["worker_memory"] = {"num_kv_blocks": 8192 // bs, "block_size": bs, **{k: round(v, 1) for k, v in rss.items()}}
-    print(f"\nworker peak RSS (SmolLM2, {label(econf)}, {8192 // bs} KV blocks = 8192 tokens): "
-          f"{rss['peak_rss_mib']:.0f} MiB, of which KV cache {rss['kv_cache_mib']:.0f} MiB")
+    result["worker_memory"] = {
+        "num_kv_blocks": 8192 // bs,
+        "block_size": bs,
+        **{k: round(v, 1) for k, v in rss.items()},
+    }
+    print(
+        f"\nworker peak RSS (SmolLM2, {label(econf)}, {8192 // bs} KV blocks = 8192 tokens): "
+        f"{rss['peak_rss_mib']:.0f} MiB, of which KV cache {rss['kv_cache_mib']:.0f} MiB"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

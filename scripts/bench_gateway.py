@@ -58,8 +58,7 @@ of the run (this one, with the client) on the rest, as the cluster file's `cpus`
 settings pin a deployment; the in-process engine runs on the worker's CPU (while
 the worker idles), so both sides' engines compute on the same core (--cpus none:
 the OS places everything; on 2 cores, alternated runs of the two gave the pinned
-layout ~0.05 more of the engine's token rate and ~0.3 ms more added TTFT, see
-docs/performance.md).
+layout ~0.05 more of the engine's token rate and ~0.3 ms more added TTFT).
 
 The client runs on the machine under test, so its CPU is taken from the
 services it measures: by default it is aiohttp on uvloop (what vLLM's and SGLang's
@@ -105,6 +104,7 @@ from services.launcher.servers import free_port, start_nats, start_redis, stop_p
 from shared.model_store import load_tokenizer  # noqa: E402
 from shared.runtime import compact_cpus, exit_on_sigterm, freeze_heap  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
+from shared.scheduling.scheduler import SchedulerConfig  # noqa: E402
 from shared.scheduling.snapshot import BatchSample  # noqa: E402
 
 SAMPLE_DECODER = msgspec.msgpack.Decoder(BatchSample)  # the worker's batch samples in Redis
@@ -137,11 +137,12 @@ dtype = "{dtype}"
 [[instances]]
 model = "{model}"
 replicas = 1
+cpus = {worker_cpus}
+[instances.scheduler]
 max_num_seqs = {max_num_seqs}
 max_num_batched_tokens = 512
 num_kv_blocks = {num_kv_blocks}
 max_model_len = 1024
-cpus = {worker_cpus}
 """
 
 
@@ -277,10 +278,12 @@ class EngineSide:
         cfg = EngineConfig(
             model=args.model,
             dtype=args.dtype,
-            max_num_seqs=max(16, args.streams),
-            num_kv_blocks=args.num_kv_blocks,
-            max_model_len=1024,
             threads=1,
+            scheduler=SchedulerConfig(
+                max_num_seqs=max(16, args.streams),
+                num_kv_blocks=args.num_kv_blocks,
+                max_model_len=1024,
+            ),
         )
         self.engine = LLMEngine.create(cfg)
         self.num_requests = 0

@@ -107,6 +107,7 @@ from shared.config import ClusterConfig, EstimatorConfig, ModelConfig, load_clus
 from shared.messages.estimator import RouteRequest  # noqa: E402
 from shared.messages.registry import WorkerInfo  # noqa: E402
 from shared.scheduling.batch_time import FEATURE_SETS, SFS_H100_QWEN3, BatchTimeModel  # noqa: E402
+from shared.scheduling.scheduler import SchedulerConfig  # noqa: E402
 from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot  # noqa: E402
 from shared.scheduling.speed import RecentSpeed  # noqa: E402
 
@@ -142,7 +143,7 @@ class Measured:
     predicted_output_tokens: int
     queue_at_arrival: int  # requests the engine held or was about to (snapshot + unseen)
     pred_sfs_s: float  # the estimator service's SFS (LatencyEstimator.ttft), from now
-    pred_sfs_eval_s: float  # evaluation.estimate_from_now (the same estimate, cross-check)
+    pred_sfs_eval_s: float  # sfs_evaluation.estimate_from_now (the same estimate, cross-check)
     pred_sfs_snapshot_s: float  # SfsReplayer.estimate: from the snapshot's time (the old service)
     pred_throughput_s: float
     pred_sfs_point_s: float  # as pred_sfs_eval_s, running requests end at bare predictions
@@ -432,13 +433,16 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
     ecfg = EngineConfig(
         model=args.model,
         dtype="auto",  # as workers run it: bf16 where the CPU computes it natively
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_kv_blocks=args.num_kv_blocks,  # of the engine's default block size, as workers run
-        max_model_len=args.max_model_len,
+        # of the engine's default block size, as workers run
         threads=1,
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_kv_blocks=args.num_kv_blocks,
+            max_model_len=args.max_model_len,
+        ),
     ).with_env(os.environ)  # BATON_DTYPE / BATON_WEIGHT_DTYPE, as for workers
-    if args.max_input + args.max_output > ecfg.max_model_len:
+    if args.max_input + args.max_output > ecfg.scheduler.max_model_len:
         raise SystemExit("--max-input + --max-output must fit --max-model-len")
     print(
         f"[1] loading {args.model} ({ecfg.resolved_dtype}, weights {ecfg.resolved_weight_dtype}, "
@@ -518,8 +522,8 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
         instance_id="real",
         model=args.model,
         inbox="",
-        max_model_len=ecfg.max_model_len,
-        max_num_seqs=ecfg.max_num_seqs,
+        max_model_len=ecfg.scheduler.max_model_len,
+        max_num_seqs=ecfg.scheduler.max_num_seqs,
         started_at_s=0.0,
         heartbeat_at_s=0.0,
     )
@@ -782,10 +786,10 @@ def run_real(args: argparse.Namespace) -> dict[str, Any]:
             "engine": {
                 "dtype": ecfg.resolved_dtype,
                 "weight_dtype": ecfg.resolved_weight_dtype,
-                "max_num_seqs": ecfg.max_num_seqs,
-                "max_num_batched_tokens": ecfg.max_num_batched_tokens,
-                "num_kv_blocks": ecfg.num_kv_blocks,
-                "max_model_len": ecfg.max_model_len,
+                "max_num_seqs": ecfg.scheduler.max_num_seqs,
+                "max_num_batched_tokens": ecfg.scheduler.max_num_batched_tokens,
+                "num_kv_blocks": ecfg.scheduler.num_kv_blocks,
+                "max_model_len": ecfg.scheduler.max_model_len,
             },
             "trace": str(args.trace),
             "trace_start_s": args.trace_start_s,
@@ -919,7 +923,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     cluster = _CLUSTER
     seed = cell.seed + int(cell.rate * 1000) + zlib.crc32(cell.process.encode()) % 1000
     offsets = offsets_for(cell.process, cell.rate, cell.num_requests, seed)
-    max_len = min(i.max_model_len for i in cluster.instances)
+    max_len = min(i.scheduler.max_model_len for i in cluster.instances)
     reqs = make_requests(
         [float(x) for x in offsets],
         _TASKS,
@@ -1432,9 +1436,7 @@ def build_parser() -> argparse.ArgumentParser:
     g1.add_argument(
         "--model", default="smollm2-small", help="smollm2-135m | smollm2-medium | smollm2-small"
     )
-    g1.add_argument(
-        "--trace", type=Path, default=data_dir() / "traces" / "azure_llm_2023_conv.csv"
-    )
+    g1.add_argument("--trace", type=Path, default=data_dir() / "traces" / "azure_llm_2023_conv.csv")
     g1.add_argument(
         "--trace-start-s",
         type=float,
@@ -1590,7 +1592,7 @@ def main() -> None:
                 "1. TTFT prediction, real CPU engine in its own process (no NATS hop), "
                 f"{real['setup']['model']}, {real['num_measured']} requests at {real['rate_rps']:.2f} req/s "
                 f"({real['num_queued_at_arrival']} found work queued):",
-                f"   MAPE SFS {real['mape_sfs']:.1%} (service's LatencyEstimator, with the measured-TTFT correction; the bare replay, evaluation.estimate_from_now, {real['mape_sfs_evaluation']:.1%}; from the snapshot's time, the service before {real['mape_sfs_from_snapshot']:.1%}; running requests ending at bare length predictions {real['mape_sfs_point_lengths']:.1%}; without the recent speed {real['mape_sfs_without_speed']:.1%}) vs "
+                f"   MAPE SFS {real['mape_sfs']:.1%} (service's LatencyEstimator, with the measured-TTFT correction; the bare replay, sfs_evaluation.estimate_from_now, {real['mape_sfs_evaluation']:.1%}; from the snapshot's time, the service before {real['mape_sfs_from_snapshot']:.1%}; running requests ending at bare length predictions {real['mape_sfs_point_lengths']:.1%}; without the recent speed {real['mape_sfs_without_speed']:.1%}) vs "
                 f"throughput {real['mape_throughput']:.1%} -> {real['mape_throughput'] / real['mape_sfs']:.1f}x better; "
                 f"target SFS <= {TARGET_MAPE:.0%} ({'met' if real['mape_sfs'] <= TARGET_MAPE else 'NOT met'}); "
                 f"paper: {PAPER_MAPE_SFS:.0%} vs {PAPER_MAPE_THROUGHPUT:.0%}",

@@ -45,6 +45,7 @@ def live_snapshot(rng: random.Random, version: int, target_running: int) -> Work
         block_size=16,
         num_kv_blocks=8192,
         max_model_len=8192,
+        max_chunk_beside_guests=0,
     )
     s = Scheduler(cfg)
     n = 0

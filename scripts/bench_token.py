@@ -65,10 +65,11 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from loadgen.data import data_dir  # noqa: E402
 from shared.config import ClusterConfig, PresetConfig, load_cluster  # noqa: E402
 from shared.runtime import exit_on_sigterm  # noqa: E402
 
-DEFAULT_PROMPTS = REPO.parent / "shared" / "data" / "prompts" / "alpaca_5000_random.json"
+DEFAULT_PROMPTS = data_dir() / "prompts" / "alpaca_5000_random.json"
 HELDOUT = (4500, 5000)
 SMALL, MEDIUM, LARGE = "smollm2-small", "smollm2-medium", "smollm2-135m"
 POLICIES = ("r2r", "citer", "co-llm", "r-stitch", "me")
@@ -342,6 +343,7 @@ def cluster_text(
             "[[instances]]",
             f'model = "{model}"',
             "replicas = 1",
+            "[instances.scheduler]",
             "max_num_seqs = 16",
             "max_num_batched_tokens = 512",
             "num_kv_blocks = 512",

@@ -60,6 +60,7 @@ from transformers import (
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from loadgen.data import data_dir  # noqa: E402
 from services.worker.engine.delta import (  # noqa: E402
     DeltaFile,
     apply_delta,
@@ -71,9 +72,7 @@ from services.worker.engine.outputs import TRIMMED_LOGIT  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BASE_NAME = "smollm2-135m"
-DEFAULT_PROMPTS = (
-    Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "alpaca_5000_random.json"
-)
+DEFAULT_PROMPTS = data_dir() / "prompts" / "alpaca_5000_random.json"
 TRAIN_RANGE = (0, 4000)
 VAL_RANGE = (4000, 4500)
 HELDOUT_START = 4500

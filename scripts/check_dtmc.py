@@ -44,6 +44,7 @@ from services.worker.engine.loader import build_model, random_config, random_sta
 from services.worker.engine.outputs import StepOutputs
 from shared.hold import may_step, wait_left_s
 from shared.sampling import SamplingParams
+from shared.scheduling.scheduler import SchedulerConfig
 
 VOCAB = 4096
 # Sizes chosen so that L's step is ~5-8x S's and mostly weight reads (flat in b), as a
@@ -64,7 +65,10 @@ def tiny_engine(shape: dict, seed: int, max_seqs: int) -> LLMEngine:
     cfg = random_config(**shape)
     model = build_model(cfg, random_state_dict(cfg, seed=seed), torch.float32, torch.device("cpu"))
     config = EngineConfig(
-        dtype="float32", num_kv_blocks=1024, max_model_len=MAX_MODEL_LEN, max_num_seqs=max_seqs
+        dtype="float32",
+        scheduler=SchedulerConfig(
+            num_kv_blocks=1024, max_model_len=MAX_MODEL_LEN, max_num_seqs=max_seqs
+        ),
     )
     return LLMEngine(config, model)
 

@@ -27,6 +27,7 @@ from services.worker.engine.engine import LLMEngine
 from services.worker.engine.loader import build_model, load_gguf
 from shared.model_store import smollm2_gguf_path
 from shared.sampling import SamplingParams
+from shared.scheduling.scheduler import SchedulerConfig
 
 
 def decode_steps(
@@ -61,11 +62,11 @@ def make_engine(model: str, config: EngineConfig) -> LLMEngine:
     delta = read_delta(model)
     state = apply_delta(state, delta)
     cfg = dataclasses.replace(
-        cfg, num_hidden_layers=len(delta.layers), max_position_embeddings=config.max_model_len
+        cfg, num_hidden_layers=len(delta.layers), max_position_embeddings=config.scheduler.max_model_len
     )
     built = build_model(cfg, state, config.torch_dtype, torch.device(config.device))
     if config.pack_weights:
-        built.pack_for_cpu(batch_hint=config.max_num_seqs, fp16_weights=config.fp16_weights)
+        built.pack_for_cpu(batch_hint=config.scheduler.max_num_seqs, fp16_weights=config.fp16_weights)
     return LLMEngine(config, built)
 
 
@@ -93,7 +94,7 @@ def main() -> None:
         model=args.models[0],
         dtype=args.dtype,
         weight_dtype=args.weight_dtype,
-        max_num_seqs=max(args.batches),
+        scheduler=SchedulerConfig(max_num_seqs=max(args.batches)),
     )
     print(f"dtype {config.resolved_dtype}, weights {config.resolved_weight_dtype}")
     engines = {name: make_engine(name, config) for name in args.models}

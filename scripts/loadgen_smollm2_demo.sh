@@ -75,6 +75,7 @@ price_output_per_mtok = 2.0
 [[instances]]
 model = "smollm2-135m"
 replicas = 1
+[instances.scheduler]
 max_num_seqs = 16
 max_num_batched_tokens = 512
 num_kv_blocks = 512

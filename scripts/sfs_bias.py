@@ -30,6 +30,7 @@ from services.estimator.sfs.replay import OutputPolicy  # noqa: E402
 from services.worker.engine.config import EngineConfig  # noqa: E402
 from services.worker.engine.sim import SimEngineConfig  # noqa: E402
 from shared.scheduling.batch_time import FEATURE_SETS, SEVEN_TERM, BatchTimeModel  # noqa: E402
+from shared.scheduling.scheduler import SchedulerConfig  # noqa: E402
 
 # A seven-term fit of smollm2-small (bf16, one thread) from bench_sfs part 1 on a 2-core
 # x86 VM: used when --batch-time-json has none.
@@ -81,10 +82,12 @@ def main() -> None:
     part1 = bench_sfs.build_parser().parse_args([])
     engine = EngineConfig(  # as bench_sfs part 1 configures its real engine
         model=part1.model,
-        max_num_seqs=part1.max_num_seqs,
-        max_num_batched_tokens=part1.max_num_batched_tokens,
-        num_kv_blocks=part1.num_kv_blocks,
-        max_model_len=part1.max_model_len,
+        scheduler=SchedulerConfig(
+            max_num_seqs=part1.max_num_seqs,
+            max_num_batched_tokens=part1.max_num_batched_tokens,
+            num_kv_blocks=part1.num_kv_blocks,
+            max_model_len=part1.max_model_len,
+        ),
     )
     cfg = SimEngineConfig.like(engine, clock="virtual")
     inflation = args.ttft_inflation or part1.ttft_inflation

@@ -74,6 +74,7 @@ from services.worker.engine.loader import build_model, load_gguf  # noqa: E402
 from services.worker.engine.model import CausalLM  # noqa: E402
 from shared.model_store import Tokenizer, load_tokenizer, model_digest, resolve  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
+from shared.scheduling.scheduler import SchedulerConfig  # noqa: E402
 
 MODELS = ("smollm2-135m", "smollm2-medium", "smollm2-small")
 TASKS = ("alpaca", "hotpotqa", "writingprompts", "govreport", "aime")
@@ -243,7 +244,7 @@ def greedy_lengths(
     long = [it for it in items if len(it.prompt_ids) > LONG_PROMPT_TOKENS]
     out: dict[str, tuple[int, bool]] = {}
     with tqdm(total=len(items), desc=desc, unit="answer", leave=False) as bar:
-        for group, concurrency in ((short, engine.config.max_num_seqs), (long, LONG_CONCURRENCY)):
+        for group, concurrency in ((short, engine.config.scheduler.max_num_seqs), (long, LONG_CONCURRENCY)):
             queue = sorted(group, key=lambda it: len(it.prompt_ids))
             in_flight: dict[str, Item] = {}
             while queue or in_flight:
@@ -299,11 +300,13 @@ def compute_labels(model: str, items: list[Item], args: argparse.Namespace) -> l
         EngineConfig(
             model=model,
             dtype=args.dtype,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_model_len,
-            num_kv_blocks=blocks,
-            max_model_len=args.max_model_len,
             threads=1,
+            scheduler=SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_model_len,
+                num_kv_blocks=blocks,
+                max_model_len=args.max_model_len,
+            ),
         )
     )
     hf = build_hf_twin(plain_model(model, engine.config.torch_dtype), engine.config.torch_dtype)
@@ -430,9 +433,7 @@ def fit_booster(
     # hint, of two models); 16 needs several.
     grid = [(o, d, w) for o in objectives for d in (2, 3, 4) for w in (4, 16)]
     y = getattr(dev, target)
-    splits = [
-        (np.flatnonzero(folds != f), np.flatnonzero(folds == f)) for f in np.unique(folds)
-    ]
+    splits = [(np.flatnonzero(folds != f), np.flatnonzero(folds == f)) for f in np.unique(folds)]
     best: tuple[float, dict[str, Any], int, str] | None = None
     for columns in COLUMN_SETS:
         x = restrict(dev.x, spec, columns)

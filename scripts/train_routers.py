@@ -50,6 +50,7 @@ from bench.router_training import (  # noqa: E402
     threshold_for_share,
     youden_threshold,
 )
+from loadgen.data import data_dir  # noqa: E402
 from services.worker.engine.config import EngineConfig  # noqa: E402
 from services.worker.engine.engine import LLMEngine  # noqa: E402
 from services.worker.engine.model import AttentionPlan  # noqa: E402
@@ -63,8 +64,9 @@ from services.worker.routing.policies.routers import (  # noqa: E402
 )
 from shared.model_store import load_tokenizer, model_digest  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
+from shared.scheduling.scheduler import SchedulerConfig  # noqa: E402
 
-DEFAULT_PROMPTS = REPO.parent / "shared" / "data" / "prompts" / "alpaca_5000_random.json"
+DEFAULT_PROMPTS = data_dir() / "prompts" / "alpaca_5000_random.json"
 TRAIN_RANGE = (0, 4000)
 VAL_RANGE = (4000, 4500)
 PAPER = {"r2r": 0.95, "citer": 0.98, "co-llm": 0.15, "r-stitch": 0.03}  # R2R: min recall
@@ -101,7 +103,7 @@ def sequences(prompts: list[dict[str, str]], lo: int, hi: int, max_answer: int) 
 
 def prefill_hidden(engine: LLMEngine, batch: list[Sequence]) -> list[torch.Tensor]:
     """Hidden states of every position, one prefill of all sequences (the engine's model code)."""
-    model, bs = engine.model, engine.config.block_size
+    model, bs = engine.model, engine.config.scheduler.block_size
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -118,7 +120,7 @@ def prefill_hidden(engine: LLMEngine, batch: list[Sequence]) -> list[torch.Tenso
         ids.extend(s.ids)
         positions.extend(range(n))
         slots.extend(blocks[p // bs] * bs + p % bs for p in range(n))
-    assert next_block <= engine.config.num_kv_blocks, "batch exceeds the KV cache"
+    assert next_block <= engine.config.scheduler.num_kv_blocks, "batch exceeds the KV cache"
     plan.slot_mapping = torch.tensor(slots)
     hidden = model(torch.tensor(ids), torch.tensor(positions), engine.runner.kv_caches, plan)
     return list(hidden.split([len(s.ids) for s in batch]))
@@ -174,7 +176,9 @@ def weight_dtype(args: argparse.Namespace) -> str:
 def create_engine(model: str, dtype: str) -> LLMEngine:
     return LLMEngine.create(
         EngineConfig(
-            model=model, dtype=dtype, max_num_seqs=16, num_kv_blocks=160, max_model_len=2048
+            model=model,
+            dtype=dtype,
+            scheduler=SchedulerConfig(max_num_seqs=16, num_kv_blocks=160, max_model_len=2048),
         )
     )
 

@@ -258,7 +258,8 @@ class EstimatorConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields
     # A snapshot's batch_time_speed (how fast its latest iterations ran against its
     # calibration) scales an SFS TTFT estimate T by speed ** exp(-T / this): the recent
     # speed says much about the next few iterations, little about those a second away
-    # (docs/sfs.md, "Recent speed"); 0 = ignore it.
+    # (docs/sfs.md, "Recent speed"); 0: the estimate is not scaled (the snapshot's age
+    # is still read at that speed; [worker] batch_time_speed_alpha = 0 turns it off).
     speed_horizon_s: float = 0.3
     cpus: Cpus = []  # CPU ids the estimator process runs on (empty: any)
 
@@ -425,19 +426,13 @@ class ModelConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 class InstanceConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: str  # a key of [models]
     replicas: int = 1  # worker processes serving this model
-    max_num_seqs: int = 16  # requests running at once
-    max_num_batched_tokens: int = 512  # tokens per iteration (the token budget)
-    # a plain request's prefill chunk while a token-routing guest is on the instance
-    # (0: no cap): the guest's origin waits on each of its steps
-    max_chunk_beside_guests: int = 64
-    block_size: int = 64  # tokens per KV block (the CPU engine's default; see EngineConfig)
-    num_kv_blocks: int = 128  # KV capacity in blocks
-    max_model_len: int = 2048  # tokens, prompt + output
+    # the engine's limits ([instances.scheduler]: max_num_seqs, max_num_batched_tokens,
+    # block_size, num_kv_blocks, max_model_len, max_chunk_beside_guests)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     threads: int = 1  # torch threads
     seed: int = 0  # engine RNG seed
     # CPU ids each replica's worker process (its torch threads too) runs on; empty: any.
-    # A worker beside the gateway on few cores serves faster on a core of its own
-    # (docs/performance.md).
+    # A worker beside the gateway on few cores serves faster on a core of its own.
     cpus: Cpus = []
 
 
@@ -581,17 +576,6 @@ class ClusterConfig(_Section, frozen=True, kw_only=True, forbid_unknown_fields=T
                     f"[[instances]] of {inst.model!r}: threads = {inst.threads} but cpus "
                     f"{inst.cpus} gives it {len(set(inst.cpus))}: use at most one thread per CPU"
                 )
-            try:  # the engine's own check, here rather than in every worker after loading
-                SchedulerConfig(
-                    max_num_seqs=inst.max_num_seqs,
-                    max_num_batched_tokens=inst.max_num_batched_tokens,
-                    block_size=inst.block_size,
-                    num_kv_blocks=inst.num_kv_blocks,
-                    max_model_len=inst.max_model_len,
-                    max_chunk_beside_guests=inst.max_chunk_beside_guests,
-                )
-            except ValueError as exc:
-                raise ConfigError(f"[[instances]] of {inst.model!r}: {exc}") from None
         owner: dict[str, str] = {}  # instance id -> the model whose replica it is
         for inst in self.instances:
             for iid in self.replica_ids(inst):

@@ -214,7 +214,7 @@ class Tokenizer:
     def warm(self) -> None:
         """Compile the chat template and run each path once (template, encode, the
         incremental decoder), so the first request does not pay for it: 12-67 ms of a
-        model's first request through the gateway, measured (docs/services.md)."""
+        model's first request through the gateway, measured."""
         ids = self.apply_chat_template([{"role": "user", "content": "Hello."}])
         _ = self.max_token_chars
         step = self.decode_stream()

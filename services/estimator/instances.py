@@ -9,7 +9,7 @@
     decision:  TTFT from the SFS replay on the cached snapshot while it is fresh,
         else the LPS queue model (stale or missing snapshot)
 
-The SFS replay is in-flight-aware (`evaluation.estimate_from_now`, docs/sfs.md part 1):
+The SFS replay is in-flight-aware (docs/sfs.md, "Snapshots older than one iteration"):
 an engine publishes its snapshot at the end of an iteration and starts the next one
 at once, so a request routed `age` seconds later finds that iteration running and
 cannot join it:
@@ -253,7 +253,7 @@ class LatencyEstimator:
     ) -> float:
         """The in-flight-aware replay (module docstring), in *modeled* seconds from now.
 
-        Same arithmetic as `evaluation.estimate_from_now` on the cached parsed state;
+        Same arithmetic as `bench.sfs_evaluation.estimate_from_now` on the cached parsed state;
         ages and dispatch times are wall times (the store's time of the snapshot,
         `LedgerEntry.dispatched_at_s`), put on the model's clock by dividing by
         `speed` (measured / modeled iteration time now): an engine running 1.2x the
@@ -281,7 +281,7 @@ class LatencyEstimator:
             probe,
             model.raw,
             policy,
-            max_model_len=snap.max_model_len,
+            max_model_len=snap.scheduler.max_model_len,
             want_e2e=False,
             max_steps=self.max_steps,
         )
@@ -306,7 +306,7 @@ class LatencyEstimator:
         if model is None:
             prefill_tps, step_s = FALLBACK_PREFILL_TPS, FALLBACK_DECODE_STEP_S
         else:
-            budget = state.snapshot.max_num_batched_tokens if state.snapshot else prompt
+            budget = state.snapshot.scheduler.max_num_batched_tokens if state.snapshot else prompt
             chunk = max(1, min(prompt, budget))
             prefill_s = max(1e-9, model.predict_raw(raw_from_chunks([(0, chunk, False)])))
             prefill_tps = chunk / prefill_s

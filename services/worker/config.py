@@ -56,7 +56,7 @@ class WorkerServiceConfig:
     # after an idle wait or follows a step of at most max_inline_step_ms. Both save the
     # two thread hand-offs where they cost more than the loop's overlapped I/O (a quiet
     # worker's TTFT, a fast model's decode); a long step runs in a thread so the loop
-    # stays free to take the inbox and publish (docs/services.md, worker).
+    # stays free to take the inbox and publish.
     max_inline_step_tokens: int = _WORKER_DEFAULTS.max_inline_step_tokens
     max_inline_step_ms: float = _WORKER_DEFAULTS.max_inline_step_ms
     # a step's tokens may wait for the next step's write, up to this long (pacing.py)
@@ -120,14 +120,9 @@ class WorkerServiceConfig:
             dtype=self.model_config.dtype,
             weight_dtype=self.model_config.weight_dtype,
             device=self.model_config.device,
-            max_num_seqs=inst.max_num_seqs,
-            max_num_batched_tokens=inst.max_num_batched_tokens,
-            block_size=inst.block_size,
-            num_kv_blocks=inst.num_kv_blocks,
-            max_model_len=inst.max_model_len,
-            max_chunk_beside_guests=inst.max_chunk_beside_guests,
             threads=inst.threads,
             seed=inst.seed,
+            scheduler=inst.scheduler,
         )
 
 
@@ -139,13 +134,8 @@ def create_engine(cfg: WorkerServiceConfig) -> Any:
 
         inst = cfg.instance
         sim_cfg = SimEngineConfig(
-            max_num_seqs=inst.max_num_seqs,
-            max_num_batched_tokens=inst.max_num_batched_tokens,
-            block_size=inst.block_size,
-            num_kv_blocks=inst.num_kv_blocks,
-            max_model_len=inst.max_model_len,
-            max_chunk_beside_guests=inst.max_chunk_beside_guests,
             seed=inst.seed,
+            scheduler=inst.scheduler,
             **cfg.model_config.sim,  # type: ignore[arg-type]
         )
         mc = cfg.model_config

@@ -3,7 +3,7 @@
 After every step the worker has a batch of token deltas per owning gateway. Each batch
 written is a syscall and a wake-up of the gateway, which then writes one SSE chunk per
 stream: with random-tiny's ~2.4 ms decode steps at 16 streams, ~50 us of the worker's
-core per step and most of the gateway's (docs/performance.md). No reader follows a
+core per step and most of the gateway's. No reader follows a
 stream at hundreds of tokens per second, so a step's batch for a gateway waits for the
 next step while that one is expected to end within `interval_s` of the oldest token
 held, and goes with the next step's in one write (the gateway merges the deltas it

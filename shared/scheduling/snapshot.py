@@ -35,6 +35,7 @@ class RequestCounters(msgspec.Struct, array_like=True, frozen=True, gc=False):
     # KV blocks held; always set in rows read from a snapshot. None in a row given to
     # `WorkloadSnapshot.from_rows`: what the scheduler's allocation holds (see there)
     num_blocks: int | None = None
+    is_priority: bool = False  # a token-routing guest (SchedRequest.is_priority)
 
 
 _COLUMNS = (
@@ -46,6 +47,7 @@ _COLUMNS = (
     "max_tokens",
     "predicted_output_tokens",
     "num_blocks",
+    "priority",
 )
 
 
@@ -70,12 +72,8 @@ class WorkloadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
 
     version: int  # monotonic per instance
     wall_time_s: float  # time.time() when taken
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    block_size: int  # tokens per KV block
-    num_kv_blocks: int
+    scheduler: SchedulerConfig  # the limits the publisher's scheduler runs under
     num_free_blocks: int
-    max_model_len: int  # tokens
     num_running: int  # rows [0, num_running)
     num_pending: int  # rows [num_running, num_running + num_pending); waiting: the rest
     request_ids: list[str] = []
@@ -86,6 +84,7 @@ class WorkloadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: list[int] = []  # new tokens allowed
     predicted_output_tokens: list[int] = []  # estimator hint, tokens; -1: none
     num_blocks: list[int] = []  # KV blocks held; 0 for waiting rows
+    priority: list[bool] = []  # token-routing guests (scheduled first; the chunk cap)
     batch_time_features: str = ""  # name of the feature set of batch_time_coefs
     batch_time_coefs: list[float] = []  # seconds per feature unit, publisher's calibration
     # measured / modeled time of the latest iterations under batch_time_coefs (an EWMA,
@@ -116,6 +115,7 @@ class WorkloadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
             == len(self.max_tokens)
             == len(self.predicted_output_tokens)
             == len(self.num_blocks)
+            == len(self.priority)
             == n
         ):
             lengths = ", ".join(f"{name} {len(getattr(self, name))}" for name in _COLUMNS)
@@ -139,10 +139,11 @@ class WorkloadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
 
         A running or pending row without `num_blocks` gets the blocks the scheduler's
         allocation holds for it: every token of the sequence while it prefills, else
-        the computed ones (needs `block_size`); a waiting row without them holds none.
+        the computed ones (needs `scheduler`); a waiting row without them holds none.
         """
         run, pend, wait = list(running), list(pending), list(waiting)
-        block_size: int | None = fields.get("block_size")
+        scheduler: SchedulerConfig | None = fields.get("scheduler")
+        block_size = scheduler.block_size if scheduler is not None else None
         rows = [*run, *pend, *wait]
         num_held = len(run) + len(pend)
         blocks: list[int] = []
@@ -150,7 +151,7 @@ class WorkloadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
             b = c.num_blocks
             if b is None and i < num_held:
                 if block_size is None:
-                    raise TypeError("from_rows needs block_size for a row without num_blocks")
+                    raise TypeError("from_rows needs scheduler for a row without num_blocks")
                 p, o = c.num_prompt_tokens, c.num_output_tokens
                 prefilling = p + o - c.num_computed_tokens > 1 or o == 0
                 b = -(-(p + o if prefilling else c.num_computed_tokens) // block_size)
@@ -174,6 +175,7 @@ class WorkloadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
                 self.max_tokens[i],
                 None if (p := self.predicted_output_tokens[i]) < 0 else p,
                 self.num_blocks[i],
+                self.priority[i],
             )
             for i in range(start, stop)
         ]
@@ -200,15 +202,6 @@ class WorkloadSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def num_requests(self) -> int:
         return len(self.request_ids)
-
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            block_size=self.block_size,
-            num_kv_blocks=self.num_kv_blocks,
-            max_model_len=self.max_model_len,
-        )
 
 
 class BatchSample(msgspec.Struct, array_like=True, frozen=True):
@@ -242,21 +235,17 @@ def _request_columns(rows: Sequence[SchedRequest | RequestCounters]) -> dict[str
         "predicted_output_tokens": [
             -1 if (p := r.predicted_output_tokens) is None else max(p, 0) for r in rows
         ],
+        "priority": [r.is_priority for r in rows],
     }
 
 
 def take_snapshot(scheduler: Scheduler, version: int, wall_time_s: float) -> WorkloadSnapshot:
-    cfg = scheduler.config
     reqs = [*scheduler.running, *scheduler.pending.values(), *scheduler.waiting]
     return WorkloadSnapshot(
         version=version,
         wall_time_s=wall_time_s,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        block_size=cfg.block_size,
-        num_kv_blocks=cfg.num_kv_blocks,
+        scheduler=scheduler.config,
         num_free_blocks=scheduler.blocks.num_free_blocks,
-        max_model_len=cfg.max_model_len,
         num_running=len(scheduler.running),
         num_pending=len(scheduler.pending),
         **_request_columns(reqs),
@@ -293,7 +282,7 @@ def restore_scheduler(snapshot: WorkloadSnapshot) -> Scheduler:
 
     Block ids are re-issued (lowest first): the policy depends on block counts only.
     """
-    scheduler = Scheduler(snapshot.scheduler_config())
+    scheduler = Scheduler(snapshot.scheduler)
     s = snapshot
     num_running, num_held = s.num_running, s.num_running + s.num_pending
     for i, rid in enumerate(s.request_ids):
@@ -313,15 +302,17 @@ def restore_scheduler(snapshot: WorkloadSnapshot) -> Scheduler:
             num_computed_tokens=s.computed_tokens[i],
             status=status,
             predicted_output_tokens=None if predicted < 0 else predicted,
+            is_priority=s.priority[i],
         )
         scheduler.requests[rid] = req
         if status is RequestStatus.WAITING:
             scheduler.waiting.append(req)
             continue
-        scheduler.blocks.grow(req, s.num_blocks[i] * s.block_size)
+        scheduler.blocks.grow(req, s.num_blocks[i] * s.scheduler.block_size)
         if status is RequestStatus.RUNNING:
             scheduler.running.append(req)
         else:
             scheduler.pending[rid] = req
     scheduler._next_arrival = max(s.arrival_seqs, default=-1) + 1
+    scheduler._num_priority = sum(s.priority)
     return scheduler

@@ -21,6 +21,7 @@ from services.worker.engine.cpu_kernels import (
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.model import CausalLM
 from shared.sampling import SamplingParams
+from shared.scheduling.scheduler import SchedulerConfig
 
 needs_packing = pytest.mark.skipif(
     not can_pack(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 on this CPU"
@@ -61,9 +62,8 @@ def tiny_config(dtype: str, pack: bool, weight_dtype: str = "same") -> EngineCon
         model="random-tiny",
         dtype=dtype,
         weight_dtype=weight_dtype,
-        num_kv_blocks=64,
-        max_model_len=256,
         pack_weights=pack,
+        scheduler=SchedulerConfig(num_kv_blocks=64, max_model_len=256),
     )
 
 

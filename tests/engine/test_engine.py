@@ -12,6 +12,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine, RequestError
 from services.worker.engine.outputs import StepOutputs
 from shared.sampling import SamplingParams
+from shared.scheduling.scheduler import SchedulerConfig
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -19,7 +20,11 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
     return LLMEngine.create(
-        EngineConfig(model="random-tiny", dtype="float32", num_kv_blocks=64, max_model_len=256)
+        EngineConfig(
+            model="random-tiny",
+            dtype="float32",
+            scheduler=SchedulerConfig(num_kv_blocks=64, max_model_len=256),
+        )
     )
 
 
@@ -229,7 +234,11 @@ def test_add_request_from_another_thread_while_stepping(engine: LLMEngine) -> No
 
 
 def test_bf16_runs_and_mostly_agrees_with_fp32() -> None:
-    cfg = EngineConfig(model="random-tiny", dtype="bfloat16", num_kv_blocks=32, max_model_len=256)
+    cfg = EngineConfig(
+        model="random-tiny",
+        dtype="bfloat16",
+        scheduler=SchedulerConfig(num_kv_blocks=32, max_model_len=256),
+    )
     bf = LLMEngine.create(cfg)
     assert next(bf.model.parameters()).dtype == torch.bfloat16
     out = bf.generate([[5, 6, 7]], GREEDY)
@@ -278,7 +287,10 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it() -> None:
     with pytest.raises(ValueError, match="auto"):
         EngineConfig(dtype="fp8")
     engine = LLMEngine.create(
-        EngineConfig(model="random-tiny", num_kv_blocks=16, max_model_len=256)
+        EngineConfig(
+            model="random-tiny",
+            scheduler=SchedulerConfig(num_kv_blocks=16, max_model_len=256),
+        )
     )
     assert next(engine.model.parameters()).dtype == cfg.torch_dtype
 

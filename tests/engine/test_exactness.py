@@ -11,6 +11,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
 from services.worker.engine.loader import build_model, random_config, random_state_dict
 from shared.sampling import SamplingParams
+from shared.scheduling.scheduler import SchedulerConfig
 from tests.engine.conftest import hf_greedy, hf_twin
 
 NEW_TOKENS = 64
@@ -18,7 +19,7 @@ NEW_TOKENS = 64
 
 def make_engine(cfg, state, **limits) -> LLMEngine:  # type: ignore[no-untyped-def]
     model = build_model(cfg, dict(state), torch.float32, torch.device("cpu"))
-    econf = EngineConfig(model="in-memory", dtype="float32", **limits)
+    econf = EngineConfig(model="in-memory", dtype="float32", scheduler=SchedulerConfig(**limits))
     return LLMEngine(econf, model)
 
 
@@ -77,7 +78,11 @@ def test_smollm2_matches_hf_alone_and_batched(smollm2_state) -> None:  # type: i
     del hf
 
     engine = LLMEngine(
-        EngineConfig(model="smollm2-135m", dtype="float32", num_kv_blocks=64, max_model_len=1024),
+        EngineConfig(
+            model="smollm2-135m",
+            dtype="float32",
+            scheduler=SchedulerConfig(num_kv_blocks=64, max_model_len=1024),
+        ),
         model,
     )
     alone = run_staggered(engine, prompts[:1], [0], NEW_TOKENS)

@@ -11,6 +11,7 @@ from services.worker.engine.engine import LLMEngine
 from services.worker.engine.loader import build_model, random_config, random_state_dict
 from services.worker.engine.outputs import StepOutputs
 from shared.sampling import SamplingParams
+from shared.scheduling.scheduler import SchedulerConfig
 
 NEW_TOKENS = 24
 
@@ -18,7 +19,13 @@ NEW_TOKENS = 24
 def tiny_engine(seed: int) -> LLMEngine:
     cfg = random_config(num_hidden_layers=2)
     model = build_model(cfg, random_state_dict(cfg, seed=seed), torch.float32, torch.device("cpu"))
-    return LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=256), model)
+    return LLMEngine(
+        EngineConfig(
+            dtype="float32",
+            scheduler=SchedulerConfig(num_kv_blocks=64, max_model_len=256),
+        ),
+        model,
+    )
 
 
 def greedy_next(engine: LLMEngine, seq: list[int]) -> int:
@@ -72,7 +79,11 @@ def run_routed(prompts: list[list[int]], origin: LLMEngine, peer: LLMEngine) -> 
             assert h.rewrites_last and h.destination == 1
             if h.request_id not in peer_seq:
                 remaining = NEW_TOKENS - h.num_output_tokens
-                peer.add_request(h.request_id, h.token_ids, SamplingParams(max_tokens=remaining, temperature=0.0, ignore_eos=True))
+                peer.add_request(
+                    h.request_id,
+                    h.token_ids,
+                    SamplingParams(max_tokens=remaining, temperature=0.0, ignore_eos=True),
+                )
                 peer_seq[h.request_id] = list(h.token_ids)
             else:
                 # Only the suffix the peer has not seen travels; it prefills just that.
@@ -82,7 +93,9 @@ def run_routed(prompts: list[list[int]], origin: LLMEngine, peer: LLMEngine) -> 
             rid = out.request_id
             peer_seq[rid].extend(out.new_token_ids)  # resumed suffixes, then its own tokens
             if out.finished:  # finishing on the peer ends the request on the origin too
-                origin.resume_request(rid, peer_seq[rid][seen_by_peer[rid] :], finish_reason=out.finish_reason)
+                origin.resume_request(
+                    rid, peer_seq[rid][seen_by_peer[rid] :], finish_reason=out.finish_reason
+                )
         for h in peer.pop_handoffs():
             assert not h.rewrites_last and h.destination == 1
             assert h.token_ids == peer_seq[h.request_id]
@@ -139,7 +152,11 @@ def test_a_request_past_the_cap_stalls_until_a_parked_one_comes_back() -> None:
     cfg = random_config(num_hidden_layers=2)
     model = build_model(cfg, random_state_dict(cfg, seed=6), torch.float32, torch.device("cpu"))
     engine = LLMEngine(
-        EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=256, max_num_seqs=1), model
+        EngineConfig(
+            dtype="float32",
+            scheduler=SchedulerConfig(num_kv_blocks=64, max_model_len=256, max_num_seqs=1),
+        ),
+        model,
     )
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.hook = lambda out: [1] * len(out.request_ids)

@@ -13,6 +13,7 @@ from services.worker.engine.hf_twin import build_hf_twin
 from services.worker.engine.loader import build_model, load_hf_dir, random_config, random_state_dict
 from shared.model_store import resolve
 from shared.sampling import SamplingParams
+from shared.scheduling.scheduler import SchedulerConfig
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
@@ -35,11 +36,16 @@ def test_hf_directory_round_trip(tmp_path: Path, qk_norm: bool) -> None:
             model=str(tmp_path),
             dtype="float32",
             weight_dtype="same",
-            num_kv_blocks=32,
-            max_model_len=256,
+            scheduler=SchedulerConfig(num_kv_blocks=32, max_model_len=256),
         )
     )
-    reference = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=32, max_model_len=256), model)
+    reference = LLMEngine(
+        EngineConfig(
+            dtype="float32",
+            scheduler=SchedulerConfig(num_kv_blocks=32, max_model_len=256),
+        ),
+        model,
+    )
     prompt = [[5, 17, 300, 41]]
     assert engine.generate(prompt, GREEDY) == reference.generate(prompt, GREEDY)
 

@@ -16,16 +16,23 @@ from services.worker.engine.outputs import RequestOutput
 from services.worker.engine.sim import SimEngine, SimEngineConfig
 from shared.sampling import SamplingParams
 from shared.scheduling.batch_time import FOUR_TERM, SFS_H100_QWEN3, SIX_TERM, BatchTimeModel
-from shared.scheduling.scheduler import Scheduler
+from shared.scheduling.scheduler import Scheduler, SchedulerConfig
 from shared.scheduling.snapshot import BatchSample, describe_batch
 
 # b0 = 1 ms per batch, 10 us per prefill token, 0.1 ms per decode token.
 TOY = BatchTimeModel(SIX_TERM, (1e-3, 1e-5, 0.0, 1e-4, 0.0, 0.0))
 
 
+LIMITS = set(SchedulerConfig.__struct_fields__)
+
+
 def make(model: BatchTimeModel = TOY, **kw: object) -> SimEngine:
-    cfg = {"clock": "virtual", "num_kv_blocks": 64, "max_model_len": 512} | kw
-    return SimEngine.create(SimEngineConfig(**cfg), model)  # type: ignore[arg-type]
+    """A virtual-clock sim engine; limits among `kw` go to its SchedulerConfig."""
+    limits = {"block_size": 16, "num_kv_blocks": 64, "max_model_len": 512}
+    limits |= {k: v for k, v in kw.items() if k in LIMITS}
+    rest = {"clock": "virtual"} | {k: v for k, v in kw.items() if k not in LIMITS}
+    scheduler = SchedulerConfig(**limits)  # type: ignore[arg-type]
+    return SimEngine.create(SimEngineConfig(scheduler=scheduler, **rest), model)  # type: ignore[arg-type]
 
 
 def drain(engine: SimEngine) -> dict[str, list[RequestOutput]]:
@@ -65,10 +72,10 @@ ARRIVALS: dict[int, list[tuple[str, int, int, int]]] = {
 
 def test_same_batches_as_a_live_scheduler() -> None:
     # Small KV and budget: chunked prefill, head-of-line blocking and preemption all occur.
-    cfg = SimEngineConfig(clock="virtual", max_num_seqs=4, max_num_batched_tokens=64,
-                          num_kv_blocks=24, max_model_len=384)  # fmt: skip
+    cfg = SimEngineConfig(clock="virtual", scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=16, num_kv_blocks=24, max_model_len=384),
+                          )  # fmt: skip
     sim = SimEngine.create(cfg, TOY)
-    ref = Scheduler(cfg.scheduler_config())
+    ref = Scheduler(cfg.scheduler)
     targets: dict[str, int] = {}
     ref_samples: list[tuple[object, ...]] = []
     num_preempted = 0
@@ -151,7 +158,7 @@ def test_same_seed_same_tokens_whatever_the_order() -> None:
 
 def test_abort_frees_kv_at_the_next_step() -> None:
     sim = make(output_len_dist="fixed", output_len_mean=100)
-    total = sim.config.num_kv_blocks
+    total = sim.config.scheduler.num_kv_blocks
     sim.add_request("a", [4] * 40, params(100))
     sim.step()
     held = total - sim.snapshot().num_free_blocks
@@ -303,10 +310,10 @@ def test_requests_from_another_thread() -> None:
 
 
 def test_like_copies_the_engine_limits() -> None:
-    eng = EngineConfig(max_num_seqs=5, max_num_batched_tokens=96, block_size=8,
-                       num_kv_blocks=300, max_model_len=1024, num_batch_samples=7)  # fmt: skip
+    eng = EngineConfig(
+                       num_batch_samples=7, scheduler=SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=96, block_size=8, num_kv_blocks=300, max_model_len=1024))  # fmt: skip
     cfg = SimEngineConfig.like(eng, clock="virtual", seed=3)
-    assert cfg.scheduler_config() == eng.scheduler_config()
+    assert cfg.scheduler == eng.scheduler
     assert (cfg.num_batch_samples, cfg.clock, cfg.seed) == (7, "virtual", 3)
     with pytest.raises(ValueError):
         SimEngineConfig(clock="sundial")  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ from services.worker.engine.model import VOCAB_KEEP_KEY, CausalLM
 from services.worker.engine.outputs import TRIMMED_LOGIT, StepLogits, StepOutputs
 from services.worker.engine.sampler import ARGMAX_CHUNK, first_argmax, greedy_tokens
 from shared.sampling import SamplingParams
+from shared.scheduling.scheduler import SchedulerConfig
 
 VOCAB, EOS = 512, 2
 # Every third id from 30 on: excludes EOS (2), which the model must add back.
@@ -42,7 +43,11 @@ def tiny(
 
 
 def engine_for(model: CausalLM, dtype: str) -> LLMEngine:
-    config = EngineConfig(model="random-tiny", dtype=dtype, num_kv_blocks=64, max_model_len=256)
+    config = EngineConfig(
+        model="random-tiny",
+        dtype=dtype,
+        scheduler=SchedulerConfig(num_kv_blocks=64, max_model_len=256),
+    )
     return LLMEngine(config, model)
 
 

@@ -8,7 +8,7 @@ from functools import partial
 from services.worker.engine.sim import SimEngine, SimEngineConfig
 from shared.sampling import SamplingParams
 from shared.scheduling.batch_time import SIX_TERM, BatchTimeModel
-from shared.scheduling.scheduler import ScheduledBatch, Scheduler
+from shared.scheduling.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from shared.scheduling.snapshot import WorkloadSnapshot
 from tests.scheduling import builders as scheduling_builders
 
@@ -19,12 +19,14 @@ MODEL = BatchTimeModel(SIX_TERM, (1e-2, 2e-4, 3e-6, 5e-4, 2e-5, 1e-7))
 # engine on after its snapshot and compare the estimate with the TTFT it gives).
 SIM_MODEL = BatchTimeModel(SIX_TERM, (0.01, 1e-3, 0.0, 2e-3, 0.0, 0.0))
 SIM_CFG = SimEngineConfig(
-    max_num_seqs=4,
-    max_num_batched_tokens=64,
-    block_size=4,
-    num_kv_blocks=256,
-    max_model_len=256,
     clock="virtual",
+    scheduler=SchedulerConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        block_size=4,
+        num_kv_blocks=256,
+        max_model_len=256,
+    ),
 )
 LONG = SamplingParams(max_tokens=40, ignore_eos=True)
 

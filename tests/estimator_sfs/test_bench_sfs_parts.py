@@ -269,6 +269,7 @@ quality = { default = 0.9, hard = 0.95 }
 
 [[instances]]
 model = "small"
+[instances.scheduler]
 max_num_seqs = 8
 max_num_batched_tokens = 256
 block_size = 16
@@ -277,6 +278,7 @@ max_model_len = 512
 
 [[instances]]
 model = "big"
+[instances.scheduler]
 max_num_seqs = 8
 max_num_batched_tokens = 256
 block_size = 16

@@ -16,6 +16,7 @@ from services.worker.engine.sim import SimEngineConfig
 from shared.sampling import SamplingParams
 from shared.scheduling.batch_time import SEVEN_TERM, BatchTimeModel
 from shared.scheduling.lengths import LengthRatios
+from shared.scheduling.scheduler import SchedulerConfig
 from shared.scheduling.snapshot import RequestCounters, WorkloadSnapshot, take_snapshot
 from tests.estimator_sfs.builders import make_scheduler
 
@@ -122,12 +123,14 @@ def test_a_request_predicted_past_its_cap_draws_from_capped_requests_ratios() ->
 # bench_sfs part 1's engine limits and a seven-term fit of smollm2-small, on a virtual clock
 PART1_MODEL = BatchTimeModel(SEVEN_TERM, (0.0187, 2.9e-4, 7.8e-8, 4.6e-4, 0.0, 1.5e-8, 3.5e-5))
 PART1_CFG = SimEngineConfig(
-    max_num_seqs=32,
-    max_num_batched_tokens=256,
-    block_size=64,
-    num_kv_blocks=512,
-    max_model_len=1024,
     clock="virtual",
+    scheduler=SchedulerConfig(
+        max_num_seqs=32,
+        max_num_batched_tokens=256,
+        block_size=64,
+        num_kv_blocks=512,
+        max_model_len=1024,
+    ),
 )
 
 
@@ -165,16 +168,18 @@ def _queued(rows: list[tuple[int | None, int, int, str]]) -> WorkloadSnapshot:
     return WorkloadSnapshot.from_rows(
         version=1,
         wall_time_s=0.0,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        block_size=16,
-        num_kv_blocks=1024,
         num_free_blocks=1024,
-        max_model_len=4096,
         waiting=[
             RequestCounters(rid, i, 10, out, 0, cap, pred)
             for i, (pred, cap, out, rid) in enumerate(rows)
         ],
+        scheduler=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            block_size=16,
+            num_kv_blocks=1024,
+            max_model_len=4096,
+        ),
     )
 
 
@@ -213,7 +218,14 @@ def test_an_engine_records_finished_requests_but_not_aborted_ones() -> None:
     """Through a (simulated) engine: two requests run to their true lengths, one is
     aborted half-way; the snapshot's quantiles hold the two finished ones only."""
     cfg = SimEngineConfig(
-        max_num_seqs=4, max_num_batched_tokens=64, block_size=4, max_model_len=256, clock="virtual"
+        clock="virtual",
+        scheduler=SchedulerConfig(
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            block_size=4,
+            num_kv_blocks=512,
+            max_model_len=256,
+        ),
     )
     engine = WorkloadSimEngine(cfg, BatchTimeModel(SEVEN_TERM, (0.01, 0, 0, 0, 0, 0, 0)))
     engine.scheduler.length_ratios = LengthRatios(min_samples=2, num_quantiles=2)

@@ -58,7 +58,8 @@ def tiny_model(device: str = "cpu"):  # type: ignore[no-untyped-def]
 def tiny_engine(device: str = "cpu", **limits) -> LLMEngine:  # type: ignore[no-untyped-def]
     limits.setdefault("num_kv_blocks", 64)
     limits.setdefault("max_model_len", 256)
-    cfg = EngineConfig(model="random-tiny", dtype="float32", device=device, **limits)
+    scheduler = SchedulerConfig(**limits)
+    cfg = EngineConfig(model="random-tiny", dtype="float32", device=device, scheduler=scheduler)
     return LLMEngine(cfg, tiny_model(device))  # type: ignore[arg-type]
 
 
@@ -105,6 +106,7 @@ def test_random_load_keeps_block_accounting_exact() -> None:
             block_size=rng.choice([1, 2, 4, 8]),
             num_kv_blocks=40,
             max_model_len=rng.choice([16, 32]),
+            max_chunk_beside_guests=0,
         )
         s = Scheduler(cfg)
         n = 0
@@ -302,7 +304,9 @@ def test_full_context_request_runs_at_max_position() -> None:
     model = build_model(cfg, random_state_dict(cfg, seed=1), torch.float32, torch.device("cpu"))
     eng = LLMEngine(
         EngineConfig(
-            model="random-tiny", dtype="float32", num_kv_blocks=16, block_size=4, max_model_len=64
+            model="random-tiny",
+            dtype="float32",
+            scheduler=SchedulerConfig(num_kv_blocks=16, block_size=4, max_model_len=64),
         ),
         model,
     )

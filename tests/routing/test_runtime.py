@@ -24,6 +24,7 @@ from services.worker.routing.runtime import BARRIER_RECHECK_S, Outbox, TokenRout
 from shared.config import PresetConfig, TokenMode
 from shared.messages.peer import PeerRelease, PeerReq
 from shared.sampling import SamplingParams
+from shared.scheduling.scheduler import SchedulerConfig
 
 NEW_TOKENS = 20
 BLOCKS = 64
@@ -64,7 +65,13 @@ def make_policy(
 def tiny_engine(seed: int) -> LLMEngine:
     cfg = random_config(num_hidden_layers=2)
     model = build_model(cfg, random_state_dict(cfg, seed=seed), torch.float32, torch.device("cpu"))
-    return LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=BLOCKS, max_model_len=256), model)
+    return LLMEngine(
+        EngineConfig(
+            dtype="float32",
+            scheduler=SchedulerConfig(num_kv_blocks=BLOCKS, max_model_len=256),
+        ),
+        model,
+    )
 
 
 def presets(mode: TokenMode) -> dict[str, PresetConfig]:

@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from shared.scheduling.scheduler import Scheduler, SchedulerConfig
 from shared.scheduling.snapshot import (
     RequestCounters,
     WorkloadSnapshot,
@@ -19,12 +20,10 @@ from tests.scheduling.builders import make_scheduler, step
 LIMITS: dict[str, Any] = {
     "version": 3,
     "wall_time_s": 12.5,
-    "max_num_seqs": 8,
-    "max_num_batched_tokens": 64,
-    "block_size": 4,
-    "num_kv_blocks": 64,
+    "scheduler": SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_kv_blocks=64, max_model_len=128
+    ),
     "num_free_blocks": 50,
-    "max_model_len": 128,
 }
 DECODER = msgspec.msgpack.Decoder(WorkloadSnapshot)
 
@@ -77,6 +76,50 @@ def test_take_encode_decode_restore_schedules_the_same_batches() -> None:
     assert not replica.has_unfinished
 
 
+def request_state(s: Scheduler) -> list[tuple[object, ...]]:
+    """Every request's counters, status, flags and blocks held, in queue order."""
+    return [
+        (r.request_id, r.status, r.arrival_seq, r.num_prompt_tokens, r.max_tokens,
+         r.num_output_tokens, r.num_computed_tokens, r.predicted_output_tokens,
+         r.is_priority, len(r.block_ids))
+        for r in [*s.running, *s.pending.values(), *s.waiting]
+    ]  # fmt: skip
+
+
+def test_a_restored_scheduler_equals_the_live_one_guests_and_cap_included() -> None:
+    """The snapshot carries the whole SchedulerConfig (the chunk cap beside guests too)
+    and each request's priority flag: the replica's state equals the live one, and it
+    schedules the same batches, the cap and the guests' precedence included."""
+    rng = random.Random(5)
+    live = make_scheduler(
+        num_kv_blocks=48, max_model_len=64, max_num_batched_tokens=32, max_chunk_beside_guests=6
+    )
+    for i in range(10):
+        live.add(f"r{i}", rng.randint(8, 30), rng.randint(1, 20), priority=i % 3 == 0)
+    for _ in range(3):
+        step(live)
+    live.add("late-guest", 12, 4, priority=True)  # waits ahead of the plain ones
+    snap = wire(take_snapshot(live, 1, 0.0))
+    assert snap.scheduler == live.config
+    assert sum(snap.priority) == sum(r.is_priority for r in live.requests.values()) >= 2
+    replica = restore_scheduler(snap)
+    assert replica.config == live.config
+    assert request_state(replica) == request_state(live)
+    assert replica.blocks.num_free_blocks == live.blocks.num_free_blocks
+    num_capped = 0
+    while live.has_unfinished:
+        a, b = step(live), step(replica)
+        assert [(c.request.request_id, c.start, c.num_new_tokens) for c in a] == [
+            (c.request.request_id, c.start, c.num_new_tokens) for c in b
+        ]
+        plain_prefill = sum(
+            c.num_new_tokens for c in a if not c.is_decode and not c.request.is_priority
+        )
+        num_capped += plain_prefill == 6
+        assert request_state(replica) == request_state(live)
+    assert num_capped > 0  # the cap was in force, and the replica kept it
+
+
 def test_take_snapshot_writes_the_columns_in_slot_order() -> None:
     live = make_scheduler(max_num_seqs=2)
     for i in range(4):
@@ -124,10 +167,10 @@ def test_from_rows_derives_missing_blocks_as_the_allocation_holds_them() -> None
     )
     assert snap.num_blocks == [3, 3, 0]
     assert snap.running[0].num_blocks == 3
-    with pytest.raises(TypeError, match="block_size"):
+    with pytest.raises(TypeError, match="scheduler"):
         WorkloadSnapshot.from_rows(
             running=[RequestCounters("a", 0, 1, 0, 0, 1)],
-            **{k: v for k, v in LIMITS.items() if k != "block_size"},
+            **{k: v for k, v in LIMITS.items() if k != "scheduler"},
         )
 
 

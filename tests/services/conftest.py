@@ -65,6 +65,7 @@ dtype = "float32"
 [[instances]]
 model = "random-tiny"
 replicas = 2
+[instances.scheduler]
 max_num_seqs = 8
 max_num_batched_tokens = 256
 num_kv_blocks = 64

@@ -331,11 +331,11 @@ async def test_a_lost_link_fails_its_stream_frees_the_kv_and_is_redialled(
         snap = await snapshot_of(stack, "w0")
         for _ in range(200):  # the worker aborted it: its KV back in the pool
             snap = await snapshot_of(stack, "w0")
-            if request_id not in snap.request_ids and snap.num_free_blocks == snap.num_kv_blocks:
+            if request_id not in snap.request_ids and snap.num_free_blocks == snap.scheduler.num_kv_blocks:
                 break
             await asyncio.sleep(0.02)
         assert request_id not in snap.request_ids
-        assert snap.num_free_blocks == snap.num_kv_blocks
+        assert snap.num_free_blocks == snap.scheduler.num_kv_blocks
         await until_linked(stack, 1)  # the keeper dialled again
         before = stack.workers[0].num_link_requests
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:

@@ -19,6 +19,7 @@ from shared.config import ConfigError, EstimatorConfig, ModelConfig, parse_clust
 from shared.messages.estimator import RouteRequest
 from shared.messages.registry import WorkerInfo
 from shared.scheduling.batch_time import SIX_TERM, BatchTimeModel
+from shared.scheduling.scheduler import SchedulerConfig
 from shared.scheduling.snapshot import RequestCounters, WorkloadSnapshot
 
 MODEL = BatchTimeModel(SIX_TERM, (0.01, 1e-4, 0.0, 1e-3, 0.0, 0.0))
@@ -55,16 +56,18 @@ def snapshot(num_running: int, num_waiting: int = 0, wall_time_s: float = 0.0) -
     return WorkloadSnapshot.from_rows(
         version=1,
         wall_time_s=wall_time_s,
-        max_num_seqs=4,
-        max_num_batched_tokens=512,
-        block_size=16,
-        num_kv_blocks=1024,
         num_free_blocks=1024 - 7 * num_running,
-        max_model_len=4096,
         running=running,
         waiting=waiting,
         batch_time_features=MODEL.feature_set,
         batch_time_coefs=list(MODEL.coefs),
+        scheduler=SchedulerConfig(
+            max_num_seqs=4,
+            max_num_batched_tokens=512,
+            block_size=16,
+            num_kv_blocks=1024,
+            max_model_len=4096,
+        ),
     )
 
 

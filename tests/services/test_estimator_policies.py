@@ -6,6 +6,7 @@ from services.estimator.ledger import Ledger, LedgerEntry
 from services.estimator.policies import InstanceView, RoundRobin, ShortestQueue, create_policy
 from shared.messages.estimator import RouteRequest
 from shared.messages.registry import WorkerInfo
+from shared.scheduling.scheduler import SchedulerConfig
 from shared.scheduling.snapshot import RequestCounters, WorkloadSnapshot
 
 REQ = RouteRequest(request_id="r", model="m", num_prompt_tokens=10, max_tokens=10)
@@ -28,13 +29,15 @@ def snapshot(num_running: int, free: int = 64) -> WorkloadSnapshot:
     return WorkloadSnapshot.from_rows(
         version=1,
         wall_time_s=0.0,
-        max_num_seqs=8,
-        max_num_batched_tokens=256,
-        block_size=16,
-        num_kv_blocks=64,
         num_free_blocks=free,
-        max_model_len=256,
         running=running,
+        scheduler=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=256,
+            block_size=16,
+            num_kv_blocks=64,
+            max_model_len=256,
+        ),
     )
 
 

@@ -74,6 +74,7 @@ output_len_mean = 3.0
 
 [[instances]]
 model = "{name}"
+[instances.scheduler]
 max_num_seqs = 4
 max_num_batched_tokens = 512
 num_kv_blocks = 256

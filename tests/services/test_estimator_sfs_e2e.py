@@ -82,6 +82,7 @@ output_len_mean = 8.0
 
 [[instances]]
 model = "big"
+[instances.scheduler]
 max_num_seqs = 1
 max_num_batched_tokens = 256
 num_kv_blocks = 256
@@ -89,6 +90,7 @@ max_model_len = 1024
 
 [[instances]]
 model = "small"
+[instances.scheduler]
 max_num_seqs = 8
 max_num_batched_tokens = 256
 num_kv_blocks = 256

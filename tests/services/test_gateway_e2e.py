@@ -214,11 +214,11 @@ async def test_client_disconnect_frees_kv(stack: Stack) -> None:
     for _ in range(200):
         snap = await snapshot_of(stack, instance_id)
         ids = set(snap.request_ids)
-        if request_id not in ids and snap.num_free_blocks == snap.num_kv_blocks:
+        if request_id not in ids and snap.num_free_blocks == snap.scheduler.num_kv_blocks:
             break
         await asyncio.sleep(0.05)
     assert request_id not in ids
-    assert snap.num_free_blocks == snap.num_kv_blocks  # every KV block back in the pool
+    assert snap.num_free_blocks == snap.scheduler.num_kv_blocks  # every KV block back in the pool
     assert request_id not in stack.estimator.ledger
 
 
@@ -254,11 +254,11 @@ async def test_non_stream_client_disconnect_frees_kv(stack: Stack) -> None:
     for _ in range(200):
         snap = await snapshot_of(stack, instance_id)
         ids = set(snap.request_ids)
-        if request_id not in ids and snap.num_free_blocks == snap.num_kv_blocks:
+        if request_id not in ids and snap.num_free_blocks == snap.scheduler.num_kv_blocks:
             break
         await asyncio.sleep(0.05)
     assert request_id not in ids
-    assert snap.num_free_blocks == snap.num_kv_blocks  # every KV block back in the pool
+    assert snap.num_free_blocks == snap.scheduler.num_kv_blocks  # every KV block back in the pool
     # Aborted, not run to its 220th token: the gateway closed it as a client disconnect.
     assert num_aborted_by_client(stack) == before + 1
     assert request_id not in {s.request_id for s in stack.gateway.streams.open_streams()}
@@ -881,10 +881,10 @@ async def test_a_crash_mid_stream_is_reported_in_band_and_released(
     assert stack.requests_counted("499") == counts["499"]
     for _ in range(200):
         snap = await snapshot_of(stack, instance_id)
-        if snap.num_free_blocks == snap.num_kv_blocks:
+        if snap.num_free_blocks == snap.scheduler.num_kv_blocks:
             break
         await asyncio.sleep(0.05)
-    assert snap.num_free_blocks == snap.num_kv_blocks
+    assert snap.num_free_blocks == snap.scheduler.num_kv_blocks
 
 
 async def test_admission_limit_answers_429_with_retry_after(stack: Stack) -> None:

@@ -136,11 +136,11 @@ async def test_random_requests_get_2xx_or_4xx_and_leave_nothing_behind(stack: St
         if (
             stack.gateway.num_in_flight == 0
             and len(stack.gateway.streams) == 0
-            and all(not s.request_ids and s.num_free_blocks == s.num_kv_blocks for s in snaps)
+            and all(not s.request_ids and s.num_free_blocks == s.scheduler.num_kv_blocks for s in snaps)
         ):
             break
         await asyncio.sleep(0.05)
     assert stack.gateway.num_in_flight == 0 and len(stack.gateway.streams) == 0
     for iid, snap in zip(ids, snaps, strict=True):
-        assert snap.request_ids == [] and snap.num_free_blocks == snap.num_kv_blocks, iid
+        assert snap.request_ids == [] and snap.num_free_blocks == snap.scheduler.num_kv_blocks, iid
     assert all(w.num_failed_steps == 0 for w in stack.workers)

@@ -138,7 +138,7 @@ async def test_a_preset_request_samples_at_the_routed_models_defaults(
         '[models.random-tiny]\ndtype = "float32"\n',
         '[models.random-tiny]\ndtype = "float32"\ndefault_temperature = 0.0\n'
         '[models.random-tiny-b]\ndtype = "float32"\n'
-        '[[instances]]\nmodel = "random-tiny-b"\nmax_num_seqs = 8\nnum_kv_blocks = 64\n'
+        '[[instances]]\nmodel = "random-tiny-b"\n[instances.scheduler]\nmax_num_seqs = 8\nnum_kv_blocks = 64\n'
         "max_model_len = 256\n",
         1,
     )

@@ -83,11 +83,14 @@ def test_cluster_errors_are_clear() -> None:
     with pytest.raises(ConfigError, match="weight_dtype"):
         parse_cluster('[models.a]\nweight_dtype = "int4"\n', environ={})
     # the engine's limits, checked when the file is read (not by each worker after loading)
-    small_kv = '[models.a]\n[[instances]]\nmodel = "a"\nnum_kv_blocks = 8\n'
+    small_kv = '[models.a]\n[[instances]]\nmodel = "a"\n[instances.scheduler]\nnum_kv_blocks = 8\n'
     with pytest.raises(ConfigError, match="max_model_len=2048 needs more KV than num_kv_blocks=8"):
         parse_cluster(small_kv, environ={})
     with pytest.raises(ConfigError, match="scheduler limits must be positive, got max_num_seqs=0"):
-        parse_cluster('[models.a]\n[[instances]]\nmodel = "a"\nmax_num_seqs = 0\n', environ={})
+        parse_cluster(
+            '[models.a]\n[[instances]]\nmodel = "a"\n[instances.scheduler]\nmax_num_seqs = 0\n',
+            environ={},
+        )
     with pytest.raises(ConfigError, match="threads must be >= 1"):
         parse_cluster('[models.a]\n[[instances]]\nmodel = "a"\nthreads = 0\n', environ={})
 
@@ -108,7 +111,10 @@ def test_cluster_errors_are_clear() -> None:
         ('redis_url = "redis://127.0.0.1:notaport/0"\n', "redis_url"),
         ('nats_url = "nats://127.0.0.1:99999"\n', "nats_url"),
         ('[models.a]\ndevice = "gpu9"\n', "not a torch device"),
-        ('[models.a]\n[[instances]]\nmodel = "a"\nmax_model_len = -2048\n', "must be positive"),
+        (
+            '[models.a]\n[[instances]]\nmodel = "a"\n[instances.scheduler]\nmax_model_len = -2048\n',
+            "must be positive",
+        ),
     ],
 )
 def test_limits_out_of_range_are_refused_when_the_file_is_read(text: str, message: str) -> None:

@@ -25,6 +25,7 @@ from shared.config import parse_cluster
 from shared.health import check
 from shared.model_store import load_tokenizer
 from shared.sampling import SamplingParams
+from shared.scheduling.scheduler import SchedulerConfig
 from tests.routing.test_runtime import EveryThird, big_writes
 from tests.services.conftest import Stack, kill, start_stack, tiny_cluster_text
 
@@ -37,11 +38,12 @@ dtype = "float32"
 [[instances]]
 model = "random-tiny-big"
 replicas = 1
+seed = 7
+[instances.scheduler]
 max_num_seqs = 8
 max_num_batched_tokens = 256
 num_kv_blocks = 64
 max_model_len = 256
-seed = 7
 
 [presets.pair]
 models = ["random-tiny", "random-tiny-big"]
@@ -96,7 +98,12 @@ def reference(prompt: list[int], n: int) -> Reference:
     the suite's 2 s registration TTL."""
     small, big = (
         LLMEngine.create(
-            EngineConfig(model=m, dtype="float32", seed=seed, num_kv_blocks=64, max_model_len=256)
+            EngineConfig(
+                model=m,
+                dtype="float32",
+                seed=seed,
+                scheduler=SchedulerConfig(num_kv_blocks=64, max_model_len=256),
+            )
         )
         for m, seed in (("random-tiny", 0), ("random-tiny-big", 7))
     )

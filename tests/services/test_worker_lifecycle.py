@@ -101,7 +101,8 @@ async def test_health_is_degraded_while_a_model_has_no_worker(
     text = tiny_cluster_text(nats_url, redis_url).replace(
         '[models.random-tiny]\ndtype = "float32"\n',
         '[models.random-tiny]\ndtype = "float32"\n[models.random-tiny-b]\ndtype = "float32"\n'
-        '[[instances]]\nmodel = "random-tiny-b"\nnum_kv_blocks = 64\nmax_model_len = 256\n',
+        '[[instances]]\nmodel = "random-tiny-b"\n'
+        "[instances.scheduler]\nnum_kv_blocks = 64\nmax_model_len = 256\n",
         1,
     )
     stack = await start_stack(parse_cluster(text), num_workers=1)
@@ -341,6 +342,7 @@ output_len_mean = 1000.0
 
 [[instances]]
 model = "slow"
+[instances.scheduler]
 max_num_seqs = 4
 max_num_batched_tokens = 256
 num_kv_blocks = 256
@@ -476,4 +478,4 @@ def test_the_warm_up_request_leaves_no_trace_in_the_engine() -> None:
     assert not engine.has_unfinished()
     assert engine.pop_batch_samples() == []
     snap = engine.snapshot()
-    assert snap.request_ids == [] and snap.num_free_blocks == snap.num_kv_blocks
+    assert snap.request_ids == [] and snap.num_free_blocks == snap.scheduler.num_kv_blocks

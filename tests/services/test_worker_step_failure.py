@@ -127,7 +127,7 @@ async def test_a_failed_step_fails_its_requests_with_500_and_serving_goes_on(
         if not snap.request_ids:
             break
         await asyncio.sleep(0.01)
-    assert snap.request_ids == [] and snap.num_free_blocks == snap.num_kv_blocks
+    assert snap.request_ids == [] and snap.num_free_blocks == snap.scheduler.num_kv_blocks
     assert not task.done()
 
 

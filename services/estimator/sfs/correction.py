@@ -1,8 +1,8 @@
 """Online correction of the SFS replay's TTFT estimate, from measured TTFTs.
 
 The replay is unbiased on a simulated engine (-1.5% mean signed error with exact
-lengths, `just sfs-bias`) but under-predicts a real one by ~6-11% (docs/sfs.md, part
-1): requests that arrive after the probe and join its batches once it runs, and a
+lengths, `just sfs-bias`) but under-predicts a real one by ~6-11% (`just bench-sfs`
+part 1): requests that arrive after the probe and join its batches once it runs, and a
 sum of batch times a little below the fit, neither of which a snapshot can show. The
 bias is steady per instance, so each finished request's measured TTFT against the
 estimate its decision used (`RouteReply.predicted_ttft_ms`, echoed back in

@@ -183,10 +183,10 @@ def kernel_state(
     policy = policy.for_snapshot(snapshot)
     st: KernelState = kernel_impl.build_state(
         (
-            snapshot.max_num_seqs,
-            snapshot.max_num_batched_tokens,
-            snapshot.block_size,
-            snapshot.num_kv_blocks,
+            snapshot.scheduler.max_num_seqs,
+            snapshot.scheduler.max_num_batched_tokens,
+            snapshot.scheduler.block_size,
+            snapshot.scheduler.num_kv_blocks,
         ),
         snapshot.num_running,
         snapshot.num_pending,
@@ -221,7 +221,7 @@ def admissible_pending(
     the engine does. `visible` is snapshot_ids(snapshot) when the caller has it.
     Returns (entries, number skipped because visible).
     """
-    max_model_len = snapshot.max_model_len
+    max_model_len = snapshot.scheduler.max_model_len
     seen: set[str] = set()
     entries: list[Entry] = []
     num_visible = 0
@@ -368,7 +368,7 @@ def estimate(
         probe,
         model.raw,
         policy.for_snapshot(snapshot),
-        max_model_len=snapshot.max_model_len,
+        max_model_len=snapshot.scheduler.max_model_len,
         want_e2e=want_e2e,
         max_steps=max_steps,
     )
@@ -436,7 +436,7 @@ class SfsReplayer:
             probe,
             model.raw,
             policy,
-            max_model_len=snapshot.max_model_len,
+            max_model_len=snapshot.scheduler.max_model_len,
             want_e2e=want_e2e,
             max_steps=self.max_steps,
         )
@@ -478,7 +478,7 @@ def replay_exact(
         targets[rid] = policy.target(predicted, max_tokens, 0, rid)
     batches: list[list[tuple[str, int]]] = []
     times: list[float] = []
-    cap = probe_max_tokens(probe, snapshot.max_model_len)
+    cap = probe_max_tokens(probe, snapshot.scheduler.max_model_len)
     ttft, e2e, steps_ttft = math.inf, math.inf, 0
     if probe.num_prompt_tokens >= 1 and cap >= 1:
         assert PROBE_ID not in sched.requests

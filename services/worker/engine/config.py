@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -68,17 +68,7 @@ class EngineConfig:
     # computes it natively, else fp32 (resolve_dtype)
     dtype: str = AUTO
     device: str = "cpu"  # cpu | cuda | cuda:N
-    max_num_seqs: int = 16  # running requests at most
-    max_num_batched_tokens: int = 512  # tokens per iteration
-    # tokens per KV block. 64 on CPU: decode attention multiplies per cache block, and
-    # at 16 the many tiny matmuls cost ~30% more (16 requests, 128-256 tokens of
-    # context); see docs/performance.md.
-    block_size: int = 64
-    num_kv_blocks: int = 128  # KV capacity: num_kv_blocks * block_size tokens
-    max_model_len: int = 2048  # prompt + output tokens of one request
-    # a plain request's prefill chunk while a token-routing guest is here (0: no cap;
-    # SchedulerConfig, docs/token-routing.md)
-    max_chunk_beside_guests: int = 64
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # the limits
     # torch intra-op threads: pin them; 2 threads next to a busy neighbour run ~30x slower.
     threads: int = 1
     seed: int = 0  # seed of random-weight models
@@ -110,7 +100,6 @@ class EngineConfig:
                 )
         if self.threads < 1:
             raise ValueError("threads must be >= 1")
-        self.scheduler_config()  # validates the limits
 
     @property
     def resolved_dtype(self) -> str:
@@ -132,16 +121,6 @@ class EngineConfig:
     def fp16_weights(self) -> bool:
         """fp32 arithmetic on fp16 weights (weights stored apart from the compute dtype)."""
         return self.resolved_weight_dtype != self.resolved_dtype
-
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            block_size=self.block_size,
-            num_kv_blocks=self.num_kv_blocks,
-            max_model_len=self.max_model_len,
-            max_chunk_beside_guests=self.max_chunk_beside_guests,
-        )
 
     def with_env(self, environ: Mapping[str, str]) -> EngineConfig:
         """Apply deployment-wide overrides: BATON_DTYPE sets every worker's dtype,

@@ -79,8 +79,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: CausalLM) -> None:
         self.config = config
         self.model = model
-        self.scheduler = Scheduler(config.scheduler_config())
-        self.runner = ModelRunner(model, config.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(config.scheduler)
+        self.runner = ModelRunner(model, config.scheduler.num_kv_blocks, config.scheduler.block_size)
         self.eos_ids = frozenset(model.config.eos_token_ids)
         self.vocab_size = model.config.vocab_size
         self.hook: StepHook | None = None
@@ -104,7 +104,7 @@ class LLMEngine:
         torch.set_num_threads(config.threads)
         source = resolve(config.model)
         if source.kind == "random":
-            cfg = random_config(max_position_embeddings=max(config.max_model_len, 4096))
+            cfg = random_config(max_position_embeddings=max(config.scheduler.max_model_len, 4096))
             state = random_state_dict(cfg, seed=config.seed)
         elif source.kind == "gguf":
             assert source.path is not None
@@ -121,17 +121,17 @@ class LLMEngine:
             delta = read_delta(source.delta)
             state = apply_delta(state, delta)
             cfg = _with_layers(cfg, len(delta.layers))
-        if config.max_model_len > cfg.max_position_embeddings:
+        if config.scheduler.max_model_len > cfg.max_position_embeddings:
             raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds the model's "
+                f"max_model_len={config.scheduler.max_model_len} exceeds the model's "
                 f"{cfg.max_position_embeddings} positions"
             )
         # RoPE tables cover the positions this engine can reach, not the checkpoint's maximum.
-        cfg = dataclasses.replace(cfg, max_position_embeddings=config.max_model_len)
+        cfg = dataclasses.replace(cfg, max_position_embeddings=config.scheduler.max_model_len)
         model = build_model(cfg, state, config.torch_dtype, torch.device(config.device))
         del state
         if config.pack_weights:
-            model.pack_for_cpu(batch_hint=config.max_num_seqs, fp16_weights=config.fp16_weights)
+            model.pack_for_cpu(batch_hint=config.scheduler.max_num_seqs, fp16_weights=config.fp16_weights)
         return cls(config, model)
 
     # ---- requests (any thread) -------------------------------------------------
@@ -151,7 +151,7 @@ class LLMEngine:
         `priority`: scheduled before plain requests (a token-routing peer's copy of
         another worker's request; shared.scheduling.scheduler).
         """
-        validate_request(prompt_token_ids, params, self.config.max_model_len, self.vocab_size)
+        validate_request(prompt_token_ids, params, self.config.scheduler.max_model_len, self.vocab_size)
         n = len(prompt_token_ids)
         sched = SchedRequest(request_id, n, params.max_tokens, arrival_seq=-1)
         sched.predicted_output_tokens = predicted_output_tokens

@@ -73,12 +73,7 @@ OutputLenDist = Literal["fixed", "exponential", "lognormal"]
 class SimEngineConfig:
     """Limits (as EngineConfig), clock, synthetic vocabulary and output lengths of one sim instance."""
 
-    max_num_seqs: int = 16  # running requests at most
-    max_num_batched_tokens: int = 512  # tokens per iteration
-    block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int = 512  # KV capacity: num_kv_blocks * block_size tokens
-    max_model_len: int = 2048  # prompt + output tokens of one request
-    max_chunk_beside_guests: int = 64  # as EngineConfig's
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # the limits
     num_batch_samples: int = 4096  # batch samples kept until popped
     clock: ClockKind = "wall"  # wall: sleep the modeled time | virtual: only count it
     start_time_s: float = 0.0  # virtual clock at construction, seconds (ignored by "wall")
@@ -101,28 +96,12 @@ class SimEngineConfig:
             raise ValueError("eos_token_id must be in [0, vocab_size)")
         if not 0 <= self.first_token_id < self.vocab_size - 64:
             raise ValueError("first_token_id must leave at least 64 synthetic ids below vocab_size")
-        self.scheduler_config()  # validates the limits
-
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            block_size=self.block_size,
-            num_kv_blocks=self.num_kv_blocks,
-            max_model_len=self.max_model_len,
-            max_chunk_beside_guests=self.max_chunk_beside_guests,
-        )
 
     @classmethod
     def like(cls, engine: EngineConfig, **sim: object) -> SimEngineConfig:
         """The limits of a torch engine's config, plus sim settings given by keyword."""
         return cls(
-            max_num_seqs=engine.max_num_seqs,
-            max_num_batched_tokens=engine.max_num_batched_tokens,
-            block_size=engine.block_size,
-            num_kv_blocks=engine.num_kv_blocks,
-            max_model_len=engine.max_model_len,
-            max_chunk_beside_guests=engine.max_chunk_beside_guests,
+            scheduler=engine.scheduler,
             num_batch_samples=engine.num_batch_samples,
             **sim,  # type: ignore[arg-type]
         )
@@ -213,7 +192,7 @@ class SimEngine:
 
     def __init__(self, config: SimEngineConfig, model: BatchTimeModel) -> None:
         self.config = config
-        self.scheduler = Scheduler(config.scheduler_config())
+        self.scheduler = Scheduler(config.scheduler)
         self.clock: Clock = (
             VirtualClock(config.start_time_s) if config.clock == "virtual" else WallClock()
         )
@@ -246,7 +225,7 @@ class SimEngine:
         predicted_output_tokens, when given, is the request's output length (capped by
         max_tokens) and travels into snapshots; else a length is drawn (module doc).
         """
-        validate_request(prompt_token_ids, params, self.config.max_model_len, self.vocab_size)
+        validate_request(prompt_token_ids, params, self.config.scheduler.max_model_len, self.vocab_size)
         n = len(prompt_token_ids)
         seq = self._new_sequence(request_id, n, params, predicted_output_tokens)
         self._inbox.submit(request_id, seq)
