@@ -124,22 +124,31 @@ def sha256_of(path: Path) -> str:
 
 def link_from(source: Path, target: Path) -> list[str]:
     """Symlink each known file found under `source` into `target` when its sha256 matches;
-    returns one line per file."""
+    returns one line per file. A file already in `target` stays (a symlink is replaced)."""
     lines = []
     for item in DATA_FILES:
         src, dst = source / item.path, target / item.path
         if not src.is_file():
             lines.append(f"not in {source}: {item.path}")
             continue
+        if dst.exists() and not dst.is_symlink():
+            lines.append(f"already there, kept: {dst}")
+            continue
         if sha256_of(src) != item.sha256:
             lines.append(f"sha256 differs, not linked: {src}")
             continue
         dst.parent.mkdir(parents=True, exist_ok=True)
-        if dst.is_symlink() or dst.exists():
+        if dst.is_symlink():
             dst.unlink()
         dst.symlink_to(src.resolve())
         lines.append(f"linked: {item.path}")
     return lines
+
+
+def has_files(*paths: str) -> bool:
+    """Whether every one of these (relative to the data directory) is there."""
+    root = data_dir()
+    return all((root / p).is_file() for p in paths)
 
 
 def status(directory: Path) -> list[tuple[DataFile, str]]:
@@ -166,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.source is not None:
         if not args.source.is_dir():
             ap.error(f"--from {args.source}: not a directory")
+        if args.source.resolve() == target.resolve():
+            ap.error(f"--from {args.source} is the data directory itself")
         for line in link_from(args.source, target):
             print(line)
     print(f"data directory: {target}")

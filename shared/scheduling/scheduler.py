@@ -45,10 +45,12 @@ from shared.scheduling.lengths import LengthRatios
 from shared.scheduling.request import RequestStatus, SchedRequest
 
 
-class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Limits of one engine instance, defined once: the cluster file's
     `[instances.scheduler]`, EngineConfig, SimEngineConfig and every WorkloadSnapshot
-    embed this struct, so a replica of the scheduler runs under the very same limits."""
+    embed this struct, so a replica of the scheduler runs under the very same limits.
+    Unknown fields are skipped on decode (a newer worker's snapshot still reads); the
+    cluster file's table is checked for them when it is read."""
 
     max_num_seqs: int = 16  # running requests at most
     max_num_batched_tokens: int = 512  # tokens per iteration (prefill + decode)

@@ -72,8 +72,10 @@ ARRIVALS: dict[int, list[tuple[str, int, int, int]]] = {
 
 def test_same_batches_as_a_live_scheduler() -> None:
     # Small KV and budget: chunked prefill, head-of-line blocking and preemption all occur.
-    cfg = SimEngineConfig(clock="virtual", scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=16, num_kv_blocks=24, max_model_len=384),
-                          )  # fmt: skip
+    limits = SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=64, block_size=16, num_kv_blocks=24, max_model_len=384
+    )
+    cfg = SimEngineConfig(clock="virtual", scheduler=limits)
     sim = SimEngine.create(cfg, TOY)
     ref = Scheduler(cfg.scheduler)
     targets: dict[str, int] = {}
@@ -310,8 +312,10 @@ def test_requests_from_another_thread() -> None:
 
 
 def test_like_copies_the_engine_limits() -> None:
-    eng = EngineConfig(
-                       num_batch_samples=7, scheduler=SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=96, block_size=8, num_kv_blocks=300, max_model_len=1024))  # fmt: skip
+    limits = SchedulerConfig(
+        max_num_seqs=5, max_num_batched_tokens=96, block_size=8, num_kv_blocks=300, max_model_len=1024
+    )
+    eng = EngineConfig(num_batch_samples=7, scheduler=limits)
     cfg = SimEngineConfig.like(eng, clock="virtual", seed=3)
     assert cfg.scheduler == eng.scheduler
     assert (cfg.num_batch_samples, cfg.clock, cfg.seed) == (7, "virtual", 3)

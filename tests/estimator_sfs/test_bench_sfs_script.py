@@ -15,13 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.data import data_dir
+from loadgen.data import has_files
+from loadgen.workloads import PROMPT_SET_FILES
 
 REPO = Path(__file__).resolve().parents[2]
 POLICIES = {"round-robin", "shortest-queue", "latency-agnostic", "sfs-constraint", "sfs-lagrangian"}
 
 
-@pytest.mark.skipif(not (data_dir() / "prompts").is_dir(), reason="no data directory (`just data`)")
+PROMPT_SETS = [f"prompts/{PROMPT_SET_FILES[t]}" for t in ("alpaca", "hotpotqa", "govreport", "writingprompts")]
+
+
+@pytest.mark.skipif(not has_files(*PROMPT_SETS), reason="no data directory (`just data`)")
 def test_bench_sfs_writes_every_figure_it_names(tmp_path: Path) -> None:
     out = tmp_path / "bench_sfs.json"
     cmd = [

@@ -77,7 +77,7 @@ def test_hand_made_case_equals_the_in_flight_aware_estimate() -> None:
     assert want.in_flight_s > age > 0  # the in-flight part counts
     got = service_estimate(100.0, 100.0 + age, snap, probe, [early, late])
     assert got == pytest.approx(want.ttft_s, rel=1e-12)
-    # ... and differs from the old estimate counted from the snapshot's time
+    # ... and differs from the estimate counted from the snapshot's time
     old = estimate(snap, MODEL, probe, [early, late], policy=OutputPolicy(32)).ttft_s
     assert got != pytest.approx(old)
 

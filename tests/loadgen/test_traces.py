@@ -6,12 +6,19 @@ import itertools
 
 import pytest
 
-from loadgen.data import data_dir
+from loadgen.data import data_dir, has_files
 from loadgen.plan import detect_trace_format
 from loadgen.traces import TraceRow, TraceWindow, native_rate, read_trace, select_rows
 
 TRACES = data_dir() / "traces"
-pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason="no data directory (`just data`)")
+pytestmark = pytest.mark.skipif(
+    not has_files(
+        "traces/azure_llm_2023_conv.csv",
+        "traces/burstgpt1_first400.csv",
+        "traces/mooncake_fast25_conversation_trace.jsonl",
+    ),
+    reason="no data directory (`just data`)",
+)
 
 
 def test_azure_conversation_trace() -> None:

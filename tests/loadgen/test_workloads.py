@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadgen.data import data_dir
+from loadgen.data import data_dir, has_files
 from loadgen.tokens import WordCounter
 from loadgen.traces import TraceRow
 from loadgen.workloads import (
@@ -27,7 +27,7 @@ from loadgen.workloads import (
     parse_mix,
 )
 
-HAS_DATA = (data_dir() / "prompts").is_dir()
+HAS_DATA = has_files(*(f"prompts/{name}" for name in PROMPT_SET_FILES.values()))
 needs_data = pytest.mark.skipif(not HAS_DATA, reason="no data directory (`just data`)")
 
 

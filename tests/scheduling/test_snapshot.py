@@ -204,6 +204,15 @@ def test_mismatched_columns_are_rejected_on_decode() -> None:
         WorkloadSnapshot(**LIMITS, num_running=0, num_pending=0, request_ids=["x"])
 
 
+def test_a_newer_writers_scheduler_fields_are_skipped() -> None:
+    """A limit a newer worker knows and this reader does not: the snapshot still reads
+    (a rolling upgrade keeps routing on snapshots)."""
+    blob = msgspec.msgpack.decode(_encoded())
+    blob["scheduler"]["max_prefill_chunks"] = 3
+    snap = DECODER.decode(msgspec.msgpack.encode(blob))
+    assert snap.scheduler == LIMITS["scheduler"]
+
+
 def test_an_older_writers_rows_do_not_decode() -> None:
     """The row layout (running / waiting / pending lists of per-request arrays) must
     fail, not read as an idle instance: num_running is required for that."""

@@ -18,7 +18,9 @@ Two implementations of the same replay:
 * `estimate` / `SfsReplayer` run `kernel.KernelState`, the same policy on flat
   counters with a lazy decode group and bulk skips: on a 64-request snapshot ~80x
   cheaper to the first token and ~300x to the last; checked against `replay_exact`
-  batch for batch in tests. Its mypyc build runs when one exists (`native`).
+  batch for batch in tests, on snapshots without token-routing guests (the kernel
+  admits waiting guests in queue order and does not model the chunk cap beside
+  them). Its mypyc build runs when one exists (`native`).
 
 Request lengths in the replay (`OutputPolicy`): a request finishes when its output
 reaches min(predicted_output_tokens, max_tokens); requests without a prediction use
