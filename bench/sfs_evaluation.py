@@ -58,21 +58,6 @@ def signed_relative_errors(predicted: Sequence[float], actual: Sequence[float]) 
     return [(p - a) / a for p, a in zip(predicted, actual, strict=True) if a > 0]
 
 
-def percentile(xs: Sequence[float], q: float) -> float:
-    """q-th percentile (0..100) by linear interpolation between order statistics."""
-    if not xs:
-        return math.nan
-    if not 0 <= q <= 100:
-        raise ValueError("q must be in [0, 100]")
-    s = sorted(xs)
-    pos = (len(s) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    if math.isinf(s[lo]) or math.isinf(s[hi]):
-        return s[hi] if pos > lo else s[lo]
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 def ks_distance(a: Sequence[float], b: Sequence[float]) -> float:
     """Two-sample Kolmogorov-Smirnov statistic: sup_x |F_a(x) - F_b(x)| (0 = same)."""
     if not a or not b:

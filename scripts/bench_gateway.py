@@ -100,6 +100,7 @@ import uvloop
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.stats import percentile  # noqa: E402
 from services.launcher.servers import free_port, start_nats, start_redis, stop_process_group  # noqa: E402
 from shared.model_store import load_tokenizer  # noqa: E402
 from shared.runtime import compact_cpus, exit_on_sigterm, freeze_heap  # noqa: E402
@@ -150,14 +151,7 @@ def p50_by_name(rows: Sequence[tuple[float, ...]], names: tuple[str, ...]) -> di
     """{name_ms_p50: the p50 of that column of rows}, ms; {} without rows."""
     if not rows:
         return {}
-    return {f"{name}_ms_p50": percentile([r[i] for r in rows], 0.5) for i, name in enumerate(names)}
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+    return {f"{name}_ms_p50": percentile([r[i] for r in rows], 50) for i, name in enumerate(names)}
 
 
 # -- how precise a run is ----------------------------------------------------------
@@ -474,8 +468,8 @@ class RoundAnatomy:
                 "lead_ms": 1e3 * (steps[0].wall_time_s - t0),
                 "steps": len(steps),
                 "step_ms": 1e3 * sum(b.duration_s for b in steps) / len(steps),
-                "decode_step_ms_p50": 1e3 * percentile(decodes, 0.5) if decodes else 0.0,
-                "gap_us_p50": 1e6 * percentile(gaps, 0.5) if gaps else 0.0,
+                "decode_step_ms_p50": 1e3 * percentile(decodes, 50) if decodes else 0.0,
+                "gap_us_p50": 1e6 * percentile(gaps, 50) if gaps else 0.0,
                 "gaps_ms": 1e3 * sum(gaps),
                 "tail_ms": 1e3 * (t1 - ends[-1]),
                 "wall_ms": 1e3 * (t1 - t0),
@@ -678,10 +672,10 @@ async def measure(
             print(f"  round {r + 1}/{args.rounds} done", flush=True)
     out: dict[str, dict[str, Any]] = {
         side: {
-            "ttft_ms_p50": 1e3 * percentile(ttft[side], 0.5),
-            "ttft_ms_p50_back_to_back": 1e3 * percentile(warm[side], 0.5),
-            "ttft_ms_p99_back_to_back": 1e3 * percentile(warm[side], 0.99),
-            "ttft_ms_p99": 1e3 * percentile(ttft[side], 0.99),
+            "ttft_ms_p50": 1e3 * percentile(ttft[side], 50),
+            "ttft_ms_p50_back_to_back": 1e3 * percentile(warm[side], 50),
+            "ttft_ms_p99_back_to_back": 1e3 * percentile(warm[side], 99),
+            "ttft_ms_p99": 1e3 * percentile(ttft[side], 99),
             "tok_s": tokens[side] / wall[side],
             "round_tok_s": [
                 n / w for n, w in zip(round_tokens[side], round_wall[side], strict=True)
@@ -1122,7 +1116,7 @@ def main() -> int:
             engine, gateway = measured["engine"], measured["gateway"]
             rtts = uvloop.run(nats_rtt_ms(stack.nats_url))
             floors = uvloop.run(http_floor_ms(args))
-            step_ms = percentile(engine[STEPS], 0.5)  # the TTFT requests' prefills
+            step_ms = percentile(engine[STEPS], 50)  # the TTFT requests' prefills
             floor_after_step = uvloop.run(http_floor_after_step_ms(args, step_ms))
         finally:
             for p in reversed(stack.procs):
@@ -1152,17 +1146,17 @@ def main() -> int:
         "added_ttft_ms_p99_back_to_back": gateway["ttft_ms_p99_back_to_back"]
         - engine["ttft_ms_p99_back_to_back"],
         # anchor: one bare NATS request/reply between two processes, measured in this run
-        "nats_rtt_ms_p50": percentile(rtts, 0.5),
-        "nats_rtt_ms_p99": percentile(rtts, 0.99),
+        "nats_rtt_ms_p50": percentile(rtts, 50),
+        "nats_rtt_ms_p99": percentile(rtts, 99),
         # anchor: the same HTTP client against a server that answers at once
-        "http_floor_ttft_ms_p50": percentile(floor, 0.5),
-        "http_floor_ttft_ms_p99": percentile(floor, 0.99),
-        "http_floor_ttft_ms_p50_by_client": {k: percentile(v, 0.5) for k, v in floors.items()},
+        "http_floor_ttft_ms_p50": percentile(floor, 50),
+        "http_floor_ttft_ms_p99": percentile(floor, 99),
+        "http_floor_ttft_ms_p50_by_client": {k: percentile(v, 50) for k, v in floors.items()},
         # the same, answered once a process on the worker's CPUs computed as long as the
         # in-process engine's 1st step p50 (http_floor_after_step_ms), less that step
         "http_floor_step_ms": step_ms,
-        "http_floor_after_step_ms_p50": percentile(floor_after_step, 0.5),
-        "http_floor_after_step_ms_p99": percentile(floor_after_step, 0.99),
+        "http_floor_after_step_ms_p50": percentile(floor_after_step, 50),
+        "http_floor_after_step_ms_p99": percentile(floor_after_step, 99),
         "load_average_1m": os.getloadavg()[0],
         # the gateway TTFT taken apart by the gateway's own stamps (ServerSplit)
         "gateway_ttft_split": gateway["ttft_split"],
@@ -1195,7 +1189,7 @@ def main() -> int:
     print_ci("stream_tok_s_ratio_ci95", result, ".3f", f"{args.rounds} round pairs")
     by_round = result["stream_tok_s_ratio_by_round"]
     print(
-        f"{'  per round pair':24}{'':24}{percentile(by_round, 0.5):14.3f}   median; "
+        f"{'  per round pair':24}{'':24}{percentile(by_round, 50):14.3f}   median; "
         f"{min(by_round):.3f}-{max(by_round):.3f} over {len(by_round)} pairs"
     )
     print(

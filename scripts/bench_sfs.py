@@ -78,9 +78,9 @@ from bench.sfs_evaluation import (  # noqa: E402
     estimate_from_now,
     ks_distance,
     mape,
-    percentile,
     signed_relative_errors,
 )
+from bench.stats import percentile  # noqa: E402
 from loadgen.arrivals import arrival_offsets, constant_profile, mmpp_profile  # noqa: E402
 from loadgen.data import data_dir, how_to_get  # noqa: E402
 from loadgen.tokens import WordCounter  # noqa: E402
@@ -144,7 +144,7 @@ class Measured:
     queue_at_arrival: int  # requests the engine held or was about to (snapshot + unseen)
     pred_sfs_s: float  # the estimator service's SFS (LatencyEstimator.ttft), from now
     pred_sfs_eval_s: float  # sfs_evaluation.estimate_from_now (the same estimate, cross-check)
-    pred_sfs_snapshot_s: float  # SfsReplayer.estimate: from the snapshot's time (the old service)
+    pred_sfs_snapshot_s: float  # SfsReplayer.estimate: counted from the snapshot's time (not in flight)
     pred_throughput_s: float
     pred_sfs_point_s: float  # as pred_sfs_eval_s, running requests end at bare predictions
     pred_sfs_flat_s: float  # as pred_sfs_s, the snapshot's batch_time_speed left at 1
@@ -1592,7 +1592,7 @@ def main() -> None:
                 "1. TTFT prediction, real CPU engine in its own process (no NATS hop), "
                 f"{real['setup']['model']}, {real['num_measured']} requests at {real['rate_rps']:.2f} req/s "
                 f"({real['num_queued_at_arrival']} found work queued):",
-                f"   MAPE SFS {real['mape_sfs']:.1%} (service's LatencyEstimator, with the measured-TTFT correction; the bare replay, sfs_evaluation.estimate_from_now, {real['mape_sfs_evaluation']:.1%}; from the snapshot's time, the service before {real['mape_sfs_from_snapshot']:.1%}; running requests ending at bare length predictions {real['mape_sfs_point_lengths']:.1%}; without the recent speed {real['mape_sfs_without_speed']:.1%}) vs "
+                f"   MAPE SFS {real['mape_sfs']:.1%} (service's LatencyEstimator, with the measured-TTFT correction; the bare replay, sfs_evaluation.estimate_from_now, {real['mape_sfs_evaluation']:.1%}; counted from the snapshot's time {real['mape_sfs_from_snapshot']:.1%}; running requests ending at bare length predictions {real['mape_sfs_point_lengths']:.1%}; without the recent speed {real['mape_sfs_without_speed']:.1%}) vs "
                 f"throughput {real['mape_throughput']:.1%} -> {real['mape_throughput'] / real['mape_sfs']:.1f}x better; "
                 f"target SFS <= {TARGET_MAPE:.0%} ({'met' if real['mape_sfs'] <= TARGET_MAPE else 'NOT met'}); "
                 f"paper: {PAPER_MAPE_SFS:.0%} vs {PAPER_MAPE_THROUGHPUT:.0%}",

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import msgspec
 
+from bench.stats import percentile
 from services.estimator.sfs.replay import PendingRequest, Probe, SfsReplayer
 from shared.scheduling.batch_time import SFS_H100_QWEN3, BatchTimeModel
 from shared.scheduling.scheduler import Scheduler, SchedulerConfig
@@ -106,11 +107,6 @@ def measure(
     return costs, cpu, statistics.median(ttfts)
 
 
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q / 100 * len(s)))]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--decisions", type=int, default=400)
@@ -127,8 +123,8 @@ def main() -> None:
         cpu99: dict[str, float] = {}
         for n in (3, 13):
             costs, cpu, med_ttft = measure(n, args.decisions, regime == "fresh", args.seed)
-            p50[str(n)], p99[str(n)] = pct(costs, 50), pct(costs, 99)
-            cpu50[str(n)], cpu99[str(n)] = pct(cpu, 50), pct(cpu, 99)
+            p50[str(n)], p99[str(n)] = percentile(costs, 50), percentile(costs, 99)
+            cpu50[str(n)], cpu99[str(n)] = percentile(cpu, 50), percentile(cpu, 99)
             print(
                 f"{regime:6s} {n:2d} instances: wall p50 {p50[str(n)]:8.1f} us "
                 f"p99 {p99[str(n)]:8.1f} us | cpu p50 {cpu50[str(n)]:8.1f} us "

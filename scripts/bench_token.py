@@ -47,7 +47,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -66,6 +65,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from loadgen.data import data_dir  # noqa: E402
+from services.launcher.servers import free_port  # noqa: E402
 from shared.config import ClusterConfig, PresetConfig, load_cluster  # noqa: E402
 from shared.runtime import exit_on_sigterm  # noqa: E402
 
@@ -372,12 +372,6 @@ def preset_lines(src: PresetConfig, mode: str) -> list[str]:
 
 
 # ---------------------------------------------------------------- the cluster
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Deployment:

@@ -23,10 +23,10 @@ from bench.sfs_evaluation import (
     estimate_from_now,
     ks_distance,
     mape,
-    percentile,
     signed_relative_errors,
     trapezoid_area,
 )
+from bench.stats import percentile
 from services.estimator.policies import create_policy
 from services.estimator.sfs.replay import MAX_CATCH_UP_STEPS, OutputPolicy, PendingRequest, Probe
 from services.estimator.sfs.utility import default_ttft_target_s

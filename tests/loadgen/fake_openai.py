@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -22,6 +21,8 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+
+from services.launcher.servers import free_port
 
 CHUNK_DELAY_S = 0.004
 MAX_CHUNKS = 6
@@ -114,13 +115,6 @@ def create_app() -> FastAPI:
         return JSONResponse({"error": error}, status_code=500)
 
     return app
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

@@ -16,7 +16,8 @@ from fastapi import FastAPI
 
 from loadgen.__main__ import main
 from loadgen.data import data_dir
-from tests.loadgen.fake_openai import MAX_CHUNKS, free_port, serve_fake_openai
+from services.launcher.servers import free_port
+from tests.loadgen.fake_openai import MAX_CHUNKS, serve_fake_openai
 
 AZURE = data_dir() / "traces" / "azure_llm_2023_conv.csv"
 pytestmark = pytest.mark.skipif(not AZURE.is_file(), reason="no data directory (`just data`)")
