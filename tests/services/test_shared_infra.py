@@ -93,6 +93,14 @@ def test_cluster_errors_are_clear() -> None:
         )
     with pytest.raises(ConfigError, match="threads must be >= 1"):
         parse_cluster('[models.a]\n[[instances]]\nmodel = "a"\nthreads = 0\n', environ={})
+    # the limits live in [instances.scheduler]: flat ones and typos there are named
+    with pytest.raises(ConfigError, match=r"move max_num_seqs into \[instances.scheduler\]"):
+        parse_cluster('[models.a]\n[[instances]]\nmodel = "a"\nmax_num_seqs = 4\n', environ={})
+    with pytest.raises(ConfigError, match=r"unknown \[instances.scheduler\] key 'max_num_seq'"):
+        parse_cluster(
+            '[models.a]\n[[instances]]\nmodel = "a"\n[instances.scheduler]\nmax_num_seq = 4\n',
+            environ={},
+        )
 
 
 @pytest.mark.parametrize(
