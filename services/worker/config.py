@@ -6,7 +6,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from shared import subjects
 from shared.config import (
@@ -23,6 +23,7 @@ from shared.config import (
 
 if TYPE_CHECKING:
     from services.worker.engine.config import EngineConfig
+    from services.worker.engine.protocol import Engine
 
 
 # The cluster file's [worker] defaults, for a config built without one (tests)
@@ -126,7 +127,7 @@ class WorkerServiceConfig:
         )
 
 
-def create_engine(cfg: WorkerServiceConfig) -> Any:
+def create_engine(cfg: WorkerServiceConfig) -> Engine:
     """Build the engine the cluster file names for this model: "torch" or "sim"."""
     if cfg.model_config.engine == "sim":
         from services.worker.engine.sim import SimEngine, SimEngineConfig
@@ -152,7 +153,7 @@ def create_engine(cfg: WorkerServiceConfig) -> Any:
 WARM_UP_PROMPT_TOKENS = 16
 
 
-def warm_up(engine: Any) -> float:
+def warm_up(engine: Engine) -> float:
     """Run one short request (a prefill and a decode step) through a new engine and
     forget it: torch's first calls (kernel selection, weight packing, allocator growth)
     happen here instead of in the first client's TTFT. Returns the seconds it took."""

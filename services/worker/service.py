@@ -42,38 +42,34 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Container
-from typing import Any, NamedTuple
+from collections.abc import Callable
 
-import msgspec
-
+from services.worker.answers import Answers, Dest
 from services.worker.config import WorkerServiceConfig, create_engine
+from services.worker.engine.outputs import RequestOutput
+from services.worker.engine.protocol import Engine, RoutableEngine
 from services.worker.links import GatewayLinks
-from services.worker.pacing import StreamPacer, group, is_urgent
+from services.worker.orphans import OrphanWatch
+from services.worker.pacing import group
 from services.worker.routing.chars import CharBoundaries
 from services.worker.routing.link import RoutingLink
 from services.worker.routing.runtime import Outbox, TokenRouting
+from services.worker.snapshot_writer import SnapshotWriter
 from shared import subjects
 from shared.bus import Bus, is_no_responders
 from shared.link import FrameLink
 from shared.logging import RetryLog, get_logger
-from shared.messages import encode
-from shared.messages.gateway import DeltaBatch, GatewayEvent, RequestFailed, TokenDelta
+from shared.messages.gateway import GatewayEvent, RequestFailed
 from shared.messages.peer import PEER_QUERY_REPLY_DECODER, PeerQuery
 from shared.messages.registry import WorkerInfo
 from shared.messages.worker import (
-    CALIBRATION_DECODER,
     WORKER_INBOUND_DECODER,
     AbortRequest,
     BatchTimeCalibration,
     SubmitRequest,
     WorkerInbound,
 )
-from shared.scheduling.batch_time import BatchTimeModel
-from shared.scheduling.snapshot import BatchSample
-from shared.scheduling.speed import RecentSpeed
 from shared.store import Store
-from shared.subjects import is_token
 
 log = get_logger(component="worker")
 EXPIRY_CHECK_S = 0.5  # how often parked token-routing requests are checked for silence
@@ -85,40 +81,10 @@ RELAY_QUERY_TIMEOUT_S = 1.0  # a relay that does not answer within this is taken
 # (one bad batch is contained; an engine that fails every step is broken: restart it)
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
-EngineFactory = Callable[[WorkerServiceConfig], Any]
+EngineFactory = Callable[[WorkerServiceConfig], Engine]
 
 
-class Owner(NamedTuple):
-    """Who a running request answers to."""
-
-    reply_to: str  # the owning gateway's inbox subject
-    gateway: str  # its liveness token (SubmitRequest.owner; `_abort_orphans`); "": unchecked
-    link: FrameLink | None  # the direct link it came on: its answers go there
-    dest: Dest  # answer_to(reply_to, link)
-
-
-# Where a gateway event goes: a direct link, or a NATS subject (the gateway's inbox).
-Dest = str | FrameLink
-
-
-def answer_to(reply_to: str, link: FrameLink | None) -> Dest:
-    """A request is answered on the link it came on, else on its gateway's inbox."""
-    return reply_to if link is None else link
-
-
-def _request_set(snapshot: Any) -> tuple[int, int, list[str]]:
-    """What a snapshot says of who is where (running, pending, waiting by id): a snapshot
-    that differs from the last written one in this is written sooner than one that
-    only shows progress (WorkerService._record)."""
-    return snapshot.num_running, snapshot.num_pending, snapshot.request_ids
-
-
-def _wake(waiter: asyncio.Future[None] | None) -> None:
-    if waiter is not None and not waiter.done():
-        waiter.set_result(None)
-
-
-def _timed(step: Callable[[], list[Any]]) -> tuple[list[Any], float]:
+def _timed(step: Callable[[], list[RequestOutput]]) -> tuple[list[RequestOutput], float]:
     """step() and the seconds it took, timed where it runs (the loop or the thread)."""
     t0 = time.perf_counter()
     outputs = step()
@@ -134,24 +100,23 @@ class WorkerService:
         self.cfg = cfg
         self.inbox_subject = subjects.worker_inbox(cfg.namespace, cfg.instance_id)
         self._engine_factory = engine_factory
-        self._engine: Any = None
+        self._engine: Engine | None = None  # set by the start
         self._bus = Bus(cfg.nats_url, name=f"worker-{cfg.instance_id}")
         self._store = Store(cfg.redis_url, cfg.namespace)
+        # who each request answers to, and the pacer holding their events (answers.py)
+        self.answers = Answers(cfg.instance_id, self._bus, cfg.stream_interval_s)
+        self.writer: SnapshotWriter | None = None  # set once the engine is loaded
+        self.orphans = OrphanWatch(ORPHAN_GRACE_TTLS * cfg.heartbeat_ttl_s)
         # what came in, with the direct link it came on (None: over NATS)
         self._inbox: deque[tuple[WorkerInbound, FrameLink | None]] = deque()
         self._links: GatewayLinks | None = None  # gateways' direct links (cfg.link)
         self._wakeup = asyncio.Event()
         self._stop = asyncio.Event()
-        self._owners: dict[str, Owner] = {}  # request id -> its owning gateway
-        # deltas held back for the next step's write to their gateway (pacing.py)
-        self._pacer: StreamPacer[Dest] = StreamPacer(cfg.stream_interval_s)
-        self._gone_since: dict[str, float] = {}  # gateway id -> monotonic time seen gone
-        self._num_steps = 0
+        self.num_steps = 0
         self.num_inline_steps = 0  # of them, run on the event loop (short steps)
         self.num_failed_steps = 0  # steps that raised (their requests failed with a 500)
         self.num_link_requests = 0  # requests admitted from a direct link (not NATS)
         self._consecutive_step_failures = 0
-        self._write_failures = RetryLog(log, "snapshot_write_failed")  # Redis outages
         # Prompt tokens admitted since the last step: the size of an inline step's prefill.
         self._num_new_prompt_tokens = 0
         # compute time of the last step (engine.step alone: in the thread, without the
@@ -166,29 +131,8 @@ class WorkerService:
         self._relay_verdict: tuple[dict[str, float], set[str]] | None = None
         self._started_at_s = time.time()
         self._is_draining = False
-        self._record_task: asyncio.Task[None] | None = None  # the snapshot writer, if running
-        self._record_pending = False  # a step ended since the writer took its snapshot
-        # ... and changed the request set (arrived, finished, changed queue) since the
-        # last write: written within snapshot_interval_s, not snapshot_progress_interval_s
-        self._record_changed = False
-        # a writer waiting out the progress interval waits on this: a change resolves
-        # it early, a timer at the interval's end otherwise (a future and a timer
-        # handle: no task cancelled every 20 ms, as asyncio.timeout would)
-        self._record_wake: asyncio.Future[None] | None = None
-        self._written_sig: tuple[int, int, list[str]] | None = None  # (`_request_set`)
-        self._last_write_s = float("-inf")  # monotonic time the writer last took one
-        self._unsent_samples: list[BatchSample] = []  # not yet written (at most
-        # max_batch_samples: Redis keeps no more, so a stalled write drops the oldest)
-        self._heartbeat_task: asyncio.Task[None] | None = None
+        self.heartbeat_task: asyncio.Task[None] | None = None
         self._closing = False
-        # The estimator's fitted batch-time model of this instance, read with the
-        # heartbeat; copied into every snapshot (the engine's own, if any, otherwise).
-        self.calibration: BatchTimeCalibration | None = None
-        self._calibrated: BatchTimeModel | None = None  # the calibration as a model
-        # How fast the latest iterations ran against the calibration (speed.py): the
-        # snapshot's batch_time_speed, so a replay prices the next steps at it.
-        alpha = cfg.batch_time_speed_alpha
-        self._speed = RecentSpeed(alpha=alpha) if alpha > 0 else None
         self.ready = asyncio.Event()  # set once the engine is loaded and the inbox subscribed
         # set once its start is over, just before the worker registers: its process
         # freezes the heap then (shared.runtime.freeze_heap), so the collection runs
@@ -197,6 +141,7 @@ class WorkerService:
         # Token-level routing (only when a token-level preset names this model).
         self.routing: TokenRouting | None = None
         self._link: RoutingLink | None = None
+        self._routing_engine: RoutableEngine | None = None  # the engine, as routing drives it
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -212,9 +157,20 @@ class WorkerService:
         finally:
             await self.close()
 
+    @property
+    def calibration(self) -> BatchTimeCalibration | None:
+        """The estimator's batch-time calibration of this instance, as last read."""
+        return None if self.writer is None else self.writer.calibration
+
+    @property
+    def engine(self) -> Engine:
+        assert self._engine is not None, "the engine loads when the worker starts"
+        return self._engine
+
     async def _start(self) -> None:
         t0 = time.perf_counter()
         self._engine = await asyncio.to_thread(self._engine_factory, self.cfg)
+        self.writer = SnapshotWriter(self.cfg, self._engine, self._store, lambda: self.num_steps)
         # the dtype the engine runs (None for the sim engine, which has no torch config)
         engine_config = getattr(self._engine, "config", None)
         self._dtype = getattr(engine_config, "resolved_dtype", None)
@@ -249,8 +205,8 @@ class WorkerService:
         self.started.set()
         await asyncio.sleep(0)  # the process freezes its heap now, before it can be routed to
         await self._register()
-        self._heartbeat_task = asyncio.create_task(self._heartbeat(), name="heartbeat")
-        self._record(samples=False)
+        self.heartbeat_task = asyncio.create_task(self._heartbeat(), name="heartbeat")
+        self.writer.record(samples=False)
         self.ready.set()
         log.info("worker_ready", instance_id=self.cfg.instance_id, inbox=self.inbox_subject)
 
@@ -264,7 +220,8 @@ class WorkerService:
             lambda name, models, index, args: create_token_policy(name, models, index, args),
             self._char_boundaries(),
         )
-        self._engine.hook = self.routing.hook
+        self._routing_engine = self._routable()
+        self._routing_engine.hook = self.routing.hook
         self._link = RoutingLink(
             self.routing,
             self._bus,
@@ -294,11 +251,21 @@ class WorkerService:
                     "on a machine that serves them alike",
                 )
 
+    def _routable(self) -> RoutableEngine:
+        """The engine, as token-level routing drives it (hand-offs, guests, resumes)."""
+        engine = self.engine
+        if not isinstance(engine, RoutableEngine):
+            raise RuntimeError(
+                f"{self.cfg.model}: token-level presets need an engine that hands off "
+                f"tokens ({type(engine).__name__} does not)"
+            )
+        return engine
+
     def _char_boundaries(self) -> CharBoundaries | None:
         """The model's vocabulary, for hand-offs to wait for a character's end
         (routing/chars.py); None, with a warning, when its tokenizer cannot load."""
         try:
-            return CharBoundaries(self._engine.tokenizer().token_bytes)
+            return CharBoundaries(self._routable().tokenizer().token_bytes)
         except Exception as exc:  # (the hand-offs go on, characters unguarded)
             log.warning("token_bytes_unavailable", model=self.cfg.model, error=repr(exc))
             return None
@@ -310,16 +277,12 @@ class WorkerService:
             await asyncio.wait_for(self._flush_held(), 2.0)
         if self._relay_query is not None:
             self._relay_query.cancel()  # its answer has nobody left to apply it
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
-            await asyncio.wait(
-                [self._heartbeat_task], timeout=2 * self.cfg.heartbeat_interval_s + 2
-            )
-            self._heartbeat_task = None
-        if self._record_task is not None:
-            _wake(self._record_wake)  # a writer waiting out progress writes the last state now
-            await asyncio.gather(self._record_task, return_exceptions=True)
-            self._record_task = None
+        if self.heartbeat_task is not None:
+            self.heartbeat_task.cancel()
+            await asyncio.wait([self.heartbeat_task], timeout=2 * self.cfg.heartbeat_interval_s + 2)
+            self.heartbeat_task = None
+        if self.writer is not None:
+            await self.writer.close()
         if self._store.is_connected:
             try:
                 await asyncio.wait_for(self._store.deregister(self.cfg.instance_id), 2.0)
@@ -332,14 +295,15 @@ class WorkerService:
         log.info(
             "worker_closed",
             instance_id=self.cfg.instance_id,
-            num_steps=self._num_steps,
+            num_steps=self.num_steps,
             num_inline_steps=self.num_inline_steps,
         )
 
     # -- the loop ------------------------------------------------------------
 
     async def _loop(self) -> None:
-        engine = self._engine
+        engine, writer = self.engine, self.writer
+        assert writer is not None
         drain_deadline: float | None = None
         is_after_idle = True  # nothing ran since the engine was last empty
         has_peer_work = False  # peer messages applied since the last step
@@ -355,18 +319,20 @@ class WorkerService:
             if rejected:
                 await self._publish(*group(rejected))
             outbox = Outbox()
-            if self._link is not None:  # peer messages: start, resume or release copies
+            routable = self._routing_engine  # (set with self._link)
+            if self._link is not None and routable is not None:  # peer messages: start,
+                # resume or release copies
                 if self._link.has_messages:
                     # A peer's copy brings a sequence the prompt count misses: the next
                     # step runs in the thread.
                     is_after_idle, has_peer_work = False, True
-                self._link.apply(engine, outbox)
+                self._link.apply(routable, outbox)
                 if self.routing is not None and (
                     self._link.relay_started_at_s is not None
                     or self._relay_verdict is not None
                     or time.monotonic() >= self._next_expiry_s
                 ):
-                    self._check_relay_silence(engine, outbox)
+                    self._check_relay_silence(routable, outbox)
                 await self._link.publish(outbox)
             if not engine.has_unfinished():
                 if drain_deadline is not None:
@@ -401,25 +367,28 @@ class WorkerService:
             self._consecutive_step_failures = 0
             is_after_idle = has_peer_work = False
             self._num_new_prompt_tokens = 0
-            self._num_steps += 1
-            if self.routing is not None and self._link is not None:
+            self.num_steps += 1
+            final_counts = None
+            if self.routing is not None and self._link is not None and routable is not None:
                 self.routing.record_step(time.perf_counter() - t_step)
                 outputs = self.routing.on_outputs(outputs, outbox)
-                self.routing.on_handoffs(engine.pop_handoffs(), engine, outbox)
+                self.routing.on_handoffs(routable.pop_handoffs(), routable, outbox)
                 await self._link.publish(outbox)
                 await self._link.maybe_send_stats()
+                final_counts = self.routing.final_counts
             # 3. publish deltas, one batch per owning gateway (or held for the next
             #    step's: pacing.py)
-            await self._publish(*self._deltas(outputs), next_step_s=self._last_step_s)
+            by_dest, urgent = self.answers.deltas(outputs, final_counts)
+            await self._publish(by_dest, urgent, next_step_s=self._last_step_s)
             # One pass of the event loop: it reads what arrived (submits and aborts, on
             # links and NATS), and nats-py's flusher task writes what went over NATS
             # (once the next step runs, its thread holds the GIL and that write would
             # wait a switch interval; a link's write is already done).
             await asyncio.sleep(0)
             # 4. record snapshot and batch samples (written while the next step runs)
-            self._record(samples=True)
+            writer.record(samples=True)
 
-    def _check_relay_silence(self, engine: Any, outbox: Outbox) -> None:
+    def _check_relay_silence(self, engine: RoutableEngine, outbox: Outbox) -> None:
         """The safety nets for a relay that is itself gone (TokenRouting.overdue_origins):
         apply the relay's last answer about overdue requests, ask it about the ones
         overdue now (in the background: the answer is applied here, between steps),
@@ -492,8 +461,8 @@ class WorkerService:
             async with asyncio.timeout(timeout):
                 await self._wakeup.wait()
         except TimeoutError:
-            if wait_s is None:
-                self._record(samples=False)
+            if wait_s is None and self.writer is not None:
+                self.writer.record(samples=False)
 
     def _hold_s(self) -> float | None:
         """None: step now. Else how long delayed batching holds this model's step
@@ -504,7 +473,7 @@ class WorkerService:
         return self.routing.hold_s(time.monotonic(), plain)
 
     def _runnable_ids(self) -> list[str]:
-        sched = self._engine.scheduler
+        sched = self.engine.scheduler
         return [r.request_id for r in sched.running] + [r.request_id for r in sched.waiting]
 
     def _take_inbox(self) -> list[tuple[Dest, GatewayEvent]]:
@@ -516,16 +485,16 @@ class WorkerService:
                 case SubmitRequest():
                     failure = self._admit(msg, link)
                     if failure is not None:
-                        failures.append((answer_to(msg.reply_to, link), failure))
+                        failures.append((self.answers.dest(msg.reply_to, link), failure))
                 case AbortRequest():
-                    if msg.request_id in self._owners:
-                        self._engine.abort_request(msg.request_id)
+                    if msg.request_id in self.answers.owners:
+                        self.engine.abort_request(msg.request_id)
         return failures
 
     def _admit(self, msg: SubmitRequest, link: FrameLink | None) -> RequestFailed | None:
         if self._is_draining:
             return RequestFailed(msg.request_id, 503, "the worker is shutting down; retry")
-        if msg.request_id in self._owners:
+        if msg.request_id in self.answers.owners:
             return RequestFailed(msg.request_id, 400, f"duplicate request id {msg.request_id}")
         if msg.preset is not None:
             reason = (
@@ -541,9 +510,9 @@ class WorkerService:
         try:
             msg.params.validate()
             if msg.predicted_output_tokens is None:
-                self._engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
             else:
-                self._engine.add_request(
+                self.engine.add_request(
                     msg.request_id,
                     msg.prompt_token_ids,
                     msg.params,
@@ -552,167 +521,23 @@ class WorkerService:
         except ValueError as exc:  # RequestError is a ValueError: the loop goes on
             log.info("request_rejected", request_id=msg.request_id, error=str(exc))
             return RequestFailed(msg.request_id, 400, str(exc))
-        # an owner that is not a valid key part is never checked (as none)
-        self._owners[msg.request_id] = Owner(
-            msg.reply_to,
-            msg.owner if is_token(msg.owner) else "",
-            link,
-            answer_to(msg.reply_to, link),
-        )
+        self.answers.add(msg.request_id, msg.reply_to, msg.owner, link)
         self._num_new_prompt_tokens += len(msg.prompt_token_ids)
         self.num_link_requests += link is not None
         if msg.preset is not None and self.routing is not None:
             self.routing.add_origin(msg.request_id, msg.preset, msg.prompt_token_ids, msg.params)
         return None
 
-    def _deltas(self, outputs: list[Any]) -> tuple[dict[Dest, list[GatewayEvent]], set[Dest]]:
-        """A step's outputs as token deltas by destination (pacing.group's form, built in
-        one pass: this runs after every step, with the caches cold from it)."""
-        by_dest: dict[Dest, list[GatewayEvent]] = {}
-        urgent: set[Dest] = set()
-        owners = self._owners
-        for out in outputs:
-            owner = owners.get(out.request_id)
-            if owner is None:
-                continue
-            dest = owner.dest
-            counts = None
-            if out.finished:
-                del owners[out.request_id]
-                if self.routing is not None:
-                    counts = self.routing.final_counts.pop(out.request_id, None)
-            new = out.new_token_ids  # (the engine's own lists, made for this output)
-            position = out.num_output_tokens - len(new)
-            top = out.new_top_logprobs
-            delta = TokenDelta(
-                out.request_id,
-                position,
-                new,
-                out.new_logprobs,
-                out.finish_reason if out.finished else None,
-                out.num_prompt_tokens,
-                counts,
-                top if top and top[0] else None,
-            )
-            batch = by_dest.get(dest)
-            if batch is None:
-                by_dest[dest] = [delta]
-            else:
-                batch.append(delta)
-            if is_urgent(delta):
-                urgent.add(dest)
-        return by_dest, urgent
-
     async def _publish(
         self,
         by_dest: dict[Dest, list[GatewayEvent]],
-        urgent: Container[Dest],
+        urgent: set[Dest],
         next_step_s: float | None = None,
     ) -> None:
-        """One DeltaBatch per destination, with what was held for it before: written to
-        its link at once (a closed link's are dropped: its requests are being aborted),
-        or published over NATS. With `next_step_s` (a step expected to follow in that
-        long) the pacer may hold a destination's batch for the next step's; never one
-        in `urgent` (pacing.is_urgent)."""
-        now = time.monotonic()
-        await self._send(self._pacer.take(by_dest, urgent, now, next_step_s))
+        await self.answers.publish(by_dest, urgent, self.num_steps, next_step_s)
 
     async def _flush_held(self) -> None:
-        """Write everything the pacer holds: before the loop waits (no step would), a
-        step longer than the last, a drain, and in close."""
-        if self._pacer:
-            await self._send(self._pacer.take_all())
-
-    async def _send(self, by_dest: dict[Dest, list[GatewayEvent]]) -> None:
-        for dest, batch in by_dest.items():
-            msg = DeltaBatch(instance_id=self.cfg.instance_id, step=self._num_steps, events=batch)
-            if isinstance(dest, str):
-                await self._bus.publish(dest, msg)
-            else:
-                dest.send(encode(msg))
-
-    def _record(self, *, samples: bool) -> None:
-        """Have the snapshot (and the steps' new batch samples) written in the background.
-
-        One write runs at a time, at most one per `snapshot_interval_s` when the request
-        set changed since the last write (a request arrived, finished, or moved between
-        running, pending and waiting: `_request_set`), else at most one per
-        `snapshot_progress_interval_s` (the same requests, further along: the estimator
-        replays a snapshot forward by its age, so such a snapshot ages without
-        misleading it). Steps that end while it runs or waits are folded into the next
-        write, which takes the newest snapshot and every sample since: when steps
-        outpace the interval (a fast model), fewer and fuller writes instead of a queue
-        of stale ones, and no encoding of snapshots nobody will read. Each write costs
-        the worker's core ~0.1 ms (the encoding, the Redis command, two syscalls): after
-        every 1.5 ms decode step of random-tiny that is ~5% of the gateway path's token
-        rate; with a write every 5 ms still ~2.5%, while the estimator reads snapshots
-        every 20 ms."""
-        if samples:  # (the speed observes them when they are written: fewer calls)
-            self._unsent_samples.extend(self._engine.pop_batch_samples())
-            del self._unsent_samples[: -self.cfg.max_batch_samples]
-        if not self._record_changed and _request_set(self._engine.snapshot()) != self._written_sig:
-            self._record_changed = True
-            _wake(self._record_wake)
-        self._record_pending = True
-        if self._record_task is None or self._record_task.done():
-            self._record_task = asyncio.create_task(self._write_records())
-
-    async def _write_records(self) -> None:
-        cfg = self.cfg
-        while self._record_pending:
-            # 1. Wait out the interval (steps ending meanwhile join this write); while
-            #    only progress changed, the longer one, cut short by a change.
-            interval_s = cfg.snapshot_interval_s
-            if not self._record_changed and interval_s > 0:  # (0: after every iteration)
-                interval_s = max(interval_s, cfg.snapshot_progress_interval_s)
-            wait_s = self._last_write_s + interval_s - time.monotonic()
-            if wait_s > 0 and not self._closing:
-                if self._record_changed:
-                    await asyncio.sleep(wait_s)
-                else:
-                    loop = asyncio.get_running_loop()
-                    self._record_wake = wake = loop.create_future()
-                    timer = loop.call_later(wait_s, _wake, wake)
-                    try:
-                        await wake
-                    finally:
-                        timer.cancel()
-                        self._record_wake = None
-                continue  # (a change came: its shorter interval may be over already)
-            # 2. Write the newest state.
-            self._last_write_s = time.monotonic()
-            self._record_pending = False
-            snapshot = self._engine.snapshot()
-            self._written_sig, self._record_changed = _request_set(snapshot), False
-            samples, self._unsent_samples = self._unsent_samples, []
-            if self._speed is not None and self._calibrated is not None:
-                self._speed.observe(self._calibrated, samples)
-            cal = self.calibration
-            if cal is not None:
-                snapshot = msgspec.structs.replace(
-                    snapshot,
-                    batch_time_features=cal.feature_set,
-                    batch_time_coefs=list(cal.coefs),
-                    batch_time_speed=(
-                        1.0
-                        if self._speed is None or self._calibrated is None
-                        else self._speed.factor(time.time())
-                    ),
-                )
-            batch = [msgspec.msgpack.encode(s) for s in samples]
-            try:
-                await self._store.write_snapshot(
-                    self.cfg.instance_id,
-                    self._num_steps,
-                    encode(snapshot),
-                    ttl_s=self.cfg.snapshot_ttl_s,
-                    samples=batch,
-                    max_samples=self.cfg.max_batch_samples,
-                )
-            except Exception as exc:  # Redis hiccup: the next iteration writes again
-                self._write_failures.failed(error=str(exc))
-            else:
-                self._write_failures.ok()
+        await self.answers.flush(self.num_steps)
 
     # -- inbox, heartbeat, drain ----------------------------------------------
 
@@ -727,8 +552,8 @@ class WorkerService:
     def _on_link_lost(self, link: FrameLink) -> None:
         """A gateway's link closed: abort the requests it brought (their gateway died or
         was cut off, and fails them on its side), through the inbox as a client's abort."""
-        self._pacer.forget(link)
-        lost = [rid for rid, owner in self._owners.items() if owner.link is link]
+        self.answers.forget_link(link)
+        lost = self.answers.requests_of(link)
         # requests still in the inbox from it: admitted, then aborted right after
         lost += [
             m.request_id for m, lk in self._inbox if lk is link and isinstance(m, SubmitRequest)
@@ -740,7 +565,8 @@ class WorkerService:
         else:
             log.info("gateway_unlinked", gateway=link.name)
 
-    def _info(self) -> WorkerInfo:
+    def info(self) -> WorkerInfo:
+        """This worker's registry entry as it stands now."""
         return WorkerInfo(
             instance_id=self.cfg.instance_id,
             model=self.cfg.model,
@@ -755,7 +581,7 @@ class WorkerService:
         )
 
     async def _register(self) -> None:
-        await self._store.register(self._info(), ttl_s=self.cfg.heartbeat_ttl_s)
+        await self._store.register(self.info(), ttl_s=self.cfg.heartbeat_ttl_s)
 
     async def _heartbeat(self) -> None:
         # The loop also ends on `_closing`: redis-py can swallow a cancellation that
@@ -768,75 +594,42 @@ class WorkerService:
                 return
             try:
                 await self._register()
-                await self._read_calibration()
+                if self.writer is not None:
+                    await self.writer.read_calibration()
             except Exception as exc:
                 failures.failed(error=str(exc))
             else:
                 failures.ok()
             try:  # on its own: a calibration that keeps failing must not stop it
-                await self._abort_orphans()
+                await self.abort_orphans()
             except Exception as exc:
                 orphan_failures.failed(error=str(exc))
             else:
                 orphan_failures.ok()
 
-    async def _abort_orphans(self) -> None:
-        """Abort the requests whose owning gateway's registration has been gone for
-        ORPHAN_GRACE_TTLS heartbeat TTLs: a gateway that died leaves no one to read
-        their tokens, which would otherwise run to their max_tokens. The grace covers a
-        store that lost its data (a live gateway registers again within its next
-        registry refresh); the abort goes through the inbox, as a client's does."""
-        # A copy taken before the read: requests admitted while it is awaited wait for
-        # the next check, and only the gateways asked about are judged.
-        owners = {rid: o.gateway for rid, o in self._owners.items() if o.gateway}
+    async def abort_orphans(self) -> None:
+        """Abort the requests whose owning gateway is gone (orphans.py), through the
+        inbox as a client's abort. The owners are copied before the read: requests
+        admitted while it is awaited wait for the next check."""
+        owners = {rid: o.gateway for rid, o in self.answers.owners.items() if o.gateway}
         gids = set(owners.values())
         try:
             alive = await self._store.live_gateways(gids) if gids else set()
         except Exception:
-            self._gone_since.clear()  # no stale "gone since" survives an outage of ours
+            self.orphans.forget()
             raise
-        now = time.monotonic()
-        # Kept: the gateways still owning requests here and still unregistered; a
-        # gateway seen again, or with no request left, starts afresh next time.
-        self._gone_since = {g: self._gone_since.get(g, now) for g in gids if g not in alive}
-        grace_s = ORPHAN_GRACE_TTLS * self.cfg.heartbeat_ttl_s
-        for gid, since in list(self._gone_since.items()):
-            if now - since < grace_s:
-                continue
-            orphans = [rid for rid, g in owners.items() if g == gid]
+        for gid, orphans in self.orphans.judge(owners, alive, time.monotonic()).items():
             log.warning("owner_gone", gateway_id=gid, num_aborted=len(orphans))
-            # an abort still queued at the next check meets a fresh grace: never twice
             self._inbox.extend((AbortRequest(request_id=rid), None) for rid in orphans)
-            del self._gone_since[gid]
             self._wakeup.set()
-
-    async def _read_calibration(self) -> None:
-        blob = (await self._store.read_calibrations([self.cfg.instance_id]))[self.cfg.instance_id]
-        if blob is None:
-            return
-        cal = CALIBRATION_DECODER.decode(blob)
-        if cal != self.calibration:
-            log.info(
-                "calibration_applied",
-                feature_set=cal.feature_set,
-                mape=round(cal.mape, 4),
-                num_samples=cal.num_samples,
-            )
-            try:
-                self._calibrated = BatchTimeModel(cal.feature_set, tuple(cal.coefs))
-            except ValueError as exc:  # a feature set this worker does not know: speed 1
-                log.warning("calibration_unusable", error=str(exc))
-                self._calibrated = None
-            if self._speed is not None and self._calibrated is not None:
-                # the kept iterations priced with the new model now, not at the next step
-                self._speed.observe(self._calibrated, [])
-        self.calibration = cal
 
     async def _begin_drain(self) -> float:
         """Stop accepting: re-register as draining so routers skip this instance now."""
         self._is_draining = True
         log.info(
-            "drain_started", num_in_flight=len(self._owners), timeout_s=self.cfg.drain_timeout_s
+            "drain_started",
+            num_in_flight=len(self.answers.owners),
+            timeout_s=self.cfg.drain_timeout_s,
         )
         try:
             await asyncio.wait_for(self._register(), 2.0)
@@ -858,7 +651,7 @@ class WorkerService:
         log.error(
             "step_failed",
             error=f"{type(exc).__name__}: {exc}",
-            num_failed_requests=len(self._owners),
+            num_failed_requests=len(self.answers.owners),
             consecutive=self._consecutive_step_failures,
             exc_info=exc,
         )
@@ -872,15 +665,12 @@ class WorkerService:
 
     def _abort_all(self, reason: str) -> list[tuple[Dest, GatewayEvent]]:
         """Drain timed out: abort what still runs; return the failures to send its gateways."""
-        log.warning("drain_timeout", num_aborted=len(self._owners))
+        log.warning("drain_timeout", num_aborted=len(self.answers.owners))
         return self._fail_all(503, reason)
 
     def _fail_all(self, status: int, reason: str) -> list[tuple[Dest, GatewayEvent]]:
         """Abort every request this worker holds (their KV is freed at the next step);
         return the failures to send their gateways."""
-        failures: list[tuple[Dest, GatewayEvent]] = []
-        for request_id, owner in self._owners.items():
-            self._engine.abort_request(request_id)
-            failures.append((owner.dest, RequestFailed(request_id, status, reason)))
-        self._owners.clear()
-        return failures
+        for request_id in self.answers.owners:
+            self.engine.abort_request(request_id)
+        return self.answers.fail_all(status, reason)

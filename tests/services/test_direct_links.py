@@ -289,7 +289,7 @@ async def test_requests_and_tokens_cross_the_link(stack: Stack) -> None:
     for worker in stack.workers:  # on one host: over the workers' Unix sockets (Linux)
         link = stack.gateway.links.get(worker.cfg.instance_id)
         assert link is not None
-        assert link.is_unix == ABSTRACT_UNIX, worker._info()
+        assert link.is_unix == ABSTRACT_UNIX, worker.info()
     before = sum(w.num_link_requests for w in stack.workers)
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
         resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 5})
@@ -350,7 +350,7 @@ async def test_with_links_off_requests_go_over_nats(nats_url: str, redis_url: st
     text = tiny_cluster_text(nats_url, redis_url).replace("[worker]\n", "[worker]\nlink = false\n")
     stack = await start_stack(parse_cluster(text), num_workers=1)
     try:
-        assert (stack.workers[0]._info().link_addr, stack.workers[0]._info().link_unix_name) == (
+        assert (stack.workers[0].info().link_addr, stack.workers[0].info().link_unix_name) == (
             "",
             "",
         )

@@ -128,7 +128,7 @@ def reference(prompt: list[int], n: int) -> Reference:
 def blocks_in_use(stack: Stack) -> list[int]:
     out = []
     for w in stack.workers:
-        sched = w._engine.scheduler
+        sched = w.engine.scheduler
         out.append(sched.config.num_kv_blocks - sched.blocks.num_free_blocks)
     return out
 
@@ -264,22 +264,23 @@ async def test_tokens_held_when_a_request_parks_at_a_peer_go_out_while_it_waits(
         await relayed(sends)
 
     sent: list[tuple[float, int]] = []  # (when, position) of the origin's token deltas
-    send = origin._send
+    send = origin.answers.send
 
-    async def recording_send(by_dest: Any) -> None:
-        for batch in by_dest.values():
-            sent.extend((time.monotonic(), e.position) for e in batch if hasattr(e, "position"))
-        await send(by_dest)
+    async def recording_send(batches: Any, step: int) -> None:
+        batches = list(batches)
+        for _, events in batches:
+            sent.extend((time.monotonic(), e.position) for e in events if hasattr(e, "position"))
+        await send(batches, step)
 
-    interval_s = origin._pacer.interval_s
-    relay._send, origin._send = slow_relay, recording_send  # type: ignore[method-assign]
-    origin._pacer.interval_s = 30.0  # hold whatever may be held
+    interval_s = origin.answers.pacer.interval_s
+    relay._send, origin.answers.send = slow_relay, recording_send  # type: ignore[method-assign]
+    origin.answers.pacer.interval_s = 30.0  # hold whatever may be held
     try:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
             resp = await post_pair(client, "parked at the peer", 4)
     finally:
-        relay._send, origin._send = relayed, send  # type: ignore[method-assign]
-        origin._pacer.interval_s = interval_s
+        relay._send, origin.answers.send = relayed, send  # type: ignore[method-assign]
+        origin.answers.pacer.interval_s = interval_s
     assert resp.status_code == 200, resp.text
     when = {position: t for t, position in sent}
     assert sorted(when) == [0, 1, 2, 3]
@@ -305,7 +306,7 @@ async def test_requests_past_the_running_cap_wait_without_empty_steps(
         await relayed(sends)
 
     n, max_tokens = 12, 6  # the peer rewrites positions 2 and 5 of each
-    steps = origin._num_steps
+    steps = origin.num_steps
     relay._send = slow_relay  # type: ignore[method-assign]
     try:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
@@ -319,7 +320,7 @@ async def test_requests_past_the_running_cap_wait_without_empty_steps(
     # Each step that ran computed something: a prefill, or a token of a request (two
     # hand-backs of each re-enter through a step too). Far fewer than the empty steps
     # of several 0.3 s waits.
-    assert origin._num_steps - steps <= 4 * n * max_tokens
+    assert origin.num_steps - steps <= 4 * n * max_tokens
     await wait_idle(stack, relay)
 
 

@@ -372,14 +372,14 @@ async def test_the_requests_of_a_dead_gateway_are_aborted(nats_url: str, redis_u
     try:
         for rid, owner in (("mine", stack.gateway.owner_token), ("orphan", "gw-dead")):
             await stack.gateway.bus.publish(worker.inbox_subject, submit_to(worker, rid, owner))
-        await wait_for(lambda: {"mine", "orphan"} <= set(worker._owners), 5)
+        await wait_for(lambda: {"mine", "orphan"} <= set(worker.answers.owners), 5)
         t0 = time.monotonic()
-        await wait_for(lambda: "orphan" not in worker._owners, 10)
+        await wait_for(lambda: "orphan" not in worker.answers.owners, 10)
         waited_s = time.monotonic() - t0
         grace_s = ORPHAN_GRACE_TTLS * cluster.worker.heartbeat_ttl_s
         assert waited_s >= grace_s - 2 * cluster.worker.heartbeat_interval_s, waited_s
-        assert "mine" in worker._owners  # the live gateway's request runs on
-        sched = worker._engine.scheduler
+        assert "mine" in worker.answers.owners  # the live gateway's request runs on
+        sched = worker.engine.scheduler
         assert [r.request_id for r in sched.running] == ["mine"]
         held = sched.config.num_kv_blocks - sched.blocks.num_free_blocks
         assert held == len(sched.running[0].block_ids)  # the orphan's KV is free
@@ -390,7 +390,7 @@ async def test_the_requests_of_a_dead_gateway_are_aborted(nats_url: str, redis_u
 async def test_an_owner_seen_gone_once_gets_the_whole_grace_again(
     nats_url: str, redis_url: str
 ) -> None:
-    """_abort_orphans, called by hand (the heartbeat's own calls stopped): a gateway seen
+    """abort_orphans, called by hand (the heartbeat's own calls stopped): a gateway seen
     gone once whose requests then all ended starts afresh; a new request of it absent
     again is not aborted before a whole grace."""
     text = tiny_cluster_text(nats_url, redis_url).replace("replicas = 2", "replicas = 0")
@@ -399,26 +399,26 @@ async def test_an_owner_seen_gone_once_gets_the_whole_grace_again(
     worker = stack.workers[0]
     store = stack.gateway.store
     try:
-        assert worker._heartbeat_task is not None
-        await kill(worker._heartbeat_task)  # only the calls below check owners
+        assert worker.heartbeat_task is not None
+        await kill(worker.heartbeat_task)  # only the calls below check owners
         await store.register_gateway("gw-a", ttl_s=60)
         await store.register_gateway("gw-b", ttl_s=60)
         for rid, owner in (("r1", "gw-b"), ("r2", "gw-a")):
             await stack.gateway.bus.publish(worker.inbox_subject, submit_to(worker, rid, owner))
-        await wait_for(lambda: {"r1", "r2"} <= set(worker._owners), 5)
+        await wait_for(lambda: {"r1", "r2"} <= set(worker.answers.owners), 5)
         await store.deregister_gateway("gw-b")
-        await worker._abort_orphans()  # gw-b seen gone once
-        assert "r1" in worker._owners and set(worker._gone_since) == {"gw-b"}
+        await worker.abort_orphans()  # gw-b seen gone once
+        assert "r1" in worker.answers.owners and set(worker.orphans.gone_since) == {"gw-b"}
         await stack.gateway.bus.publish(worker.inbox_subject, AbortRequest(request_id="r1"))
-        await wait_for(lambda: "r1" not in worker._owners, 5)  # gw-b owns nothing now
-        await worker._abort_orphans()
-        assert worker._gone_since == {}
+        await wait_for(lambda: "r1" not in worker.answers.owners, 5)  # gw-b owns nothing now
+        await worker.abort_orphans()
+        assert worker.orphans.gone_since == {}
         await asyncio.sleep(ORPHAN_GRACE_TTLS * cluster.worker.heartbeat_ttl_s)
         await stack.gateway.bus.publish(worker.inbox_subject, submit_to(worker, "r3", "gw-b"))
-        await wait_for(lambda: "r3" in worker._owners, 5)
-        await worker._abort_orphans()  # gw-b absent again: the grace starts now
+        await wait_for(lambda: "r3" in worker.answers.owners, 5)
+        await worker.abort_orphans()  # gw-b absent again: the grace starts now
         await asyncio.sleep(0.1)
-        assert {"r2", "r3"} <= set(worker._owners)
+        assert {"r2", "r3"} <= set(worker.answers.owners)
     finally:
         await stack.stop()
 
@@ -441,7 +441,7 @@ async def test_a_hung_estimator_costs_one_timeout_per_window(nats_url: str, redi
         async def hung(msg: Any) -> None:  # takes the request, answers nothing
             asked.append(msg.data)
 
-        await stack.gateway.bus.nc.subscribe(stack.gateway._route_subject, cb=hung)
+        await stack.gateway.bus.nc.subscribe(stack.gateway.router.route_subject, cb=hung)
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
             body = {**CHAT, "max_tokens": 2}
 

@@ -29,7 +29,7 @@ def count_writes(worker: WorkerService) -> list[float]:
     write = store.write_snapshot
 
     async def counted(*args: Any, **kwargs: Any) -> None:
-        times.append(worker._last_write_s)
+        times.append(worker.writer.last_write_s)
         await write(*args, **kwargs)
 
     store.write_snapshot = counted  # type: ignore[method-assign]
@@ -58,7 +58,7 @@ async def test_writes_keep_the_interval_and_the_last_state_is_written(
         # the state after the last step lands within an interval (and a write's time)
         await asyncio.sleep(interval_s + 0.5)
         version, snapshot = await stored_snapshot(worker)
-        assert version == worker._num_steps >= NUM_TOKENS
+        assert version == worker.num_steps >= NUM_TOKENS
         assert snapshot.request_ids == []  # the finished request is gone
         gaps = [b - a for a, b in itertools.pairwise(writes)]
         assert all(g >= interval_s * 0.99 for g in gaps), gaps
@@ -77,7 +77,7 @@ async def test_interval_zero_writes_after_steps_without_waiting(
         await client.generate(worker, 8, NUM_TOKENS)
         await asyncio.sleep(0.3)
         version, snapshot = await stored_snapshot(worker)
-        assert version == worker._num_steps and snapshot.request_ids == []
+        assert version == worker.num_steps and snapshot.request_ids == []
         # one write in flight at a time, none held back: more than an interval's worth
         assert len(writes) >= 2
 

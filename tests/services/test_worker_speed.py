@@ -40,7 +40,7 @@ async def speed_after_requests(worker: object, client: object, b0_s: float) -> W
     store = worker._store  # type: ignore[attr-defined]
     iid = worker.cfg.instance_id  # type: ignore[attr-defined]
     await store.write_calibration(iid, encode(calibration(b0_s)), ttl_s=60.0)
-    await worker._read_calibration()  # type: ignore[attr-defined]  # what the heartbeat does
+    await worker.writer.read_calibration()  # what the heartbeat does
     for _ in range(4):  # 16 iterations, more than RecentSpeed's 8 to warm up
         await client.generate(worker, 8)  # type: ignore[attr-defined]
     for _ in range(100):

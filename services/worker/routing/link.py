@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 
@@ -27,6 +27,9 @@ from shared.messages.peer import (
     RelayStarted,
 )
 from shared.store import Store
+
+if TYPE_CHECKING:
+    from services.worker.engine.protocol import RoutableEngine
 
 log = get_logger(component="worker-routing")
 # Releases sent this recently are sent again when a relay (re)starts: one sent while no
@@ -105,7 +108,7 @@ class RoutingLink:
             self.books.tables[tables.preset] = tables
             self._wakeup.set()
 
-    def apply(self, engine: Any, outbox: Outbox) -> None:
+    def apply(self, engine: RoutableEngine, outbox: Outbox) -> None:
         """Apply every queued peer message (loop thread, between steps)."""
         while self._inbox:
             msg = self._inbox.popleft()

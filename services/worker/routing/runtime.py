@@ -24,7 +24,7 @@ import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -38,6 +38,9 @@ from shared.logging import get_logger
 from shared.messages.batcher import BatchTables
 from shared.messages.peer import PeerRelease, PeerReq
 from shared.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from services.worker.engine.protocol import RoutableEngine
 
 log = get_logger(component="token-routing")
 
@@ -312,7 +315,7 @@ class TokenRouting:
             # The answer ended while this peer held the pen: the origin ends it too.
             outbox.peer.append(self._peer_req(request_id, tracked, 0, False, reason))
 
-    def on_handoffs(self, handoffs: list[Handoff], engine: Any, outbox: Outbox) -> None:
+    def on_handoffs(self, handoffs: list[Handoff], engine: RoutableEngine, outbox: Outbox) -> None:
         """Turn the requests the hook parked into PeerReqs (between steps)."""
         for h in handoffs:
             tracked = self.requests.get(h.request_id)
@@ -367,7 +370,7 @@ class TokenRouting:
 
     # -- messages from the relay -----------------------------------------------------
 
-    def on_peer(self, msg: PeerReq, engine: Any, outbox: Outbox) -> None:
+    def on_peer(self, msg: PeerReq, engine: RoutableEngine, outbox: Outbox) -> None:
         """Apply a PeerReq: start or resume this worker's copy, or finish the origin's.
 
         Raises PeerError when the message cannot be applied; the caller answers
@@ -417,7 +420,7 @@ class TokenRouting:
     def _accepted(self, tracked: Tracked, tokens: list[int]) -> list[int]:
         return tracked.policy.receive(tracked.state, tokens)
 
-    def _start_guest(self, msg: PeerReq, engine: Any) -> None:
+    def _start_guest(self, msg: PeerReq, engine: RoutableEngine) -> None:
         """First visit of a request to this worker: its whole sequence is the prompt."""
         if msg.loc != 0:
             raise PeerError(f"unknown request {msg.request_id} with anchor {msg.loc} > 0")
@@ -460,7 +463,7 @@ class TokenRouting:
             num_active=msg.num_active,
         )
 
-    def _on_failed(self, msg: PeerReq, tracked: Tracked | None, engine: Any) -> None:
+    def _on_failed(self, msg: PeerReq, tracked: Tracked | None, engine: RoutableEngine) -> None:
         """The relay says the peer is gone: the origin finishes alone; a guest gives up."""
         self.num_peer_failures += 1
         if tracked is None:
@@ -472,7 +475,7 @@ class TokenRouting:
             return
         self._finish_alone(msg.request_id, tracked, time.monotonic(), engine)
 
-    def _finish_alone(self, rid: str, tracked: Tracked, now_s: float, engine: Any) -> None:
+    def _finish_alone(self, rid: str, tracked: Tracked, now_s: float, engine: RoutableEngine) -> None:
         """The origin gives up on its peers: routing off, and a request parked at a
         peer runs here again (later answers are dropped, see on_peer)."""
         tracked.routing_off = True
@@ -500,7 +503,7 @@ class TokenRouting:
         asked: dict[str, float],
         pending: set[str],
         now_s: float,
-        engine: Any,
+        engine: RoutableEngine,
         outbox: Outbox,
     ) -> None:
         """Apply the relay's answer about overdue requests (`asked`: overdue_origins at
@@ -528,7 +531,7 @@ class TokenRouting:
                 PeerRelease(request_id=rid, preset=tracked.preset, origin_instance=self.instance_id)
             )
 
-    def expire_guests(self, now_s: float, guest_idle_s: float, engine: Any) -> None:
+    def expire_guests(self, now_s: float, guest_idle_s: float, engine: RoutableEngine) -> None:
         """Drop peer copies no visit has touched for `guest_idle_s` (their origin's release
         may have been lost with the relay): the KV is freed, and a later visit for
         such a copy fails back to the origin (unknown request with an anchor > 0),
@@ -547,7 +550,7 @@ class TokenRouting:
                 engine.abort_request(rid)
                 del self.requests[rid]
 
-    def on_release(self, msg: PeerRelease, engine: Any) -> None:
+    def on_release(self, msg: PeerRelease, engine: RoutableEngine) -> None:
         """The origin ended the request: free this worker's copy."""
         if self.requests.pop(msg.request_id, None) is not None:
             engine.abort_request(msg.request_id)
