@@ -20,8 +20,9 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from services.gateway.asgi import CompletionRoutes, authorize, error_response
 from services.gateway.config import GatewayServiceConfig
+from services.gateway.errors import GatewayError
 from services.gateway.protocol import error_body
-from services.gateway.service import GatewayError, GatewayService
+from services.gateway.service import GatewayService
 from shared.runtime import freeze_heap
 
 

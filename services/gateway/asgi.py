@@ -31,9 +31,10 @@ from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
 from services.gateway import completions
+from services.gateway.errors import GatewayError
 from services.gateway.ids import new_request_id
 from services.gateway.protocol import error_body
-from services.gateway.service import GatewayError, GatewayService
+from services.gateway.service import GatewayService
 from shared.logging import get_logger
 
 log = get_logger(component="gateway")

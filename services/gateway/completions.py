@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive
 
 from services.gateway.dispatch import send_routed
+from services.gateway.errors import GatewayError
 from services.gateway.generation import ClientDisconnected, Generation, failure
 from services.gateway.protocol import (
     CHAT_DECODER,
@@ -38,7 +39,7 @@ from services.gateway.protocol import (
     ChatMessage,
     CompletionRequest,
 )
-from services.gateway.service import GatewayError, GatewayService
+from services.gateway.service import GatewayService
 from services.gateway.sse import SSEResponse
 from shared.chat_template import LONG_TEXT_CHARS, SpecialTextInContent
 from shared.config import IMPLEMENTED_POLICIES

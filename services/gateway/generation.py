@@ -8,8 +8,9 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from services.gateway.dispatch import send_routed
+from services.gateway.errors import GatewayError
 from services.gateway.protocol import SSE_DONE, error_body, sse, usage
-from services.gateway.service import GatewayError, GatewayService
+from services.gateway.service import GatewayService
 from services.gateway.streams import (
     CLIENT_GONE,
     ClientGone,

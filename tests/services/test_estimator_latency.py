@@ -14,7 +14,7 @@ from services.estimator.policies import InstanceView, Scores, UtilityPolicy, cre
 from services.estimator.sfs.replay import OutputPolicy, Probe
 from services.estimator.sfs.utility import default_ttft_target_s
 from services.gateway.completions import routing_headers
-from services.gateway.service import GatewayError
+from services.gateway.errors import GatewayError
 from shared.config import ConfigError, EstimatorConfig, ModelConfig, parse_cluster
 from shared.messages.estimator import RouteRequest
 from shared.messages.registry import WorkerInfo

@@ -9,7 +9,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Message
 
 from services.gateway.asgi import read_body, request_headers
-from services.gateway.service import GatewayError
+from services.gateway.errors import GatewayError
 
 CHUNK = b"x" * 1000
 

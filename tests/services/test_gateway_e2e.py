@@ -909,8 +909,8 @@ async def test_admission_limit_answers_429_with_retry_after(stack: Stack) -> Non
 async def test_an_error_after_routing_names_the_request_and_its_instance(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from services.gateway.errors import GatewayError
     from services.gateway.generation import Generation
-    from services.gateway.service import GatewayError
 
     async def late(self: Generation, first: object) -> None:
         raise GatewayError(504, "no answer in time", "server_error")

@@ -142,7 +142,7 @@ async def test_health_says_when_nats_hangs(redis_url: str, tmp_path: Path) -> No
 
     async def bus_reads(want: str) -> None:
         async with httpx.AsyncClient(timeout=10) as client:
-            for _ in range(100):  # the watch pings every BUS_CHECK_S (2 s)
+            for _ in range(100):  # the watch pings every bus_watch.CHECK_S (2 s)
                 if (await client.get(url)).json()["bus"] == want:
                     return
                 await asyncio.sleep(0.1)

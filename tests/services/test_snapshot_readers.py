@@ -20,7 +20,8 @@ import pytest
 
 from services.estimator.service import EstimatorService
 from services.gateway.config import GatewayServiceConfig
-from services.gateway.service import GatewayService, _routed_here
+from services.gateway.router import routed_here
+from services.gateway.service import GatewayService
 from services.relay.service import RelayService
 from shared.config import ClusterConfig, parse_cluster
 from shared.messages.estimator import RouteRequest
@@ -157,14 +158,14 @@ async def test_gateway_reads_an_undecodable_snapshot_as_missing(redis_url: str) 
     await gw.store.connect()
     try:
         await publish(gw.store, {"old": old_layout(1), "ok": good(1, parked=True)})
-        await gw._refresh_workers()
+        await gw.directory.refresh()
         sample = gw.metrics.registry.get_sample_value
         assert sample("baton_instance_requests", {"instance": "ok", "state": "running"}) == 2
         assert sample("baton_instance_requests", {"instance": "ok", "state": "waiting"}) == 1
         assert sample("baton_instance_requests", {"instance": "ok", "state": "pending"}) == 1
         assert sample("baton_instance_requests", {"instance": "old", "state": "running"}) is None
         await publish(gw.store, {"ok": unequal_columns(2)})
-        await gw._refresh_workers()
+        await gw.directory.refresh()
         assert sample("baton_instance_requests", {"instance": "ok", "state": "running"}) is None
         assert sample("baton_instance_requests", {"instance": "ok", "state": "pending"}) is None
     finally:
@@ -195,17 +196,17 @@ async def test_gateway_fallback_counts_a_send_until_a_snapshot_shows_it(
 
     async def seen(snapshots: dict[str, bytes]) -> None:
         await publish(gw.store, snapshots)
-        await gw._refresh_workers()
+        await gw.directory.refresh()
 
     def picks() -> list[str]:  # two picks in a row: a tie would alternate
-        return [gw._fallback(req).instance_id for _ in range(2)]
+        return [gw.router.fallback(req).instance_id for _ in range(2)]
 
     try:
         await seen({"a": holding(1, []), "b": holding(1, ["x"])})
         assert picks() == ["a", "a"]
         sent = [
             await gw.submit(
-                _routed_here(req, gw.workers["a"], "test"),
+                routed_here(req, gw.workers["a"], "test"),
                 f"r{i}",
                 [1, 2],
                 SamplingParams(max_tokens=4),
@@ -218,7 +219,7 @@ async def test_gateway_fallback_counts_a_send_until_a_snapshot_shows_it(
         await seen({"a": holding(3, ["r0", "r1"]), "b": holding(2, ["x", "y", "z"])})
         assert picks() == ["a", "a"]  # a: 2 (not 4), b: 3
         late = await gw.submit(
-            _routed_here(req, gw.workers["a"], "test"), "r2", [1], SamplingParams(), time.time()
+            routed_here(req, gw.workers["a"], "test"), "r2", [1], SamplingParams(), time.time()
         )
         for stream in [*sent, late]:  # r2 ends before any snapshot shows it
             gw.finish(stream, aborted=False)

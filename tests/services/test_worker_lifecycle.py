@@ -252,7 +252,7 @@ async def test_a_store_that_loses_its_data_fails_no_stream(nats_url: str, redis_
                 for _ in range(5):  # again if a heartbeat raced the read
                     names = [k async for k in store.redis.scan_iter(f"{cluster.namespace}:*")]
                     await store.redis.delete(*names)
-                    await gateway._refresh_workers()
+                    await gateway.directory.refresh()
                     if reads[-1] < 2:
                         break
                 assert reads[-1] < 2, reads  # the loss was seen
