@@ -16,10 +16,11 @@ per-command work (13 snapshots, paired: 239 -> 173 us; with the ledger hashes 46
 298 us), and under one deadline per exchange instead of redis-py's timeout per send
 and per reply (a further 22-36 us). A worker's snapshot writes (up to one per engine
 step, `[worker] snapshot_interval_ms` apart, on the core that runs the steps) go over
-a bare asyncio Protocol with hiredis packing and parsing (shared/resp_lane.py): on the
-cold caches a step leaves, 232-352 -> 139-207 us of the core's CPU per write over TCP
-(`_Lane` on redis-py's connection against it, alternated);
-a URL that asks for TLS (or a credential provider) keeps them on a `_Lane`.
+a `_Lane` of their own too, so a slow read never queues behind a write.
+
+`_Lane` drives redis-py's asyncio Connection directly (pack_commands,
+send_packed_command, read_response, disconnect): pyproject.toml pins the major
+version it was written against.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from redis.exceptions import NoScriptError
 from shared import keys
 from shared.messages import encode
 from shared.messages.registry import WORKER_INFO_DECODER, RegistryEpoch, WorkerInfo
-from shared.resp_lane import RespLane
 from shared.scheduling.snapshot import WorkloadSnapshot
 
 _HEADER = struct.Struct("<qd")  # version, wall time: the stored snapshot's first 16 bytes
@@ -181,7 +181,7 @@ class Store:
         self.namespace = namespace
         self._redis: redis.Redis | None = None
         self._hot: _Lane | None = None  # snapshot reads (module docstring)
-        self._writes: RespLane | _Lane | None = None  # snapshot writes (module docstring)
+        self._writes: _Lane | None = None  # snapshot writes (module docstring)
 
     @property
     def redis(self) -> redis.Redis:
@@ -200,8 +200,7 @@ class Store:
         )
         await self._redis.ping()
         self._hot = _Lane(self._redis.connection_pool)
-        pool = self._redis.connection_pool
-        self._writes = RespLane.for_pool(pool) or _Lane(pool)
+        self._writes = _Lane(self._redis.connection_pool)
 
     async def close(self) -> None:
         r, self._redis = self._redis, None

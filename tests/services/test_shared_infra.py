@@ -21,7 +21,7 @@ from shared.messages.estimator import (
     RouteRequest,
 )
 from shared.messages.registry import WorkerInfo
-from shared.store import Store
+from shared.store import _WRITE_SNAPSHOT_SHA, Store
 
 
 def test_shipped_cluster_files_parse(repo_root) -> None:  # type: ignore[no-untyped-def]
@@ -493,3 +493,20 @@ def test_compose_healthcheck_finds_this_hosts_worker_by_its_default_id() -> None
     assert on_host(default_instance_id("qwen2.5-7b"), host)
     assert on_host("qwen2-5-7b-ip-10-0-0-7-ec2-internal-41", "ip-10-0-0-7.ec2.internal")
     assert not on_host("ma-1", "a") and not on_host("m-other-1", "a")
+
+
+async def test_snapshot_writes_load_their_script_on_a_fresh_server(redis_url: str) -> None:
+    """The write goes by EVALSHA; a server without the script (new or restarted) gets
+    NOSCRIPT, and the write is made by EVAL, which caches it."""
+    store = Store(redis_url, "evalsha")
+    await store.connect()
+    try:
+        await store.redis.script_flush()
+        await store.write_snapshot("w", 7, b"snap", ttl_s=5, samples=[b"s1", b"s2"])
+        assert await store.redis.script_exists(_WRITE_SNAPSHOT_SHA) == [True]
+        blob = (await store.read_snapshots(["w"]))["w"]
+        assert blob is not None and (blob.version, blob.data) == (7, b"snap")
+        samples = await store.redis.lrange(keys.batch_samples("evalsha", "w"), 0, -1)
+        assert samples == [b"s1", b"s2"]
+    finally:
+        await store.close()
