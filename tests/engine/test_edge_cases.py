@@ -1,9 +1,10 @@
 """Review tests for the serving engine (scheduler, blocks, snapshot, sampler, model,
 loader, runner, engine).
 
-Tests named in the review report as FAILING demonstrate a bug; the others are
-extra coverage of edge cases that hold today. Tests that need CUDA are skipped
-without it (they fail on a GPU machine: CPU tensors/generators meet CUDA ones).
+Each test pins one edge case down: preemption and resumes in a restored scheduler,
+races between adds and steps, seeds, hooks, stop strings across multi-token
+characters, RoPE settings in checkpoints, end-of-turn tokens in GGUFs. Tests that
+need CUDA are skipped without it.
 """
 
 from __future__ import annotations
@@ -138,11 +139,10 @@ def test_random_load_keeps_block_accounting_exact() -> None:
 
 
 def test_restore_keeps_free_blocks_after_budget_limited_recompute() -> None:
-    """FAILS: b is preempted after one output (9 tokens), re-admitted with blocks for
-    all 9 tokens (5 blocks of 2), and the budget of 8 recomputes 8 of them. Its
-    counters now look like a decode (1 uncomputed, outputs > 0), so restore gives it
-    blocks for 8 tokens (4): the replica has one block more free than the live
-    scheduler and than the snapshot's own num_free_blocks."""
+    """b is preempted after one output (9 tokens), re-admitted with blocks for all 9
+    tokens (5 blocks of 2), and the budget of 8 recomputes 8 of them. Its counters
+    then look like a decode (1 uncomputed, outputs > 0); the restore still gives it
+    the 5 blocks it holds, so the replica's free blocks equal the live scheduler's."""
     s = make_scheduler(max_num_batched_tokens=8, block_size=2, num_kv_blocks=8, max_model_len=16)
     s.add("a", 6, 3)
     s.add("b", 8, 6)
@@ -159,11 +159,9 @@ def test_restore_keeps_free_blocks_after_budget_limited_recompute() -> None:
 
 
 def test_restore_after_resume_with_appended_tokens() -> None:
-    """FAILS (crash): a pending request returns with 20 peer tokens (DESIGN, PeerReq);
-    the budget computes 7 of them. restore_scheduler treats any request with more
-    than one uncomputed token as 'admitted with all its tokens' and asks for blocks
-    the live scheduler never held: grow() without can_grow() (AssertionError), so
-    the estimator cannot replay this instance's snapshot."""
+    """A pending request returns with 20 peer tokens (a PeerReq); the budget computes 7
+    of them. The restore gives it the blocks the live scheduler holds, not blocks for
+    all its tokens, so the estimator can replay this instance's snapshot."""
     s = make_scheduler(max_num_batched_tokens=8, block_size=4, num_kv_blocks=16, max_model_len=64)
     s.add("b", 40, 8)
     s.add("a", 2, 60)
@@ -182,8 +180,8 @@ def test_restore_after_resume_with_appended_tokens() -> None:
 
 
 def test_resume_respects_max_num_seqs() -> None:
-    """FAILS (low): pending requests do not count against max_num_seqs at admission,
-    so resuming one pushes the running list past the cap."""
+    """Pending requests count against max_num_seqs at admission, so resuming one never
+    pushes the running list past the cap."""
     s = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64, block_size=4, num_kv_blocks=64)
     s.add("a", 4, 20)
     step(s)
@@ -221,10 +219,10 @@ def test_preemption_victims_are_never_already_scheduled() -> None:
 
 
 def test_add_request_duplicate_race_with_step() -> None:
-    """FAILS: step() takes the inbox under the lock but registers the requests in
-    _seqs after releasing it. An add_request with the same id landing in that window
-    (another thread) passes the duplicate check; the next step then dies on the
-    scheduler's `duplicate request id` assert (the whole engine loop, not one request)."""
+    """An add_request with an id that a step is taking from the inbox (another thread,
+    between the inbox and the registration) is refused as a duplicate: it never
+    reaches the scheduler's `duplicate request id` assert, which would end the whole
+    engine loop, not one request."""
     eng = tiny_engine()
     real_add = eng.scheduler.add
     seen: list[str] = []
@@ -319,18 +317,16 @@ def test_full_context_request_runs_at_max_position() -> None:
 
 
 def test_seed_out_of_range_is_a_request_error() -> None:
-    """FAILS (low): validate() accepts any int seed; torch rejects seeds outside
-    [-2**63, 2**64) with a bare ValueError('Overflow when unpacking long long') from
-    add_request, which is not a RequestError and reaches the client as a torch message."""
+    """A seed outside what torch takes ([-2**63, 2**64)) is a RequestError, not torch's
+    bare ValueError('Overflow when unpacking long long')."""
     eng = tiny_engine()
     with pytest.raises(RequestError):
         eng.add_request("s", [3, 4], SamplingParams(max_tokens=2, temperature=1.0, seed=2**64))
 
 
 def test_hook_not_called_when_nothing_sampled() -> None:
-    """FAILS (low): StepHook says 'called after every forward that sampled', but a step
-    made only of mid-prompt prefill chunks calls it with empty tensors (work for every
-    route policy, and a trap for one that indexes row 0)."""
+    """StepHook is called after every forward that sampled and only then: a step made
+    only of mid-prompt prefill chunks does not call it with empty tensors."""
     eng = tiny_engine(max_num_batched_tokens=8)
     calls: list[int] = []
     eng.hook = lambda out: calls.append(len(out.request_ids))
@@ -361,9 +357,9 @@ def forced_tokens(monkeypatch: pytest.MonkeyPatch, script: list[int]) -> None:
 def test_stop_string_found_whatever_its_tokenization(
     monkeypatch: pytest.MonkeyPatch, stop: str
 ) -> None:
-    """FAILS for '한국어': the window is len(stop) + 4 *tokens*, but byte-level BPE can
-    spend up to 4 tokens per character (here 3 characters are 8 tokens), so the
-    window starts inside the stop string and the match is never seen."""
+    """The stop-string window covers a stop string whose characters take several
+    tokens each: byte-level BPE spends up to 4 tokens per character (here 3
+    characters are 8 tokens), and the match is still seen."""
     from shared.model_store import load_tokenizer
 
     tok = load_tokenizer("random-tiny")
@@ -475,10 +471,9 @@ def test_llama3_rope_formula_matches_hf() -> None:
 
 
 def test_from_hf_reads_rope_parameters_written_by_transformers_v5() -> None:
-    """FAILS: transformers >= 5 (5.24 in this venv) saves RoPE settings as
-    `rope_parameters` (with rope_theta inside) and no `rope_scaling`. from_hf reads
-    the theta from there but not the scaling, so a Llama-3.x checkpoint saved by
-    current transformers silently runs unscaled RoPE (inv_freq off by up to 8x)."""
+    """transformers >= 5 saves RoPE settings as `rope_parameters` (rope_theta inside)
+    and no `rope_scaling`: from_hf reads the scaling from there too, so a Llama-3.x
+    checkpoint saved by current transformers runs its scaled RoPE."""
     import json
 
     from transformers import LlamaConfig
@@ -522,10 +517,9 @@ def test_gguf_unpermute_inverts_llama_cpp_permute(heads: int, head_dim: int) -> 
 
 
 def test_gguf_rope_freqs_tensor_is_not_silently_dropped(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """FAILS: llama.cpp stores Llama-3.1+ RoPE scaling as a `rope_freqs` tensor (per
-    frequency divisors). load_gguf skips every tensor it does not name, so such a
-    checkpoint loads with plain RoPE and no error. Expect either the scaling to be
-    applied (cfg.rope_scaling / factors) or a clear ValueError."""
+    """llama.cpp stores Llama-3.1+ RoPE scaling as a `rope_freqs` tensor (per
+    frequency divisors): load_gguf applies it (cfg.rope_scaling / factors) or refuses
+    the checkpoint with a clear ValueError, never loads it with plain RoPE."""
     import gguf
 
     from services.worker.engine.loader import load_gguf
@@ -561,10 +555,9 @@ def test_gguf_rope_freqs_tensor_is_not_silently_dropped(tmp_path) -> None:  # ty
 
 
 def test_gguf_end_of_turn_token_stops_generation(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """FAILS: Llama-3-style GGUFs carry the chat end-of-turn token separately
-    (tokenizer.ggml.eot_token_id, e.g. <|eot_id|> 128009, next to eos 128001).
-    load_gguf reads only eos_token_id, so chat answers run past the end of the turn
-    until max_tokens."""
+    """Llama-3-style GGUFs carry the chat end-of-turn token separately
+    (tokenizer.ggml.eot_token_id, e.g. <|eot_id|> 128009, next to eos 128001):
+    load_gguf stops on it too, so chat answers end with the turn."""
     import gguf
 
     from services.worker.engine.loader import load_gguf
