@@ -22,7 +22,6 @@ import asyncio
 import re
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -32,6 +31,7 @@ from starlette.types import ASGIApp, Receive
 from services.gateway.dispatch import send_routed
 from services.gateway.errors import GatewayError
 from services.gateway.generation import ClientDisconnected, Generation, failure
+from services.gateway.prepared import Prepared
 from services.gateway.protocol import (
     CHAT_DECODER,
     COMPLETION_DECODER,
@@ -65,23 +65,6 @@ def validation_param(message: str) -> str | None:
     if missing:
         path = f"{path}.{missing['field']}" if path else missing["field"]
     return path or None
-
-
-@dataclass
-class Prepared:
-    """A validated request, ready to route."""
-
-    request_id: str
-    is_chat: bool
-    body: ChatCompletionRequest | CompletionRequest
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    tokenizer: Any
-    ttft_target_ms: float | None = None  # x-slo-ttft-ms
-    task: str | None = None  # x-baton-task
-    policy: str | None = None  # x-baton-policy
-    arrival_time_s: float = field(default_factory=time.time)
-    t0: float = field(default_factory=time.perf_counter)
 
 
 # Routing headers a client may send (llm-d's x-slo-ttft-ms; Baton's own x-baton-*).

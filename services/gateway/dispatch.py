@@ -14,7 +14,7 @@ from shared.messages.estimator import RouteReply, RouteRequest
 from shared.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from services.gateway.completions import Prepared
+    from services.gateway.prepared import Prepared
 
 
 def routed_defaults(service: GatewayService, p: Prepared, model: str | None) -> SamplingParams:

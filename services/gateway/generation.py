@@ -23,7 +23,7 @@ from shared.logging import get_logger
 from shared.messages.gateway import GatewayEvent, RequestFailed, TokenDelta
 
 if TYPE_CHECKING:
-    from services.gateway.completions import Prepared
+    from services.gateway.prepared import Prepared
 
 log = get_logger(component="gateway")
 
