@@ -1,10 +1,10 @@
 """A real Baton stack for loadgen's end-to-end tests, from the services' test fixtures.
 
-`nats_url` / `redis_url` (real servers on free ports) and `start_stack` (gateway on
-real HTTP, estimator and random-tiny workers in-process) come from
-tests/services/conftest.py unchanged. Imported here, pytest registers them anew for
+`nats_url` / `redis_url` (real servers on free ports, tests/support/servers.py) and
+`start_stack` (gateway on real HTTP, estimator and random-tiny workers in-process,
+tests/support/stack.py). Imported here, pytest registers the fixtures anew for
 tests/loadgen, so the loadgen tests get their own servers and stack and never
-disturb the services' shared `stack`.
+disturb the shared `stack`.
 """
 
 from __future__ import annotations
@@ -16,13 +16,8 @@ import msgspec
 import pytest_asyncio
 
 from shared.config import parse_cluster
-from tests.services.conftest import (  # noqa: F401  (fixtures, registered by import)
-    Stack,
-    nats_url,
-    redis_url,
-    start_stack,
-    tiny_cluster_text,
-)
+from tests.support.servers import nats_url, redis_url  # noqa: F401  (fixtures)
+from tests.support.stack import Stack, start_stack, tiny_cluster_text
 
 # A replay's bursts can briefly hold more requests than the services' tests admit
 # (32); a 429 there would be a test artefact, not a finding.

@@ -20,7 +20,7 @@ import pytest
 
 from loadgen.data import data_dir
 from loadgen.traces import read_trace
-from tests.services.conftest import Stack
+from tests.support.stack import Stack
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 AZURE = data_dir() / "traces" / "azure_llm_2023_conv.csv"

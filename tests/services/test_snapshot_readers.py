@@ -31,7 +31,7 @@ from shared.scheduling.scheduler import SchedulerConfig
 from shared.scheduling.snapshot import RequestCounters, WorkloadSnapshot
 from shared.scheduling.unshown import UnshownRequests
 from shared.store import Store
-from tests.services.test_estimator_policies import info
+from tests.services.estimator.test_policies import info
 
 LIMITS: dict[str, Any] = {
     "scheduler": SchedulerConfig(

@@ -6,7 +6,7 @@ far too much for 13 instances in a millisecond. This kernel applies the very sam
 one token budget, recompute-preemption of the newest running request when KV cannot
 grow, FIFO admission with head-of-line blocking, no admission in a step that
 preempted) on parallel lists of integers holding block *counts* (the policy only
-ever counts blocks). `tests/estimator_sfs` checks it batch for batch against
+ever counts blocks). `tests/services/estimator/sfs` checks it batch for batch against
 `Scheduler` itself on random workloads, so the two cannot drift silently.
 
 Two shortcuts make a step cost O(requests that are not plain decodes):

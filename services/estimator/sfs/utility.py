@@ -16,7 +16,7 @@ clipped to [150, 1120] ms.
 A TTFT is a replay (tens of us per instance), so `choose_sfs_constraint` and
 `choose_sfs_lagrangian` ask for each candidate's only when it can still change the
 answer, and answer what the formulas above answer on every candidate's TTFT
-(tests/estimator_sfs/test_utility.py holds the formulas computed on all of them).
+(tests/services/estimator/sfs/test_utility.py holds the formulas computed on all of them).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ layout, and oneDNN reorders it into its blocked layout on every call. For a
 135M-parameter model that reorder is paid for every matmul of every step. Packing
 each weight once at start-up (what Inductor's CPU "freezing" pass does) keeps the
 arithmetic the same (the outputs are bitwise equal to `F.linear`, checked in
-tests/engine/test_cpu_kernels.py) and measured here (1 thread, batch 1-16):
+tests/services/worker/engine/test_cpu_kernels.py) and measured here (1 thread, batch 1-16):
 1.3-2x faster per matmul, LM head included.
 
 fp32 is packed too, for another reason: `F.linear` in fp32 goes to MKL's sgemm,
