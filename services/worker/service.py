@@ -51,16 +51,14 @@ from services.worker.engine.protocol import Engine, RoutableEngine
 from services.worker.links import GatewayLinks
 from services.worker.orphans import OrphanWatch
 from services.worker.pacing import group
-from services.worker.routing.chars import CharBoundaries
-from services.worker.routing.link import RoutingLink
+from services.worker.routing.driver import RoutingDriver
 from services.worker.routing.runtime import Outbox, TokenRouting
 from services.worker.snapshot_writer import SnapshotWriter
 from shared import subjects
-from shared.bus import Bus, is_no_responders
+from shared.bus import Bus
 from shared.link import FrameLink
 from shared.logging import RetryLog, get_logger
 from shared.messages.gateway import GatewayEvent, RequestFailed
-from shared.messages.peer import PEER_QUERY_REPLY_DECODER, PeerQuery
 from shared.messages.registry import WorkerInfo
 from shared.messages.worker import (
     WORKER_INBOUND_DECODER,
@@ -72,11 +70,9 @@ from shared.messages.worker import (
 from shared.store import Store
 
 log = get_logger(component="worker")
-EXPIRY_CHECK_S = 0.5  # how often parked token-routing requests are checked for silence
 # heartbeat TTLs a request's owning gateway may stay unregistered before its requests
 # are aborted (`_abort_orphans`)
 ORPHAN_GRACE_TTLS = 2.0
-RELAY_QUERY_TIMEOUT_S = 1.0  # a relay that does not answer within this is taken as gone
 # failed steps in a row after which the worker exits rather than fail requests forever
 # (one bad batch is contained; an engine that fails every step is broken: restart it)
 MAX_CONSECUTIVE_STEP_FAILURES = 3
@@ -124,11 +120,6 @@ class WorkerService:
         self._last_step_s = float("inf")
         self._dtype: str | None = None  # set when the engine loads
         self._weight_dtype: str | None = None  # (the sim engine has neither)
-        self._next_expiry_s = 0.0  # monotonic time of the next relay-silence check
-        self._relay_query: asyncio.Task[None] | None = None  # a PeerQuery in flight
-        # the relay's answer, applied by the loop: (asked ids with the time their
-        # hand-off left, ids it still times)
-        self._relay_verdict: tuple[dict[str, float], set[str]] | None = None
         self._started_at_s = time.time()
         self._is_draining = False
         self.heartbeat_task: asyncio.Task[None] | None = None
@@ -139,9 +130,7 @@ class WorkerService:
         # before any request can come; a signal before it ends the start at once
         self.started = asyncio.Event()
         # Token-level routing (only when a token-level preset names this model).
-        self.routing: TokenRouting | None = None
-        self._link: RoutingLink | None = None
-        self._routing_engine: RoutableEngine | None = None  # the engine, as routing drives it
+        self._driver: RoutingDriver | None = None
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -156,6 +145,11 @@ class WorkerService:
             await self._loop()
         finally:
             await self.close()
+
+    @property
+    def routing(self) -> TokenRouting | None:
+        """Token-level routing's runtime, when a token-level preset names this model."""
+        return None if self._driver is None else self._driver.routing
 
     @property
     def calibration(self) -> BatchTimeCalibration | None:
@@ -211,45 +205,14 @@ class WorkerService:
         log.info("worker_ready", instance_id=self.cfg.instance_id, inbox=self.inbox_subject)
 
     async def _start_routing(self) -> None:
-        from services.worker.routing.policies import create_token_policy
-
-        self.routing = TokenRouting(
-            self.cfg.instance_id,
-            self.cfg.model,
-            self.cfg.token_presets,
-            lambda name, models, index, args: create_token_policy(name, models, index, args),
-            self._char_boundaries(),
-        )
-        self._routing_engine = self._routable()
-        self._routing_engine.hook = self.routing.hook
-        self._link = RoutingLink(
-            self.routing,
+        self._driver = await RoutingDriver.start(
+            self.cfg,
             self._bus,
             self._store,
-            self.cfg.namespace,
+            self._routable(),
             self._wakeup,
-            self.cfg.relay.stats_interval_s,
+            (self._dtype, self._weight_dtype),
         )
-        await self._link.start()
-        log.info("token_routing_ready", presets=sorted(self.routing.policies))
-        serving = (self._dtype, self._weight_dtype)
-        for preset, policy in self.routing.policies.items():
-            meta = getattr(policy, "meta", {})
-            # routers from before weight_dtype held their weights in the compute dtype
-            trained = (meta.get("dtype"), meta.get("weight_dtype", meta.get("dtype")))
-            reads_here = meta.get("small_model", self.cfg.model) == self.cfg.model
-            if reads_here and None not in trained and None not in serving and trained != serving:
-                # The router reads this engine's hidden states; its threshold was set
-                # on another numeric's (close, not equal): say so rather than drift quietly.
-                log.warning(
-                    "router_dtype_differs",
-                    preset=preset,
-                    trained_on={"dtype": trained[0], "weight_dtype": trained[1]},
-                    serving={"dtype": serving[0], "weight_dtype": serving[1]},
-                    fix=f"set dtype = {trained[0]!r} for {self.cfg.model} in the cluster "
-                    f"file, or rebuild the routers with `just routers --dtype {serving[0]}` "
-                    "on a machine that serves them alike",
-                )
 
     def _routable(self) -> RoutableEngine:
         """The engine, as token-level routing drives it (hand-offs, guests, resumes)."""
@@ -261,22 +224,13 @@ class WorkerService:
             )
         return engine
 
-    def _char_boundaries(self) -> CharBoundaries | None:
-        """The model's vocabulary, for hand-offs to wait for a character's end
-        (routing/chars.py); None, with a warning, when its tokenizer cannot load."""
-        try:
-            return CharBoundaries(self._routable().tokenizer().token_bytes)
-        except Exception as exc:  # (the hand-offs go on, characters unguarded)
-            log.warning("token_bytes_unavailable", model=self.cfg.model, error=repr(exc))
-            return None
-
     async def close(self) -> None:
         """Deregister, flush, disconnect. Idempotent; each step bounded."""
         self._closing = True
         with contextlib.suppress(Exception):  # whatever ended the loop: send what it held
             await asyncio.wait_for(self._flush_held(), 2.0)
-        if self._relay_query is not None:
-            self._relay_query.cancel()  # its answer has nobody left to apply it
+        if self._driver is not None:
+            self._driver.close()
         if self.heartbeat_task is not None:
             self.heartbeat_task.cancel()
             await asyncio.wait([self.heartbeat_task], timeout=2 * self.cfg.heartbeat_interval_s + 2)
@@ -319,21 +273,11 @@ class WorkerService:
             if rejected:
                 await self._publish(*group(rejected))
             outbox = Outbox()
-            routable = self._routing_engine  # (set with self._link)
-            if self._link is not None and routable is not None:  # peer messages: start,
-                # resume or release copies
-                if self._link.has_messages:
-                    # A peer's copy brings a sequence the prompt count misses: the next
-                    # step runs in the thread.
-                    is_after_idle, has_peer_work = False, True
-                self._link.apply(routable, outbox)
-                if self.routing is not None and (
-                    self._link.relay_started_at_s is not None
-                    or self._relay_verdict is not None
-                    or time.monotonic() >= self._next_expiry_s
-                ):
-                    self._check_relay_silence(routable, outbox)
-                await self._link.publish(outbox)
+            driver = self._driver
+            if driver is not None and await driver.between_steps(outbox):
+                # A peer's copy brings a sequence the prompt count misses: the next step
+                # runs in the thread.
+                is_after_idle, has_peer_work = False, True
             if not engine.has_unfinished():
                 if drain_deadline is not None:
                     return  # (close() sends anything still held)
@@ -346,7 +290,7 @@ class WorkerService:
                 # message (a resume, a request, an abort) ends this wait.
                 await self._idle()
                 continue
-            wait_s = self._hold_s()
+            wait_s = None if driver is None else driver.hold_s()
             if wait_s is not None:  # nothing runnable yet, or delayed batching holds
                 await self._idle(wait_s)
                 continue
@@ -369,13 +313,9 @@ class WorkerService:
             self._num_new_prompt_tokens = 0
             self.num_steps += 1
             final_counts = None
-            if self.routing is not None and self._link is not None and routable is not None:
-                self.routing.record_step(time.perf_counter() - t_step)
-                outputs = self.routing.on_outputs(outputs, outbox)
-                self.routing.on_handoffs(routable.pop_handoffs(), routable, outbox)
-                await self._link.publish(outbox)
-                await self._link.maybe_send_stats()
-                final_counts = self.routing.final_counts
+            if driver is not None:
+                outputs = await driver.after_step(outputs, time.perf_counter() - t_step, outbox)
+                final_counts = driver.routing.final_counts
             # 3. publish deltas, one batch per owning gateway (or held for the next
             #    step's: pacing.py)
             by_dest, urgent = self.answers.deltas(outputs, final_counts)
@@ -387,55 +327,6 @@ class WorkerService:
             await asyncio.sleep(0)
             # 4. record snapshot and batch samples (written while the next step runs)
             writer.record(samples=True)
-
-    def _check_relay_silence(self, engine: RoutableEngine, outbox: Outbox) -> None:
-        """The safety nets for a relay that is itself gone (TokenRouting.overdue_origins):
-        apply the relay's last answer about overdue requests, ask it about the ones
-        overdue now (in the background: the answer is applied here, between steps),
-        and drop long-idle peer copies."""
-        assert self.routing is not None
-        now = time.monotonic()
-        self._next_expiry_s = now + EXPIRY_CHECK_S
-        relay = self.cfg.relay
-        if self._relay_verdict is not None:
-            asked, pending = self._relay_verdict
-            self._relay_verdict = None
-            self.routing.settle_overdue(asked, pending, now, engine, outbox)
-        self.routing.expire_guests(now, relay.guest_idle_s, engine)
-        if self._relay_query is not None and not self._relay_query.done():
-            return  # one question at a time (a restart notice waits for the answer)
-        # After a relay's start notice every request that left before it is asked
-        # about at once: the new relay times none of the hand-offs sent before it
-        # subscribed. (Not the later ones: its hand-off and query subscriptions run
-        # apart, so a query could overtake a hand-off it is about; the relay gives a
-        # later hand-off of a request it never routed back at once, RelayBooks.on_peer.
-        # One sent between its subscribing and the notice's arrival may be asked about
-        # and overtaken: the origin then finishes alone and the peer's late answer is
-        # dropped, work lost but no wrong text.)
-        assert self._link is not None
-        started_at_s, self._link.relay_started_at_s = self._link.relay_started_at_s, None
-        wait_s = relay.origin_wait_s if started_at_s is None else max(0.0, now - started_at_s)
-        overdue = self.routing.overdue_origins(now, min(wait_s, relay.origin_wait_s))
-        if overdue:
-            self._relay_query = asyncio.create_task(self._ask_relay(overdue))
-
-    async def _ask_relay(self, asked: dict[str, float]) -> None:
-        """Which of these requests is the relay still timing? No answer = none."""
-        try:
-            reply = await self._bus.request(
-                subjects.relay_query(self.cfg.namespace),
-                PeerQuery(origin_instance=self.cfg.instance_id, request_ids=list(asked)),
-                PEER_QUERY_REPLY_DECODER,
-                timeout_s=RELAY_QUERY_TIMEOUT_S,
-            )
-            pending = set(reply.pending)
-        except Exception as exc:
-            if not (isinstance(exc, TimeoutError) or is_no_responders(exc)):
-                log.warning("relay_query_failed", error=repr(exc))  # ask again later
-                return
-            pending = set()  # the relay is gone
-        self._relay_verdict = (asked, pending)
-        self._wakeup.set()
 
     def _steps_inline(self, is_after_idle: bool) -> bool:
         """Whether the next step runs on the event loop rather than in the thread."""
@@ -453,7 +344,7 @@ class WorkerService:
         self._wakeup.clear()
         if self._inbox or self._stop.is_set():
             return
-        if self._link is not None and self._link.has_messages:
+        if self._driver is not None and self._driver.has_messages:
             return
         timeout = self.cfg.heartbeat_interval_s if wait_s is None else wait_s
         try:
@@ -463,18 +354,6 @@ class WorkerService:
         except TimeoutError:
             if wait_s is None and self.writer is not None:
                 self.writer.record(samples=False)
-
-    def _hold_s(self) -> float | None:
-        """None: step now. Else how long delayed batching holds this model's step
-        (asked once the engine can progress: `_loop`)."""
-        if self.routing is None:
-            return None
-        plain = any(rid not in self.routing.requests for rid in self._runnable_ids())
-        return self.routing.hold_s(time.monotonic(), plain)
-
-    def _runnable_ids(self) -> list[str]:
-        sched = self.engine.scheduler
-        return [r.request_id for r in sched.running] + [r.request_id for r in sched.waiting]
 
     def _take_inbox(self) -> list[tuple[Dest, GatewayEvent]]:
         """Hand new requests and aborts to the engine; return the rejections to send."""
