@@ -1,5 +1,5 @@
-"""Real NATS and Redis servers on free ports, one pair per test session (or per package
-that imports these fixtures into its own conftest, for servers of its own)."""
+"""Real NATS and Redis servers on free ports: one pair for the whole test run, and one
+more for each package that imports these fixtures into its own conftest."""
 
 from __future__ import annotations
 
