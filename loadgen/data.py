@@ -89,10 +89,6 @@ DATA_FILES: tuple[DataFile, ...] = (
 )
 
 
-class DataMissing(FileNotFoundError):
-    """A data file a run needs is not in the data directory."""
-
-
 def data_dir() -> Path:
     """$BATON_DATA_DIR, else `data/` in the checkout."""
     value = Env.DATA_DIR.get()
@@ -105,13 +101,6 @@ def how_to_get() -> str:
         "`./baton just data --from DIR` links the files from a directory that holds them "
         "(docs/benchmarks.md, Data)"
     )
-
-
-def require(paths: list[Path]) -> None:
-    """Raise DataMissing naming every file of `paths` that is not there."""
-    missing = [str(p) for p in paths if not p.is_file()]
-    if missing:
-        raise DataMissing(f"missing data: {', '.join(missing)}; {how_to_get()}")
 
 
 def sha256_of(path: Path) -> str:

@@ -179,7 +179,7 @@ def create_app(cfg: GatewayServiceConfig, freeze_heap_when_started: bool = False
     # (HEAD too, for load balancers and uptime checks: the same answer without its body)
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
-        routable = service.routable()
+        routable = service.directory.routable()
         # Live instances per model of the cluster file: "degraded" (still 200: the
         # others serve) names what a model with none would answer with 503s.
         models = {name: 0 for name in cfg.cluster.models}

@@ -155,7 +155,7 @@ def _prepare_decoded(
     if not prompt_ids:
         raise bad_request("the prompt is empty", "prompt")
 
-    serving = service.serving(body.model)
+    serving = service.directory.serving(body.model)
     if not serving:
         raise GatewayError(
             503,

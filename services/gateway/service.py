@@ -171,15 +171,9 @@ class GatewayService:
         """Live instances by id, as the registry last showed them."""
         return self.directory.workers
 
-    def serving(self, model: str) -> list[WorkerInfo]:
-        return self.directory.serving(model)
-
-    def routable(self) -> list[WorkerInfo]:
-        return self.directory.routable()
-
     @property
     def is_ready(self) -> bool:
-        return self.bus.is_connected and bool(self.routable())
+        return self.bus.is_connected and bool(self.directory.routable())
 
     @property
     def is_bus_responsive(self) -> bool:

@@ -16,7 +16,7 @@ one before; and what a client waits on is never held: a request's first tokens (
 TTFT), its last (its end) and failures, which take what was held for their gateway
 with them, in order.
 
-Policy only: `WorkerService._publish` writes what `take` returns.
+Policy only: `Answers.publish` (answers.py) writes what `take` returns.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ from shared.store import Store
 
 log = get_logger(component="worker")
 # heartbeat TTLs a request's owning gateway may stay unregistered before its requests
-# are aborted (`_abort_orphans`)
+# are aborted (`abort_orphans`, orphans.py)
 ORPHAN_GRACE_TTLS = 2.0
 # failed steps in a row after which the worker exits rather than fail requests forever
 # (one bad batch is contained; an engine that fails every step is broken: restart it)

@@ -57,7 +57,7 @@ class RoutingLink:
         self._stats_interval_s = stats_interval_s
         self._last_stats_s = time.monotonic()
         # When (monotonic) a relay's start notice came, until the worker asked about the
-        # requests it had away by then (WorkerService._check_relay_silence); None: none.
+        # requests it had away by then (RoutingDriver._check_relay_silence); None: none.
         self.relay_started_at_s: float | None = None
         self._recent_releases: deque[tuple[float, PeerRelease]] = deque()  # (sent at, it)
 
