@@ -52,7 +52,8 @@ from services.worker.links import GatewayLinks
 from services.worker.orphans import OrphanWatch
 from services.worker.pacing import group
 from services.worker.routing.driver import RoutingDriver
-from services.worker.routing.runtime import Outbox, TokenRouting
+from services.worker.routing.runtime import TokenRouting
+from services.worker.routing.tracked import Outbox
 from services.worker.snapshot_writer import SnapshotWriter
 from shared import subjects
 from shared.bus import Bus

@@ -60,7 +60,7 @@ class RouteState:
     # output tokens written per model index
     tokens_by_model: list[int] = field(default_factory=list)
     temperature: float = 0.0  # the request's sampling temperature (0 = greedy)
-    # what seeded draws are keyed on (runtime.draw_key: its seed, its prompt when
+    # what seeded draws are keyed on (tracked.draw_key: its seed, its prompt when
     # greedy, else its id); "": the request id
     draw_key: str = ""
     scratch: dict[str, float] = field(default_factory=dict)  # per-policy state across steps

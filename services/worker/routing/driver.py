@@ -1,6 +1,6 @@
 """Token-level routing on one worker, as its step loop drives it.
 
-The runtime (runtime.TokenRouting: hand-offs, guests, delayed batching) and its bus
+The runtime (runtime.TokenRouting: hand-offs, guests; hold.py, silence.py) and its bus
 side (link.RoutingLink: messages to and from the relay and the batcher) meet the
 loop here, between steps and after each step, with the safety nets for a relay that
 is itself gone:
@@ -18,9 +18,11 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
+from services.worker.routing import silence
 from services.worker.routing.chars import CharBoundaries
 from services.worker.routing.link import RoutingLink
-from services.worker.routing.runtime import Outbox, TokenRouting
+from services.worker.routing.runtime import TokenRouting
+from services.worker.routing.tracked import Outbox
 from shared import subjects
 from shared.bus import Bus, is_no_responders
 from shared.logging import get_logger
@@ -145,8 +147,8 @@ class RoutingDriver:
         if self._relay_verdict is not None:
             asked, pending = self._relay_verdict
             self._relay_verdict = None
-            routing.settle_overdue(asked, pending, now, engine, outbox)
-        routing.expire_guests(now, relay.guest_idle_s, engine)
+            silence.settle_overdue(routing, asked, pending, now, engine, outbox)
+        silence.expire_guests(routing, now, relay.guest_idle_s, engine)
         if self._relay_query is not None and not self._relay_query.done():
             return  # one question at a time (a restart notice waits for the answer)
         # Not the hand-offs sent after a restart notice: the relay's hand-off and query
@@ -157,7 +159,7 @@ class RoutingDriver:
         # the peer's late answer is dropped, work lost but no wrong text.
         started_at_s, self.link.relay_started_at_s = self.link.relay_started_at_s, None
         wait_s = relay.origin_wait_s if started_at_s is None else max(0.0, now - started_at_s)
-        overdue = routing.overdue_origins(now, min(wait_s, relay.origin_wait_s))
+        overdue = silence.overdue_origins(routing, now, min(wait_s, relay.origin_wait_s))
         if overdue:
             self._relay_query = asyncio.create_task(self._ask_relay(overdue))
 

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, cast
 
 import msgspec
 
-from services.worker.routing.runtime import Outbox, PeerError, TokenRouting
+from services.worker.routing.runtime import TokenRouting
+from services.worker.routing.tracked import Outbox, PeerError
 from shared import keys, subjects
 from shared.bus import Bus
 from shared.logging import get_logger

@@ -1,5 +1,7 @@
 """Token-level routing on one worker: the engine's route hook, hand-offs turned into
-PeerReqs, PeerReqs turned back into engine requests, and the delayed-batching hold.
+PeerReqs, PeerReqs turned back into engine requests. The per-request books are in
+tracked.py, the delayed-batching hold in hold.py, the nets for a silent relay in
+silence.py.
 
 Pure mechanism (no I/O): the worker service feeds it the engine's outputs and the
 messages the relay delivers, and publishes what it returns. The policies decide;
@@ -19,21 +21,27 @@ the tokens written per model. Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import time
-from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 
 from services.worker.engine.outputs import Handoff, RequestOutput, StepOutputs
-from services.worker.routing.api import STAY, RouteBatch, RouteState, TokenPolicy, target_of
+from services.worker.routing.api import STAY, RouteBatch, TokenPolicy, target_of
 from services.worker.routing.chars import CharBoundaries
+from services.worker.routing.hold import hold_s
+from services.worker.routing.tracked import (
+    Outbox,
+    PeerError,
+    PresetCounters,
+    Tracked,
+    active_count,
+    new_state,
+    peer_req,
+)
 from shared.config import PresetConfig
-from shared.hold import may_step, wait_left_s
 from shared.logging import get_logger
 from shared.messages.batcher import BatchTables
 from shared.messages.peer import PeerRelease, PeerReq
@@ -44,76 +52,7 @@ if TYPE_CHECKING:
 
 log = get_logger(component="token-routing")
 
-# How long a barrier-held loop sleeps before it looks again when nothing wakes it
-# (a peer's answer wakes it at once; this only bounds a missed wake-up).
-BARRIER_RECHECK_S = 0.05
-
 PolicyFactory = Callable[[str, list[str], int, dict[str, float | str]], TokenPolicy]
-
-
-def draw_key(request_id: str, prompt: list[int], params: SamplingParams) -> str:
-    """What a policy's seeded draws (ME's writer) are keyed on, the same on every worker
-    the request visits: its `seed` when it has one (the same seed, the same draws, as
-    for sampling); its prompt when it samples greedily (temperature 0, top_p 0 or top_k
-    1: the same prompt, the same answer, as from a single model); else its id (every
-    request draws anew)."""
-    if params.seed is not None:
-        return f"seed:{params.seed}"
-    if params.is_greedy:
-        digest = hashlib.blake2b(array("q", prompt).tobytes(), digest_size=16).hexdigest()
-        return f"prompt:{digest}"
-    return request_id
-
-
-class PeerError(ValueError):
-    """A PeerReq this worker cannot apply (unknown request, a gap before its anchor)."""
-
-
-@dataclass(slots=True)
-class Tracked:
-    """One request of a token-level preset, as this worker knows it."""
-
-    preset: str
-    policy: TokenPolicy
-    state: RouteState
-    origin_instance: str
-    params: SamplingParams
-    max_tokens: int  # output tokens at most, whole answer
-    seq: list[int]  # the sequence this worker knows: prompt, then output
-    seen: dict[int, int] = field(default_factory=dict)  # model index -> tokens of seq it holds
-    seq_no: int = 0  # highest PeerReq seq_no sent or received
-    echo: int = 0  # tokens resumed into the engine that its next outputs will repeat
-    parked: bool = False  # the pen is elsewhere
-    parked_at_s: float = 0.0  # monotonic time the pen last left (meaningful while parked)
-    ready_since_s: float = 0.0  # monotonic time the request last became ready here
-    routing_off: bool = False  # a peer failed: finish alone, never hand off again
-    num_active: int = 0  # N the origin last reported (guests) for the B* tables
-
-    @property
-    def is_origin(self) -> bool:
-        return self.state.model_index == 0
-
-    @property
-    def num_output(self) -> int:
-        return len(self.seq) - self.state.num_prompt_tokens
-
-
-@dataclass(slots=True)
-class PresetCounters:
-    """What this worker saw of one preset since its last RoutingStats report."""
-
-    num_tokens: int = 0  # tokens sampled for the preset's requests (taken-back ones too)
-    num_handoffs: int = 0  # hand-offs sent to a peer
-    num_taken_back: int = 0  # hand-offs whose sampled token the peer rewrites
-    step_batch_sizes: list[int] = field(default_factory=list)  # rows of each step with its requests
-    step_seconds: list[float] = field(default_factory=list)  # seconds each of those steps took
-
-
-@dataclass(slots=True)
-class Outbox:
-    """What the service must publish after a call."""
-
-    peer: list[PeerReq | PeerRelease] = field(default_factory=list)
 
 
 class TokenRouting:
@@ -184,7 +123,7 @@ class TokenRouting:
         self.requests[request_id] = Tracked(
             preset=preset,
             policy=self.policies[preset],
-            state=self._state(request_id, 0, prompt, len(cfg.models), params),
+            state=new_state(request_id, 0, prompt, len(cfg.models), params),
             origin_instance=self.instance_id,
             params=params,
             max_tokens=params.max_tokens,
@@ -192,30 +131,8 @@ class TokenRouting:
             ready_since_s=time.monotonic(),
         )
 
-    def _state(
-        self,
-        request_id: str,
-        index: int,
-        prompt: list[int],
-        num_models: int,
-        params: SamplingParams,
-    ) -> RouteState:
-        return RouteState(
-            request_id=request_id,
-            model_index=index,
-            num_prompt_tokens=len(prompt),
-            tokens_by_model=[0] * num_models,
-            temperature=params.temperature,
-            draw_key=draw_key(request_id, prompt, params),
-        )
-
     def num_active(self, preset: str) -> int:
-        """N for the tables: the preset's live requests whose origin is here, or the
-        latest count an origin reported for guests."""
-        origin = sum(1 for t in self.requests.values() if t.preset == preset and t.is_origin)
-        if origin:
-            return origin
-        return max((t.num_active for t in self.requests.values() if t.preset == preset), default=0)
+        return active_count(self.requests.values(), preset)
 
     # -- the engine hook ----------------------------------------------------------
 
@@ -336,36 +253,19 @@ class TokenRouting:
             )
 
     def _peer_req(
-        self,
-        request_id: str,
-        tracked: Tracked,
-        to: int,
-        rewrites_last: bool,
-        finish_reason: str | None,
+        self, request_id: str, tracked: Tracked, to: int, rewrites_last: bool, reason: str | None
     ) -> PeerReq:
-        mode = self.presets[tracked.preset].mode
-        loc = 0 if mode == "std_serving" else tracked.seen.get(to, 0)
-        suffix = tracked.policy.send(tracked.state, tracked.seq[loc:])
-        tracked.seen[to] = loc + len(suffix)
-        tracked.seq_no += 1
-        return PeerReq(
-            request_id=request_id,
-            preset=tracked.preset,
-            origin_instance=tracked.origin_instance,
-            sender_instance=self.instance_id,
-            from_model=tracked.state.model_index,
-            to_model=to,
-            loc=loc,
-            suffix=suffix,
-            num_prompt_tokens=tracked.state.num_prompt_tokens,
-            max_tokens=tracked.max_tokens,
-            params=tracked.params,
-            seq_no=tracked.seq_no,
-            rewrites_last=rewrites_last,
-            finished=finish_reason is not None,
-            finish_reason=finish_reason,
-            num_active=self.num_active(tracked.preset) if tracked.is_origin else tracked.num_active,
-            tokens_by_model=list(tracked.state.tokens_by_model),
+        num_active = self.num_active(tracked.preset) if tracked.is_origin else tracked.num_active
+        std_serving = self.presets[tracked.preset].mode == "std_serving"
+        return peer_req(
+            request_id,
+            tracked,
+            self.instance_id,
+            std_serving,
+            num_active,
+            to,
+            rewrites_last,
+            reason,
         )
 
     # -- messages from the relay -----------------------------------------------------
@@ -402,7 +302,7 @@ class TokenRouting:
         overlap = known - msg.loc
         if tracked.seq[msg.loc :] != msg.suffix[:overlap]:
             raise PeerError("the suffix disagrees with the tokens held here")
-        new = self._accepted(tracked, msg.suffix[overlap:])
+        new = tracked.policy.receive(tracked.state, msg.suffix[overlap:])
         tracked.seq.extend(new)
         tracked.seen[msg.from_model] = len(tracked.seq)
         tracked.state.tokens_by_model = list(msg.tokens_by_model) or tracked.state.tokens_by_model
@@ -416,9 +316,6 @@ class TokenRouting:
             return
         tracked.echo += len(new)
         engine.resume_request(msg.request_id, new)
-
-    def _accepted(self, tracked: Tracked, tokens: list[int]) -> list[int]:
-        return tracked.policy.receive(tracked.state, tokens)
 
     def _start_guest(self, msg: PeerReq, engine: RoutableEngine) -> None:
         """First visit of a request to this worker: its whole sequence is the prompt."""
@@ -437,7 +334,7 @@ class TokenRouting:
         room = msg.max_tokens - num_output
         if room < 1:
             raise PeerError(f"request {msg.request_id} has no output tokens left")
-        state = self._state(
+        state = new_state(
             msg.request_id, msg.to_model, seq[: msg.num_prompt_tokens], len(cfg.models), msg.params
         )
         state.tokens_by_model = list(msg.tokens_by_model) or state.tokens_by_model
@@ -473,9 +370,11 @@ class TokenRouting:
             engine.abort_request(msg.request_id)
             del self.requests[msg.request_id]
             return
-        self._finish_alone(msg.request_id, tracked, time.monotonic(), engine)
+        self.finish_alone(msg.request_id, tracked, time.monotonic(), engine)
 
-    def _finish_alone(self, rid: str, tracked: Tracked, now_s: float, engine: RoutableEngine) -> None:
+    def finish_alone(
+        self, rid: str, tracked: Tracked, now_s: float, engine: RoutableEngine
+    ) -> None:
         """The origin gives up on its peers: routing off, and a request parked at a
         peer runs here again (later answers are dropped, see on_peer)."""
         tracked.routing_off = True
@@ -483,72 +382,6 @@ class TokenRouting:
             tracked.parked = False
             tracked.ready_since_s = now_s
             engine.resume_request(rid, [])
-
-    # -- safety nets for a relay that is itself gone ----------------------------------
-    # The relay bounds every hand-off with its peer timeout, but a relay that died or
-    # restarted answers nothing. The worker service asks it (PeerQuery) about origin
-    # requests away longer than `origin_wait_s` and settles them with its answer.
-
-    def overdue_origins(self, now_s: float, origin_wait_s: float) -> dict[str, float]:
-        """Origin requests away at a peer for longer than `origin_wait_s`, each with the
-        time its hand-off left (which names the hand-off asked about)."""
-        return {
-            rid: t.parked_at_s
-            for rid, t in self.requests.items()
-            if t.parked and t.is_origin and now_s - t.parked_at_s > origin_wait_s
-        }
-
-    def settle_overdue(
-        self,
-        asked: dict[str, float],
-        pending: set[str],
-        now_s: float,
-        engine: RoutableEngine,
-        outbox: Outbox,
-    ) -> None:
-        """Apply the relay's answer about overdue requests (`asked`: overdue_origins at
-        the time of asking; `pending`: those the relay is still timing, an empty set
-        when it did not answer). A pending one waits another origin_wait_s; any other
-        one still away on the same hand-off comes back: the origin finishes it alone,
-        as after a failed hand-back, and releases the peers' copies (if a relay carries
-        the release). Requests that came back meanwhile, or left again on a newer
-        hand-off, are left alone."""
-        for rid, left_at_s in asked.items():
-            tracked = self.requests.get(rid)
-            if tracked is None or not tracked.parked or not tracked.is_origin:
-                continue
-            if tracked.parked_at_s != left_at_s:  # back and away again since we asked
-                continue
-            if rid in pending:
-                tracked.parked_at_s = now_s
-                continue
-            log.warning(
-                "peer_silent", request_id=rid, waited_s=round(now_s - tracked.parked_at_s, 1)
-            )
-            self.num_peer_failures += 1
-            self._finish_alone(rid, tracked, now_s, engine)
-            outbox.peer.append(
-                PeerRelease(request_id=rid, preset=tracked.preset, origin_instance=self.instance_id)
-            )
-
-    def expire_guests(self, now_s: float, guest_idle_s: float, engine: RoutableEngine) -> None:
-        """Drop peer copies no visit has touched for `guest_idle_s` (their origin's release
-        may have been lost with the relay): the KV is freed, and a later visit for
-        such a copy fails back to the origin (unknown request with an anchor > 0),
-        which then finishes alone."""
-        for rid, tracked in list(self.requests.items()):
-            if (
-                tracked.parked
-                and not tracked.is_origin
-                and now_s - tracked.parked_at_s > guest_idle_s
-            ):
-                log.info(
-                    "guest_copy_expired",
-                    request_id=rid,
-                    idle_s=round(now_s - tracked.parked_at_s, 1),
-                )
-                engine.abort_request(rid)
-                del self.requests[rid]
 
     def on_release(self, msg: PeerRelease, engine: RoutableEngine) -> None:
         """The origin ended the request: free this worker's copy."""
@@ -580,45 +413,8 @@ class TokenRouting:
     # -- delayed batching ------------------------------------------------------------
 
     def hold_s(self, now_s: float, has_plain_work: bool) -> float | None:
-        """None: step now. Else seconds the loop may wait for more requests first.
-
-        Holds only when every request ready here belongs to a preset that holds:
-        `baton` whose B*(N) is not reached (shared/hold.py has the rule),
-        or `barrier` with one of its requests away at a peer. Plain requests are
-        never held (a step they force carries the held presets' ready rows too).
-        """
+        """None: step now. Else seconds the loop may wait for more requests first
+        (hold.py has the rule; plain work is never held)."""
         if has_plain_work:
             return None
-        ready: dict[str, list[Tracked]] = {}
-        away: set[str] = set()  # barrier presets with an origin request at a peer
-        for t in self.requests.values():
-            if not t.parked:
-                ready.setdefault(t.preset, []).append(t)
-            elif t.is_origin:
-                away.add(t.preset)
-        wait: float | None = None
-        for preset, group in ready.items():
-            mode = self.presets[preset].mode
-            if mode == "barrier" and group[0].is_origin:
-                if preset not in away:
-                    return None
-                # Step barrier: the entry model waits for every request it sent
-                # away, as one lockstep batch would; the peer's answer (or the
-                # relay's failed hand-back) wakes the loop. No timeout of our own:
-                # the relay's peer timeout bounds the wait.
-                wait = BARRIER_RECHECK_S if wait is None else min(wait, BARRIER_RECHECK_S)
-                continue
-            tables = self.tables.get(preset)
-            if tables is None or mode != "baton":
-                return None
-            index = group[0].state.model_index
-            num_active = self.num_active(preset)
-            hold = tables.b_for(index, num_active)
-            timeout_s = tables.hold_timeout_ms / 1000.0
-            oldest = now_s - min(t.ready_since_s for t in group)
-            if may_step(len(group), num_active, hold, oldest, timeout_s):
-                return None
-            left = wait_left_s(len(group), oldest, timeout_s)
-            if left is not None:
-                wait = left if wait is None else min(wait, left)
-        return wait
+        return hold_s(self.requests, self.presets, self.tables, now_s)

@@ -20,7 +20,10 @@ from services.worker.engine.loader import build_model, random_config, random_sta
 from services.worker.engine.outputs import StepOutputs
 from services.worker.routing.api import STAY, RouteBatch, TokenPolicy, hand_after, hand_rewrite
 from services.worker.routing.chars import CharBoundaries
-from services.worker.routing.runtime import BARRIER_RECHECK_S, Outbox, TokenRouting, draw_key
+from services.worker.routing.hold import BARRIER_RECHECK_S
+from services.worker.routing.runtime import TokenRouting
+from services.worker.routing.silence import expire_guests, overdue_origins, settle_overdue
+from services.worker.routing.tracked import Outbox, draw_key
 from shared.config import PresetConfig, TokenMode
 from shared.messages.peer import PeerRelease, PeerReq
 from shared.sampling import SamplingParams
@@ -338,15 +341,15 @@ def test_a_silent_relay_never_strands_a_request_or_a_copy() -> None:
     large, large_engine = pair.books["w-large"], pair.engines["w-large"]
     sent = pair.origin_until_handoff()
     t0 = small.requests["a"].parked_at_s
-    assert small.overdue_origins(t0 + 29.0, 30.0) == {}
-    assert small.overdue_origins(t0 + 31.0, 30.0) == {"a": t0}
+    assert overdue_origins(small, t0 + 29.0, 30.0) == {}
+    assert overdue_origins(small, t0 + 31.0, 30.0) == {"a": t0}
     # The relay answers that it still times the hand-off: wait another origin_wait_s.
     outbox = Outbox()
-    small.settle_overdue({"a": t0}, {"a"}, t0 + 31.0, small_engine, outbox)
+    settle_overdue(small, {"a": t0}, {"a"}, t0 + 31.0, small_engine, outbox)
     assert small.requests["a"].parked and not outbox.peer
-    assert small.overdue_origins(t0 + 60.0, 30.0) == {}
+    assert overdue_origins(small, t0 + 60.0, 30.0) == {}
     # An answer about an older hand-off of the request changes nothing.
-    small.settle_overdue({"a": t0 - 5.0}, set(), t0 + 62.0, small_engine, outbox)
+    settle_overdue(small, {"a": t0 - 5.0}, set(), t0 + 62.0, small_engine, outbox)
     assert small.requests["a"].parked and not outbox.peer
     # The hand-off did reach the peer before the relay died: it writes and hands
     # back into the void.
@@ -359,9 +362,9 @@ def test_a_silent_relay_never_strands_a_request_or_a_copy() -> None:
     assert isinstance(answer, PeerReq) and answer.to_model == 0
     # Overdue again and the relay silent: the origin resumes alone and
     # releases the peers.
-    assert small.overdue_origins(t0 + 62.0, 30.0) == {"a": t0 + 31.0}
+    assert overdue_origins(small, t0 + 62.0, 30.0) == {"a": t0 + 31.0}
     outbox = Outbox()
-    small.settle_overdue({"a": t0 + 31.0}, set(), t0 + 62.0, small_engine, outbox)
+    settle_overdue(small, {"a": t0 + 31.0}, set(), t0 + 62.0, small_engine, outbox)
     assert [type(m) for m in outbox.peer] == [PeerRelease]
     assert small.num_peer_failures == 1 and not small.requests["a"].parked
     late_delivered = False
@@ -374,9 +377,9 @@ def test_a_silent_relay_never_strands_a_request_or_a_copy() -> None:
     assert small_engine.scheduler.blocks.num_free_blocks == BLOCKS
     # The peer's copy (its release was lost with the relay) expires on its own.
     t_guest = large.requests["a"].parked_at_s
-    large.expire_guests(t_guest + 299.0, 300.0, large_engine)
+    expire_guests(large, t_guest + 299.0, 300.0, large_engine)
     assert "a" in large.requests
-    large.expire_guests(t_guest + 301.0, 300.0, large_engine)
+    expire_guests(large, t_guest + 301.0, 300.0, large_engine)
     assert "a" not in large.requests
     large_engine.step()  # the abort applies at the next iteration
     assert large_engine.scheduler.blocks.num_free_blocks == BLOCKS
