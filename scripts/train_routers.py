@@ -51,9 +51,9 @@ from bench.router_training import (  # noqa: E402
     youden_threshold,
 )
 from loadgen.data import data_dir  # noqa: E402
+from services.worker.engine.attention import AttentionPlan  # noqa: E402
 from services.worker.engine.config import EngineConfig  # noqa: E402
 from services.worker.engine.engine import LLMEngine  # noqa: E402
-from services.worker.engine.model import AttentionPlan  # noqa: E402
 from services.worker.engine.outputs import StepOutputs  # noqa: E402
 from services.worker.routing.policies.r_stitch import normalized_entropy  # noqa: E402
 from services.worker.routing.policies.routers import (  # noqa: E402

@@ -29,7 +29,8 @@ from services.worker.engine.loader import (
     random_config,
     random_state_dict,
 )
-from services.worker.engine.model import CausalLM, ModelConfig
+from services.worker.engine.model import CausalLM
+from services.worker.engine.model_config import ModelConfig
 from services.worker.engine.outputs import (
     FinishReason,
     Handoff,
@@ -80,7 +81,9 @@ class LLMEngine:
         self.config = config
         self.model = model
         self.scheduler = Scheduler(config.scheduler)
-        self.runner = ModelRunner(model, config.scheduler.num_kv_blocks, config.scheduler.block_size)
+        self.runner = ModelRunner(
+            model, config.scheduler.num_kv_blocks, config.scheduler.block_size
+        )
         self.eos_ids = frozenset(model.config.eos_token_ids)
         self.vocab_size = model.config.vocab_size
         self.hook: StepHook | None = None
@@ -131,7 +134,9 @@ class LLMEngine:
         model = build_model(cfg, state, config.torch_dtype, torch.device(config.device))
         del state
         if config.pack_weights:
-            model.pack_for_cpu(batch_hint=config.scheduler.max_num_seqs, fp16_weights=config.fp16_weights)
+            model.pack_for_cpu(
+                batch_hint=config.scheduler.max_num_seqs, fp16_weights=config.fp16_weights
+            )
         return cls(config, model)
 
     # ---- requests (any thread) -------------------------------------------------
@@ -151,7 +156,9 @@ class LLMEngine:
         `priority`: scheduled before plain requests (a token-routing peer's copy of
         another worker's request; shared.scheduling.scheduler).
         """
-        validate_request(prompt_token_ids, params, self.config.scheduler.max_model_len, self.vocab_size)
+        validate_request(
+            prompt_token_ids, params, self.config.scheduler.max_model_len, self.vocab_size
+        )
         n = len(prompt_token_ids)
         sched = SchedRequest(request_id, n, params.max_tokens, arrival_seq=-1)
         sched.predicted_output_tokens = predicted_output_tokens

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.worker.engine.model import CausalLM, ModelConfig
+from services.worker.engine.model import CausalLM
+from services.worker.engine.model_config import ModelConfig
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",

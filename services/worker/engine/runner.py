@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.engine.model import AttentionPlan, CausalLM, DecodeGroup
+from services.worker.engine.attention import AttentionPlan, DecodeGroup
+from services.worker.engine.model import CausalLM
 from services.worker.engine.outputs import StepLogits
 from shared.scheduling.scheduler import ScheduledBatch
 

@@ -20,6 +20,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 from services.worker.engine import engine as engine_module  # noqa: E402
+from services.worker.engine.attention import rope_inv_freq  # noqa: E402
 from services.worker.engine.config import EngineConfig  # noqa: E402
 from services.worker.engine.engine import LLMEngine, RequestError  # noqa: E402
 from services.worker.engine.loader import (  # noqa: E402
@@ -28,7 +29,7 @@ from services.worker.engine.loader import (  # noqa: E402
     random_config,
     random_state_dict,
 )
-from services.worker.engine.model import ModelConfig, _rope_inv_freq  # noqa: E402
+from services.worker.engine.model_config import ModelConfig  # noqa: E402
 from services.worker.engine.sampler import SampleResult, SamplingState, _sample_row, sample  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 from shared.scheduling.blocks import blocks_for  # noqa: E402
@@ -467,7 +468,7 @@ def test_llama3_rope_formula_matches_hf() -> None:
         rope_theta=500000.0,
         rope_scaling=dict(LLAMA3),
     )
-    torch.testing.assert_close(_rope_inv_freq(cfg), hf_llama3_inv_freq(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(rope_inv_freq(cfg), hf_llama3_inv_freq(), rtol=1e-6, atol=0)
 
 
 def test_from_hf_reads_rope_parameters_written_by_transformers_v5() -> None:
@@ -496,7 +497,7 @@ def test_from_hf_reads_rope_parameters_written_by_transformers_v5() -> None:
     )
     cfg = ModelConfig.from_hf(on_disk)
     assert cfg.rope_theta == 500000.0
-    torch.testing.assert_close(_rope_inv_freq(cfg), hf_llama3_inv_freq(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(rope_inv_freq(cfg), hf_llama3_inv_freq(), rtol=1e-6, atol=0)
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -548,10 +549,10 @@ def test_gguf_rope_freqs_tensor_is_not_silently_dropped(tmp_path) -> None:  # ty
     except ValueError:
         return  # refusing is acceptable
     assert cfg.rope_freq_factors == tuple(float(x) for x in factors), "rope_freqs was dropped"
-    from services.worker.engine.model import _rope_inv_freq
+    from services.worker.engine.attention import rope_inv_freq
 
     plain = 1.0 / (500000.0 ** (torch.arange(0, 16, 2).float() / 16))
-    assert torch.allclose(_rope_inv_freq(cfg), plain / torch.tensor(factors))
+    assert torch.allclose(rope_inv_freq(cfg), plain / torch.tensor(factors))
 
 
 def test_gguf_end_of_turn_token_stops_generation(tmp_path) -> None:  # type: ignore[no-untyped-def]
