@@ -41,16 +41,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
 from collections.abc import Callable
 
+from services.worker.admission import Admission
 from services.worker.answers import Answers, Dest
 from services.worker.config import WorkerServiceConfig, create_engine
 from services.worker.engine.outputs import RequestOutput
 from services.worker.engine.protocol import Engine, RoutableEngine
+from services.worker.inbox import Inbox
 from services.worker.links import GatewayLinks
-from services.worker.orphans import OrphanWatch
 from services.worker.pacing import group
+from services.worker.registration import Registration
 from services.worker.routing.driver import RoutingDriver
 from services.worker.routing.runtime import TokenRouting
 from services.worker.routing.tracked import Outbox
@@ -58,22 +59,15 @@ from services.worker.snapshot_writer import SnapshotWriter
 from shared import subjects
 from shared.bus import Bus
 from shared.link import FrameLink
-from shared.logging import RetryLog, get_logger
-from shared.messages.gateway import GatewayEvent, RequestFailed
-from shared.messages.registry import WorkerInfo
+from shared.logging import get_logger
+from shared.messages.gateway import GatewayEvent
 from shared.messages.worker import (
     WORKER_INBOUND_DECODER,
-    AbortRequest,
     BatchTimeCalibration,
-    SubmitRequest,
-    WorkerInbound,
 )
 from shared.store import Store
 
 log = get_logger(component="worker")
-# heartbeat TTLs a request's owning gateway may stay unregistered before its requests
-# are aborted (`abort_orphans`, orphans.py)
-ORPHAN_GRACE_TTLS = 2.0
 # failed steps in a row after which the worker exits rather than fail requests forever
 # (one bad batch is contained; an engine that fails every step is broken: restart it)
 MAX_CONSECUTIVE_STEP_FAILURES = 3
@@ -98,33 +92,27 @@ class WorkerService:
         self.inbox_subject = subjects.worker_inbox(cfg.namespace, cfg.instance_id)
         self._engine_factory = engine_factory
         self._engine: Engine | None = None  # set by the start
+        self._admission: Admission | None = None  # set by the start, after the engine
         self._bus = Bus(cfg.nats_url, name=f"worker-{cfg.instance_id}")
-        self._store = Store(cfg.redis_url, cfg.namespace)
+        self.store = Store(cfg.redis_url, cfg.namespace)
         # who each request answers to, and the pacer holding their events (answers.py)
         self.answers = Answers(cfg.instance_id, self._bus, cfg.stream_interval_s)
         self.writer: SnapshotWriter | None = None  # set once the engine is loaded
-        self.orphans = OrphanWatch(ORPHAN_GRACE_TTLS * cfg.heartbeat_ttl_s)
-        # what came in, with the direct link it came on (None: over NATS)
-        self._inbox: deque[tuple[WorkerInbound, FrameLink | None]] = deque()
-        self._links: GatewayLinks | None = None  # gateways' direct links (cfg.link)
+        self.registration = Registration(cfg, self.store, self.inbox_subject)
         self._wakeup = asyncio.Event()
+        self.inbox = Inbox(self._wakeup)  # what came in, with the link it came on
+        self._links: GatewayLinks | None = None  # gateways' direct links (cfg.link)
         self._stop = asyncio.Event()
         self.num_steps = 0
         self.num_inline_steps = 0  # of them, run on the event loop (short steps)
         self.num_failed_steps = 0  # steps that raised (their requests failed with a 500)
-        self.num_link_requests = 0  # requests admitted from a direct link (not NATS)
         self._consecutive_step_failures = 0
-        # Prompt tokens admitted since the last step: the size of an inline step's prefill.
-        self._num_new_prompt_tokens = 0
         # compute time of the last step (engine.step alone: in the thread, without the
         # hand-off, so that the inline rule sees the same figure in either mode)
         self._last_step_s = float("inf")
         self._dtype: str | None = None  # set when the engine loads
         self._weight_dtype: str | None = None  # (the sim engine has neither)
-        self._started_at_s = time.time()
-        self._is_draining = False
         self.heartbeat_task: asyncio.Task[None] | None = None
-        self._closing = False
         self.ready = asyncio.Event()  # set once the engine is loaded and the inbox subscribed
         # set once its start is over, just before the worker registers: its process
         # freezes the heap then (shared.runtime.freeze_heap), so the collection runs
@@ -158,6 +146,11 @@ class WorkerService:
         return None if self.writer is None else self.writer.calibration
 
     @property
+    def admission(self) -> Admission:
+        assert self._admission is not None, "admission starts with the engine"
+        return self._admission
+
+    @property
     def engine(self) -> Engine:
         assert self._engine is not None, "the engine loads when the worker starts"
         return self._engine
@@ -165,7 +158,7 @@ class WorkerService:
     async def _start(self) -> None:
         t0 = time.perf_counter()
         self._engine = await asyncio.to_thread(self._engine_factory, self.cfg)
-        self.writer = SnapshotWriter(self.cfg, self._engine, self._store, lambda: self.num_steps)
+        self.writer = SnapshotWriter(self.cfg, self._engine, self.store, lambda: self.num_steps)
         # the dtype the engine runs (None for the sim engine, which has no torch config)
         engine_config = getattr(self._engine, "config", None)
         self._dtype = getattr(engine_config, "resolved_dtype", None)
@@ -178,14 +171,14 @@ class WorkerService:
             seconds=round(time.perf_counter() - t0, 2),
         )
         await self._bus.connect()
-        await self._store.connect()
-        await self._bus.subscribe(self.inbox_subject, WORKER_INBOUND_DECODER, self._on_inbound)
+        await self.store.connect()
+        await self._bus.subscribe(self.inbox_subject, WORKER_INBOUND_DECODER, self.inbox.on_bus)
         if self.cfg.link:
-            self._links = GatewayLinks(
+            self._links = self.registration.links = GatewayLinks(
                 self.cfg.namespace,
                 self.cfg.instance_id,
-                self._started_at_s,
-                self._on_link_inbound,
+                self.registration.started_at_s,
+                self.inbox.on_link,
                 self._on_link_lost,
             )
             await self._links.start(
@@ -196,11 +189,13 @@ class WorkerService:
             )
         if self.cfg.token_presets:
             await self._start_routing()
+        self._admission = Admission(self._engine, self.answers, self.registration, self.routing)
         await self._bus.flush()
         self.started.set()
         await asyncio.sleep(0)  # the process freezes its heap now, before it can be routed to
-        await self._register()
-        self.heartbeat_task = asyncio.create_task(self._heartbeat(), name="heartbeat")
+        await self.registration.register()
+        beat = self.registration.heartbeat(self.writer, self.answers, self.inbox)
+        self.heartbeat_task = asyncio.create_task(beat, name="heartbeat")
         self.writer.record(samples=False)
         self.ready.set()
         log.info("worker_ready", instance_id=self.cfg.instance_id, inbox=self.inbox_subject)
@@ -209,7 +204,7 @@ class WorkerService:
         self._driver = await RoutingDriver.start(
             self.cfg,
             self._bus,
-            self._store,
+            self.store,
             self._routable(),
             self._wakeup,
             (self._dtype, self._weight_dtype),
@@ -227,7 +222,7 @@ class WorkerService:
 
     async def close(self) -> None:
         """Deregister, flush, disconnect. Idempotent; each step bounded."""
-        self._closing = True
+        self.registration.stop_beating()
         with contextlib.suppress(Exception):  # whatever ended the loop: send what it held
             await asyncio.wait_for(self._flush_held(), 2.0)
         if self._driver is not None:
@@ -238,15 +233,11 @@ class WorkerService:
             self.heartbeat_task = None
         if self.writer is not None:
             await self.writer.close()
-        if self._store.is_connected:
-            try:
-                await asyncio.wait_for(self._store.deregister(self.cfg.instance_id), 2.0)
-            except Exception as exc:
-                log.warning("deregister_failed", error=str(exc))
+        await self.registration.deregister()
         if self._links is not None:  # after the drain: the last deltas are written first
             await self._links.close()
         await self._bus.close()
-        await self._store.close()
+        await self.store.close()
         log.info(
             "worker_closed",
             instance_id=self.cfg.instance_id,
@@ -257,7 +248,7 @@ class WorkerService:
     # -- the loop ------------------------------------------------------------
 
     async def _loop(self) -> None:
-        engine, writer = self.engine, self.writer
+        engine, writer, admission = self.engine, self.writer, self.admission
         assert writer is not None
         drain_deadline: float | None = None
         is_after_idle = True  # nothing ran since the engine was last empty
@@ -265,9 +256,10 @@ class WorkerService:
         while True:
             if self._stop.is_set() and drain_deadline is None:
                 await self._flush_held()  # (the drain's registration may take a while)
-                drain_deadline = await self._begin_drain()
+                num_in_flight = len(self.answers.owners)
+                drain_deadline = await self.registration.begin_drain(num_in_flight)
             # 1. take inbox (rejections are answered at once)
-            rejected = self._take_inbox()
+            rejected = admission.take(self.inbox)
             if drain_deadline is not None and time.monotonic() > drain_deadline:
                 rejected += self._abort_all("the worker shut down before the request finished")
                 drain_deadline = float("inf")  # abort once, then let the step report it
@@ -296,7 +288,7 @@ class WorkerService:
                 await self._idle(wait_s)
                 continue
             # 2. step (off the event loop, unless it is short: see the module docstring)
-            if has_peer_work or self._num_new_prompt_tokens:
+            if has_peer_work or admission.num_new_prompt_tokens:
                 await self._flush_held()  # a prefill or peer work: longer than the last step
             t_step = time.perf_counter()
             try:
@@ -311,7 +303,7 @@ class WorkerService:
                 continue
             self._consecutive_step_failures = 0
             is_after_idle = has_peer_work = False
-            self._num_new_prompt_tokens = 0
+            admission.num_new_prompt_tokens = 0
             self.num_steps += 1
             final_counts = None
             if driver is not None:
@@ -331,7 +323,7 @@ class WorkerService:
 
     def _steps_inline(self, is_after_idle: bool) -> bool:
         """Whether the next step runs on the event loop rather than in the thread."""
-        new, cap = self._num_new_prompt_tokens, self.cfg.max_inline_step_tokens
+        new, cap = self.admission.num_new_prompt_tokens, self.cfg.max_inline_step_tokens
         if cap == 0 or new > cap:
             return False  # a prefill too long to hold the loop for (cap 0: never inline)
         if is_after_idle:
@@ -343,7 +335,7 @@ class WorkerService:
         it never goes stale."""
         await self._flush_held()
         self._wakeup.clear()
-        if self._inbox or self._stop.is_set():
+        if self.inbox or self._stop.is_set():
             return
         if self._driver is not None and self._driver.has_messages:
             return
@@ -356,58 +348,6 @@ class WorkerService:
             if wait_s is None and self.writer is not None:
                 self.writer.record(samples=False)
 
-    def _take_inbox(self) -> list[tuple[Dest, GatewayEvent]]:
-        """Hand new requests and aborts to the engine; return the rejections to send."""
-        failures: list[tuple[Dest, GatewayEvent]] = []
-        while self._inbox:
-            msg, link = self._inbox.popleft()
-            match msg:
-                case SubmitRequest():
-                    failure = self._admit(msg, link)
-                    if failure is not None:
-                        failures.append((self.answers.dest(msg.reply_to, link), failure))
-                case AbortRequest():
-                    if msg.request_id in self.answers.owners:
-                        self.engine.abort_request(msg.request_id)
-        return failures
-
-    def _admit(self, msg: SubmitRequest, link: FrameLink | None) -> RequestFailed | None:
-        if self._is_draining:
-            return RequestFailed(msg.request_id, 503, "the worker is shutting down; retry")
-        if msg.request_id in self.answers.owners:
-            return RequestFailed(msg.request_id, 400, f"duplicate request id {msg.request_id}")
-        if msg.preset is not None:
-            reason = (
-                f"model {msg.preset!r} is not a token-level preset here"
-                if self.routing is None
-                else self.routing.check_origin(msg.preset)
-            )
-            if reason is None and msg.params.logprobs is not None:
-                # A peer's tokens come back without their logprobs.
-                reason = f"logprobs are not available for the token-level preset {msg.preset!r}"
-            if reason is not None:
-                return RequestFailed(msg.request_id, 400, reason)
-        try:
-            msg.params.validate()
-            if msg.predicted_output_tokens is None:
-                self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
-            else:
-                self.engine.add_request(
-                    msg.request_id,
-                    msg.prompt_token_ids,
-                    msg.params,
-                    predicted_output_tokens=msg.predicted_output_tokens,
-                )
-        except ValueError as exc:  # RequestError is a ValueError: the loop goes on
-            log.info("request_rejected", request_id=msg.request_id, error=str(exc))
-            return RequestFailed(msg.request_id, 400, str(exc))
-        self.answers.add(msg.request_id, msg.reply_to, msg.owner, link)
-        self._num_new_prompt_tokens += len(msg.prompt_token_ids)
-        self.num_link_requests += link is not None
-        if msg.preset is not None and self.routing is not None:
-            self.routing.add_origin(msg.request_id, msg.preset, msg.prompt_token_ids, msg.params)
-        return None
-
     async def _publish(
         self,
         by_dest: dict[Dest, list[GatewayEvent]],
@@ -419,103 +359,19 @@ class WorkerService:
     async def _flush_held(self) -> None:
         await self.answers.flush(self.num_steps)
 
-    # -- inbox, heartbeat, drain ----------------------------------------------
-
-    async def _on_inbound(self, msg: WorkerInbound) -> None:
-        self._inbox.append((msg, None))
-        self._wakeup.set()
-
-    def _on_link_inbound(self, msg: WorkerInbound, link: FrameLink) -> None:
-        self._inbox.append((msg, link))
-        self._wakeup.set()
+    # -- links, failures ------------------------------------------------------
 
     def _on_link_lost(self, link: FrameLink) -> None:
         """A gateway's link closed: abort the requests it brought (their gateway died or
         was cut off, and fails them on its side), through the inbox as a client's abort."""
         self.answers.forget_link(link)
-        lost = self.answers.requests_of(link)
         # requests still in the inbox from it: admitted, then aborted right after
-        lost += [
-            m.request_id for m, lk in self._inbox if lk is link and isinstance(m, SubmitRequest)
-        ]
+        lost = self.answers.requests_of(link) + self.inbox.submits_from(link)
         if lost:
             log.warning("gateway_link_lost", gateway=link.name, num_aborted=len(lost))
-            self._inbox.extend((AbortRequest(request_id=rid), None) for rid in lost)
-            self._wakeup.set()
+            self.inbox.abort(lost)
         else:
             log.info("gateway_unlinked", gateway=link.name)
-
-    def info(self) -> WorkerInfo:
-        """This worker's registry entry as it stands now."""
-        return WorkerInfo(
-            instance_id=self.cfg.instance_id,
-            model=self.cfg.model,
-            inbox=self.inbox_subject,
-            max_model_len=self.cfg.instance.scheduler.max_model_len,
-            max_num_seqs=self.cfg.instance.scheduler.max_num_seqs,
-            started_at_s=self._started_at_s,
-            heartbeat_at_s=time.time(),
-            is_draining=self._is_draining,
-            link_addr="" if self._links is None else self._links.addr,
-            link_unix_name="" if self._links is None else self._links.unix_name,
-        )
-
-    async def _register(self) -> None:
-        await self._store.register(self.info(), ttl_s=self.cfg.heartbeat_ttl_s)
-
-    async def _heartbeat(self) -> None:
-        # The loop also ends on `_closing`: redis-py can swallow a cancellation that
-        # lands inside a command, and the task would then sleep on for ever.
-        failures = RetryLog(log, "heartbeat_failed")
-        orphan_failures = RetryLog(log, "owner_check_failed")
-        while not self._closing:
-            await asyncio.sleep(self.cfg.heartbeat_interval_s)
-            if self._closing:
-                return
-            try:
-                await self._register()
-                if self.writer is not None:
-                    await self.writer.read_calibration()
-            except Exception as exc:
-                failures.failed(error=str(exc))
-            else:
-                failures.ok()
-            try:  # on its own: a calibration that keeps failing must not stop it
-                await self.abort_orphans()
-            except Exception as exc:
-                orphan_failures.failed(error=str(exc))
-            else:
-                orphan_failures.ok()
-
-    async def abort_orphans(self) -> None:
-        """Abort the requests whose owning gateway is gone (orphans.py), through the
-        inbox as a client's abort. The owners are copied before the read: requests
-        admitted while it is awaited wait for the next check."""
-        owners = {rid: o.gateway for rid, o in self.answers.owners.items() if o.gateway}
-        gids = set(owners.values())
-        try:
-            alive = await self._store.live_gateways(gids) if gids else set()
-        except Exception:
-            self.orphans.forget()
-            raise
-        for gid, orphans in self.orphans.judge(owners, alive, time.monotonic()).items():
-            log.warning("owner_gone", gateway_id=gid, num_aborted=len(orphans))
-            self._inbox.extend((AbortRequest(request_id=rid), None) for rid in orphans)
-            self._wakeup.set()
-
-    async def _begin_drain(self) -> float:
-        """Stop accepting: re-register as draining so routers skip this instance now."""
-        self._is_draining = True
-        log.info(
-            "drain_started",
-            num_in_flight=len(self.answers.owners),
-            timeout_s=self.cfg.drain_timeout_s,
-        )
-        try:
-            await asyncio.wait_for(self._register(), 2.0)
-        except Exception as exc:  # routers still notice when the registration expires
-            log.warning("drain_register_failed", error=repr(exc))
-        return time.monotonic() + self.cfg.drain_timeout_s
 
     async def _fail_step(self, exc: Exception) -> None:
         """A step raised: fail every request this worker holds with a 500 and free their

@@ -225,7 +225,9 @@ class SimEngine:
         predicted_output_tokens, when given, is the request's output length (capped by
         max_tokens) and travels into snapshots; else a length is drawn (module doc).
         """
-        validate_request(prompt_token_ids, params, self.config.scheduler.max_model_len, self.vocab_size)
+        validate_request(
+            prompt_token_ids, params, self.config.scheduler.max_model_len, self.vocab_size
+        )
         n = len(prompt_token_ids)
         seq = self._new_sequence(request_id, n, params, predicted_output_tokens)
         self._inbox.submit(request_id, seq)

@@ -289,13 +289,13 @@ async def test_requests_and_tokens_cross_the_link(stack: Stack) -> None:
     for worker in stack.workers:  # on one host: over the workers' Unix sockets (Linux)
         link = stack.gateway.links.get(worker.cfg.instance_id)
         assert link is not None
-        assert link.is_unix == ABSTRACT_UNIX, worker.info()
-    before = sum(w.num_link_requests for w in stack.workers)
+        assert link.is_unix == ABSTRACT_UNIX, worker.registration.info()
+    before = sum(w.admission.num_link_requests for w in stack.workers)
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
         resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 5})
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 5
-    assert sum(w.num_link_requests for w in stack.workers) == before + 1
+    assert sum(w.admission.num_link_requests for w in stack.workers) == before + 1
     gauge = stack.gateway.metrics.registry.get_sample_value
     for _ in range(200):  # set at each registry refresh
         if gauge("baton_worker_links") == 2:
@@ -331,17 +331,20 @@ async def test_a_lost_link_fails_its_stream_frees_the_kv_and_is_redialled(
         snap = await snapshot_of(stack, "w0")
         for _ in range(200):  # the worker aborted it: its KV back in the pool
             snap = await snapshot_of(stack, "w0")
-            if request_id not in snap.request_ids and snap.num_free_blocks == snap.scheduler.num_kv_blocks:
+            if (
+                request_id not in snap.request_ids
+                and snap.num_free_blocks == snap.scheduler.num_kv_blocks
+            ):
                 break
             await asyncio.sleep(0.02)
         assert request_id not in snap.request_ids
         assert snap.num_free_blocks == snap.scheduler.num_kv_blocks
         await until_linked(stack, 1)  # the keeper dialled again
-        before = stack.workers[0].num_link_requests
+        before = stack.workers[0].admission.num_link_requests
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
             resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
         assert resp.status_code == 200, resp.text
-        assert stack.workers[0].num_link_requests == before + 1
+        assert stack.workers[0].admission.num_link_requests == before + 1
     finally:
         await stack.stop()
 
@@ -350,7 +353,10 @@ async def test_with_links_off_requests_go_over_nats(nats_url: str, redis_url: st
     text = tiny_cluster_text(nats_url, redis_url).replace("[worker]\n", "[worker]\nlink = false\n")
     stack = await start_stack(parse_cluster(text), num_workers=1)
     try:
-        assert (stack.workers[0].info().link_addr, stack.workers[0].info().link_unix_name) == (
+        assert (
+            stack.workers[0].registration.info().link_addr,
+            stack.workers[0].registration.info().link_unix_name,
+        ) == (
             "",
             "",
         )
@@ -361,7 +367,7 @@ async def test_with_links_off_requests_go_over_nats(nats_url: str, redis_url: st
         assert lines[-1] == "data: [DONE]"
         assert '"finish_reason":"length"' in "".join(lines)  # all 6 tokens came
         assert stack.gateway.links.num_up == 0
-        assert stack.workers[0].num_link_requests == 0
+        assert stack.workers[0].admission.num_link_requests == 0
     finally:
         await stack.stop()
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import httpx
 
-from services.worker.service import ORPHAN_GRACE_TTLS, WorkerService
+from services.worker.registration import ORPHAN_GRACE_TTLS
+from services.worker.service import WorkerService
 from shared.config import parse_cluster
 from shared.messages.registry import WorkerInfo
 from shared.messages.worker import AbortRequest, SubmitRequest
@@ -279,7 +280,7 @@ async def test_a_worker_writes_its_snapshots_again_after_redis_drops_its_connect
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
             resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
             assert resp.status_code == 200, resp.text
-            lane = stack.workers[0]._store._writes
+            lane = stack.workers[0].store._writes
             assert lane is not None
             before = (await store.read_snapshots(["w0"]))["w0"]
             assert before is not None
@@ -387,7 +388,7 @@ async def test_the_requests_of_a_dead_gateway_are_aborted(nats_url: str, redis_u
 async def test_an_owner_seen_gone_once_gets_the_whole_grace_again(
     nats_url: str, redis_url: str
 ) -> None:
-    """abort_orphans, called by hand (the heartbeat's own calls stopped): a gateway seen
+    """check_owners, called by hand (the heartbeat's own calls stopped): a gateway seen
     gone once whose requests then all ended starts afresh; a new request of it absent
     again is not aborted before a whole grace."""
     text = tiny_cluster_text(nats_url, redis_url).replace("replicas = 2", "replicas = 0")
@@ -404,16 +405,20 @@ async def test_an_owner_seen_gone_once_gets_the_whole_grace_again(
             await stack.gateway.bus.publish(worker.inbox_subject, submit_to(worker, rid, owner))
         await wait_for(lambda: {"r1", "r2"} <= set(worker.answers.owners), 5)
         await store.deregister_gateway("gw-b")
-        await worker.abort_orphans()  # gw-b seen gone once
-        assert "r1" in worker.answers.owners and set(worker.orphans.gone_since) == {"gw-b"}
+        await worker.registration.check_owners(worker.answers, worker.inbox)  # gw-b seen gone once
+        assert "r1" in worker.answers.owners and set(worker.registration.orphans.gone_since) == {
+            "gw-b"
+        }
         await stack.gateway.bus.publish(worker.inbox_subject, AbortRequest(request_id="r1"))
         await wait_for(lambda: "r1" not in worker.answers.owners, 5)  # gw-b owns nothing now
-        await worker.abort_orphans()
-        assert worker.orphans.gone_since == {}
+        await worker.registration.check_owners(worker.answers, worker.inbox)
+        assert worker.registration.orphans.gone_since == {}
         await asyncio.sleep(ORPHAN_GRACE_TTLS * cluster.worker.heartbeat_ttl_s)
         await stack.gateway.bus.publish(worker.inbox_subject, submit_to(worker, "r3", "gw-b"))
         await wait_for(lambda: "r3" in worker.answers.owners, 5)
-        await worker.abort_orphans()  # gw-b absent again: the grace starts now
+        await worker.registration.check_owners(
+            worker.answers, worker.inbox
+        )  # gw-b absent again: the grace starts now
         await asyncio.sleep(0.1)
         assert {"r2", "r3"} <= set(worker.answers.owners)
     finally:

@@ -25,7 +25,7 @@ def count_writes(worker: WorkerService) -> list[float]:
     its writer took it (a clock read here, after the snapshot was built, would also
     count how long the build was preempted)."""
     times: list[float] = []
-    store = worker._store
+    store = worker.store
     write = store.write_snapshot
 
     async def counted(*args: Any, **kwargs: Any) -> None:
@@ -37,7 +37,7 @@ def count_writes(worker: WorkerService) -> list[float]:
 
 
 async def stored_snapshot(worker: WorkerService) -> tuple[int, WorkloadSnapshot]:
-    blob = (await worker._store.read_snapshots([worker.cfg.instance_id]))[worker.cfg.instance_id]
+    blob = (await worker.store.read_snapshots([worker.cfg.instance_id]))[worker.cfg.instance_id]
     assert blob is not None
     return blob.version, msgspec.msgpack.decode(blob.data, type=WorkloadSnapshot)
 

@@ -37,7 +37,7 @@ def calibration(b0_s: float) -> BatchTimeCalibration:
 
 
 async def speed_after_requests(worker: object, client: object, b0_s: float) -> WorkloadSnapshot:
-    store = worker._store  # type: ignore[attr-defined]
+    store = worker.store
     iid = worker.cfg.instance_id  # type: ignore[attr-defined]
     await store.write_calibration(iid, encode(calibration(b0_s)), ttl_s=60.0)
     await worker.writer.read_calibration()  # what the heartbeat does
@@ -62,11 +62,11 @@ async def test_snapshots_carry_the_speed_against_the_calibration(
         fast = await speed_after_requests(worker, client, 10.0)  # every step far under it
         assert fast.batch_time_speed == pytest.approx(0.5, rel=0.03)
         # Near the truth: the same EWMA over the iterations the worker recorded.
-        raw = await worker._store.read_samples(worker.cfg.instance_id, 64)
+        raw = await worker.store.read_samples(worker.cfg.instance_id, 64)
         samples = [msgspec.msgpack.decode(b, type=BatchSample) for b in raw]
         typical = statistics.median(s.duration_s for s in samples)
         snap = await speed_after_requests(worker, client, typical)
-        raw = await worker._store.read_samples(worker.cfg.instance_id, 64)
+        raw = await worker.store.read_samples(worker.cfg.instance_id, 64)
         samples = [msgspec.msgpack.decode(b, type=BatchSample) for b in raw]
         model = BatchTimeModel(SIX_TERM, (typical, 0.0, 0.0, 0.0, 0.0, 0.0))
         seen = [s for s in samples if s.wall_time_s < snap.wall_time_s]
