@@ -36,7 +36,9 @@ class GatewayError(Exception):
 
 
 def no_worker(message: str, retry_after_s: int) -> GatewayError:
-    return GatewayError(503, message, "service_unavailable", "no_worker", retry_after_s=retry_after_s)
+    return GatewayError(
+        503, message, "service_unavailable", "no_worker", retry_after_s=retry_after_s
+    )
 
 
 def bus_unavailable(retry_after_s: int) -> GatewayError:

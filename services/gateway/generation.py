@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from services.gateway.dispatch import send_routed
 from services.gateway.errors import GatewayError
-from services.gateway.protocol import SSE_DONE, error_body, sse, usage
+from services.gateway.logprobs import logprobs_object
+from services.gateway.protocol import SSE_DONE, choice_object, error_body, sse, usage
 from services.gateway.service import GatewayService
 from services.gateway.streams import (
     CLIENT_GONE,
@@ -281,65 +282,6 @@ class Generation:
             cost = float(f"{cost:.10g}")
         return {**self.baton, "first_token_ms": first_token_ms, "cost": cost}
 
-    def _logprobs(self, lps: LogprobSlice | None) -> Any:
-        """OpenAI's logprobs object for these tokens (None when not asked for; empty, not
-        null, for an answer with no token to show, cut at its first token).
-
-        Chat: `content` entries with `top_logprobs: [{token, logprob, bytes}]`.
-        Completions (legacy): `top_logprobs: [{token: logprob}]` per position, None for k = 0,
-        and `text_offset`: where each token's text starts in the answer's text (a token
-        that is a piece of a character: where that character starts). A token whose own
-        text is not whole characters reads `bytes:\\xNN...`, as OpenAI's legacy
-        completions write it (its lone decode is U+FFFD, which names no bytes).
-        """
-        k = self.p.params.logprobs
-        if k is None or lps is None:
-            return None
-        text, raw = self.text.token_text, self.text.token_bytes
-        ids, tops = lps.ids, (lps.top if k > 0 else [])
-        if self.p.is_chat:
-            tokens = [text(t) for t in ids]
-            content = []
-            for i, (tid, t, lp) in enumerate(zip(ids, tokens, lps.logprobs, strict=False)):
-                top = tops[i] if i < len(tops) else []
-                content.append(
-                    {
-                        "token": t,
-                        "logprob": lp,
-                        "bytes": list(raw(tid)),
-                        "top_logprobs": [
-                            {"token": text(other), "logprob": v, "bytes": list(raw(other))}
-                            for other, v in top
-                        ],
-                    }
-                )
-            return {"content": content}
-
-        def legacy(token_id: int) -> str:
-            s = text(token_id)
-            if "\ufffd" not in s:
-                return s
-            data = raw(token_id)
-            try:
-                return data.decode()  # (a real U+FFFD in the text)
-            except UnicodeDecodeError:
-                return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
-
-        top_dicts: list[dict[str, float]] | None = None
-        if k > 0:
-            top_dicts = []
-            for top in tops:
-                entry: dict[str, float] = {}
-                for tid, v in top:  # most likely first: keep it when two ids decode alike
-                    entry.setdefault(legacy(tid), v)
-                top_dicts.append(entry)
-        return {
-            "tokens": [legacy(t) for t in ids],
-            "token_logprobs": lps.logprobs,
-            "top_logprobs": top_dicts,
-            "text_offset": lps.starts,
-        }
-
     async def collect(self, first: GatewayEvent) -> dict:
         parts: list[str] = []
         all_lps = LogprobSlice() if self._wants_logprobs else None
@@ -348,23 +290,10 @@ class Generation:
             if all_lps is not None and lps is not None:
                 all_lps.extend(lps)
         text = "".join(parts)
-        logprobs = self._logprobs(all_lps)
-        if self.p.is_chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": self.finish_reason,
-            }
-            obj = "chat.completion"
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": self.finish_reason,
-            }
-            obj = "text_completion"
+        logprobs = logprobs_object(self.p.is_chat, self.p.params.logprobs, all_lps, self.text)
+        content = {"message": {"role": "assistant", "content": text}} if self.p.is_chat else {}
+        choice = choice_object(self.p.is_chat, text, logprobs, self.finish_reason, content)
+        obj = "chat.completion" if self.p.is_chat else "text_completion"
         return {
             "id": self.p.request_id,
             "object": obj,
@@ -410,25 +339,17 @@ class Generation:
                 )
             first = await self.first_event()
             async for text, _, lps in self.pieces(first):
-                lp = self._logprobs(lps) if lps is not None and lps.ids else None
+                lp = (
+                    logprobs_object(self.p.is_chat, self.p.params.logprobs, lps, self.text)
+                    if lps is not None and lps.ids
+                    else None
+                )
                 if not text and lp is None and self.finish_reason is None:
                     # Nothing to show yet (tokens held back as a possible stop string's
                     # start, a character's first bytes): no empty chunk, as OpenAI's.
                     continue
-                if self.p.is_chat:
-                    choice = {
-                        "index": 0,
-                        "delta": {"content": text} if text else {},
-                        "logprobs": lp,
-                        "finish_reason": self.finish_reason,
-                    }
-                else:
-                    choice = {
-                        "index": 0,
-                        "text": text,
-                        "logprobs": lp,
-                        "finish_reason": self.finish_reason,
-                    }
+                delta = {"delta": {"content": text} if text else {}} if self.p.is_chat else {}
+                choice = choice_object(self.p.is_chat, text, lp, self.finish_reason, delta)
                 # Without a usage chunk, the finishing chunk carries the `baton` object.
                 tail = (
                     {"baton": self.baton_summary()}

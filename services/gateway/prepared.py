@@ -1,5 +1,5 @@
 """A request the gateway has parsed, checked and tokenized: what routing, submission and
-the answer's generation read (completions.py builds it)."""
+the answer's generation read (preparation.py builds it)."""
 
 from __future__ import annotations
 

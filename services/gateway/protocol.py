@@ -7,7 +7,7 @@ gateway. Decoding with msgspec gives exact, user-facing type errors
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -63,7 +63,7 @@ class _CommonRequest(msgspec.Struct, frozen=True, kw_only=True):
     include_stop_str_in_output: bool = False
     user: str | None = None
     # Fields that would change what the answer is, which Baton does not implement: read
-    # so that a request using them is refused with a 400 (`completions.refuse_unsupported`)
+    # so that a request using them is refused with a 400 (`request_checks.refuse_unsupported`)
     # rather than answered as if they were absent.
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = None  # extension (vLLM): only 0
@@ -129,3 +129,12 @@ def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict:
         "completion_tokens": num_output_tokens,
         "total_tokens": num_prompt_tokens + num_output_tokens,
     }
+
+
+def choice_object(
+    is_chat: bool, text: str, logprobs: Any, finish_reason: str | None, chat_part: dict
+) -> dict:
+    """One entry of `choices`: chat carries `chat_part` (its `message`, or a chunk's
+    `delta`), legacy completions the text itself."""
+    head: dict[str, Any] = {"index": 0, **chat_part} if is_chat else {"index": 0, "text": text}
+    return {**head, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -119,9 +119,7 @@ class Router:
         self._metrics.route_fallbacks.inc()
         return self.shortest_queue(req, frozenset(), "gateway-fallback")
 
-    def shortest_queue(
-        self, req: RouteRequest, avoid: AbstractSet[str], policy: str
-    ) -> RouteReply:
+    def shortest_queue(self, req: RouteRequest, avoid: AbstractSet[str], policy: str) -> RouteReply:
         """Shortest queue from this gateway's own view (WorkerDirectory.load), ties in
         turn, none of `avoid`; 503 when no live instance serves the model."""
         directory = self._directory
@@ -138,4 +136,3 @@ class Router:
         ties = [w for w, load in zip(serving, loads, strict=True) if load == least]
         self._fallback_turn += 1
         return routed_here(req, ties[self._fallback_turn % len(ties)], policy)
-

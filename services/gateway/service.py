@@ -140,7 +140,8 @@ class GatewayService:
             per_token = self.tokenizer(model).max_token_chars
             models = set(self.cluster.candidates(model))
             context = max(
-                (i.scheduler.max_model_len for i in self.cluster.instances if i.model in models), default=0
+                (i.scheduler.max_model_len for i in self.cluster.instances if i.model in models),
+                default=0,
             )
             limit = 2 * context * per_token if per_token and context else sys.maxsize
             self._max_prompt_chars[model] = limit
@@ -302,4 +303,3 @@ class GatewayService:
                 log.warning("publish_failed", error=repr(t.exception()))
 
         task.add_done_callback(done)
-

@@ -13,8 +13,8 @@ from services.estimator.ledger import Ledger, LedgerEntry
 from services.estimator.policies import InstanceView, Scores, UtilityPolicy, create_policy
 from services.estimator.sfs.replay import OutputPolicy, Probe
 from services.estimator.sfs.utility import default_ttft_target_s
-from services.gateway.completions import routing_headers
 from services.gateway.errors import GatewayError
+from services.gateway.request_checks import routing_headers
 from shared.config import ConfigError, EstimatorConfig, ModelConfig, parse_cluster
 from shared.messages.estimator import RouteRequest
 from shared.messages.registry import WorkerInfo

@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 import pytest
 
-from services.gateway.completions import prepare
 from services.gateway.config import GatewayServiceConfig
 from services.gateway.generation import Generation
+from services.gateway.preparation import prepare
 from services.gateway.service import GatewayService
 from services.gateway.streams import CLIENT_GONE
 from shared import subjects

@@ -7,8 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from services.gateway.completions import _sampling_params
 from services.gateway.protocol import CHAT_DECODER
+from services.gateway.request_checks import sampling_params
 from shared.config import ConfigError, parse_cluster
 from tests.support.stack import start_stack, tiny_cluster_text
 
@@ -92,7 +92,7 @@ def test_out_of_range_defaults_are_refused_naming_the_field(line: str, field: st
 def test_what_the_request_sends_wins_over_the_defaults() -> None:
     def params(extra: str) -> tuple[float, float]:
         raw = f'{{"model": "a", "messages": [{{"role": "user", "content": "hi"}}]{extra}}}'
-        p = _sampling_params(CHAT_DECODER.decode(raw.encode()), 8, (0.2, 0.9))
+        p = sampling_params(CHAT_DECODER.decode(raw.encode()), 8, (0.2, 0.9))
         return p.temperature, p.top_p
 
     assert params("") == (0.2, 0.9)
