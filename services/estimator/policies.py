@@ -14,7 +14,7 @@ and TTFT there (`Scores`, filled by the service when `needs_scores`), and picks 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,6 +25,7 @@ from services.estimator.sfs.utility import (
     choose_sfs_lagrangian,
     default_ttft_target_s,
 )
+from shared.config import EstimatorConfig, PresetConfig
 from shared.messages.estimator import RouteRequest
 from shared.messages.registry import WorkerInfo
 from shared.scheduling.snapshot import WorkloadSnapshot
@@ -239,3 +240,40 @@ def create_policy(
         f"policy {name!r} is not available in this estimator yet: use one of round-robin, "
         f"shortest-queue, {', '.join(UTILITY_POLICIES)}"
     )
+
+
+class PolicyTable:
+    """Which policy decides a request: its own (x-baton-policy), else its preset's, else
+    the estimator's default. Built up front, so a cluster file naming a policy this
+    estimator cannot run fails at start (ValueError), not at the first request."""
+
+    def __init__(self, settings: EstimatorConfig, presets: Mapping[str, PresetConfig]) -> None:
+        self.settings = settings
+        self.presets = presets
+        self.default = self._create(settings.policy, settings.lambda_, settings.delta)
+        self._by_preset = {
+            n: self._create(p.policy, p.lambda_, p.delta) for n, p in presets.items()
+        }
+        self._overrides: dict[tuple[str, str], Policy] = {}  # (model, name) -> policy
+
+    def default_ttft_target_s(self, num_prompt_tokens: int) -> float:
+        """The TTFT target of a request without x-slo-ttft-ms (SFS rule, [estimator] keys)."""
+        st = self.settings
+        ms = st.ttft_slo_base_ms + st.ttft_slo_per_prompt_token_ms * num_prompt_tokens
+        return min(st.ttft_slo_max_ms, max(st.ttft_slo_min_ms, ms)) / 1000.0
+
+    def _create(self, name: str, lam: float, delta: float) -> Policy:
+        return create_policy(name, lam, delta, self.default_ttft_target_s)
+
+    def for_request(self, request: RouteRequest) -> Policy:
+        """The policy deciding `request`; ValueError for an override it cannot run."""
+        if request.policy is None:
+            return self._by_preset.get(request.model, self.default)
+        key = (request.model, request.policy)
+        policy = self._overrides.get(key)
+        if policy is None:
+            preset = self.presets.get(request.model)
+            lam = preset.lambda_ if preset is not None else self.settings.lambda_
+            delta = preset.delta if preset is not None else self.settings.delta
+            policy = self._overrides[key] = self._create(request.policy, lam, delta)
+        return policy

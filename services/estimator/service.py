@@ -14,7 +14,7 @@
 
 Background: the refresh loop reads every snapshot each `snapshot_refresh_s`, parses
 new versions for the replay and reconciles the ledger; the fit loop feeds the batch
-samples to one OnlineBatchTimeFitter per instance and publishes each refit.
+samples to one OnlineBatchTimeFitter per instance and publishes each refit (`fits.py`).
 
 nats-py runs one subscription's callbacks one at a time, so decisions (and the
 ledger) are serialized within a process. Several estimator replicas share the
@@ -33,11 +33,10 @@ import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 
-import msgspec
-
+from services.estimator.fits import fit_batch_times
 from services.estimator.instances import InstanceState, LatencyEstimator, create_instance_state
 from services.estimator.ledger import LedgerEntry, SharedLedger, encode_entries
-from services.estimator.policies import InstanceView, Policy, Scores, create_policy
+from services.estimator.policies import InstanceView, Policy, PolicyTable, Scores
 from services.estimator.predictors import Prediction, Predictors
 from services.estimator.sfs import native
 from services.estimator.sfs.replay import Probe
@@ -45,7 +44,6 @@ from shared import subjects
 from shared.bus import Bus
 from shared.config import ClusterConfig
 from shared.logging import RetryLog, get_logger
-from shared.messages import encode
 from shared.messages.estimator import (
     REQUEST_DONE_DECODER,
     ROUTE_REQUEST_DECODER,
@@ -54,15 +52,10 @@ from shared.messages.estimator import (
     RouteRequest,
 )
 from shared.messages.registry import RegistryEpoch, WorkerInfo, departed
-from shared.messages.worker import BatchTimeCalibration
 from shared.model_store import REPO_ROOT
-from shared.scheduling.snapshot import BatchSample
 from shared.store import SnapshotDecoder, Store
 
 log = get_logger(component="estimator")
-_SAMPLE_DECODER = msgspec.msgpack.Decoder(BatchSample)
-CALIBRATION_TTL_S = 3600.0  # a published fit outlives estimator restarts this long
-SAMPLES_PER_READ = 2048  # newest batch samples read per instance per fit interval
 
 
 class EstimatorService:
@@ -72,22 +65,14 @@ class EstimatorService:
         self.settings = cluster.estimator
         self.bus = Bus(cluster.nats_url, name="estimator")
         self.store = Store(cluster.redis_url, cluster.namespace)
-        self._snapshots = SnapshotDecoder(log)
+        self.snapshots = SnapshotDecoder(log)
         # The decisions' ledger is the shared one's local copy; without `shared_ledger`
         # nothing is written to or merged from Redis.
         self.shared_ledger = SharedLedger(self.settings.ledger_ttl_s)
         self.ledger = self.shared_ledger.ledger
         self._ledger_dirty = asyncio.Event()  # wakes the ledger writer
         self.latency = LatencyEstimator(self.settings)
-        # Policies are built up front, so a cluster file naming one this estimator
-        # cannot run fails at start (ValueError), not at the first request.
-        self._default_policy = self._create_policy(
-            self.settings.policy, self.settings.lambda_, self.settings.delta
-        )
-        self._preset_policies: dict[str, Policy] = {
-            n: self._create_policy(p.policy, p.lambda_, p.delta) for n, p in cluster.presets.items()
-        }
-        self._override_policies: dict[tuple[str, str], Policy] = {}  # (model, name) -> policy
+        self.policies = PolicyTable(self.settings, cluster.presets)  # fails at start
         self.workers: dict[str, WorkerInfo] = {}
         self.instances: dict[str, InstanceState] = {}
         self.predictors: Predictors | None = None  # loaded in start()
@@ -95,15 +80,6 @@ class EstimatorService:
         self.started = asyncio.Event()  # set once serving (shared.runtime.run_service)
         self._loops: list[asyncio.Task[None]] = []
         self.num_decisions = 0
-
-    def _create_policy(self, name: str, lam: float, delta: float) -> Policy:
-        return create_policy(name, lam, delta, self.default_ttft_target_s)
-
-    def default_ttft_target_s(self, num_prompt_tokens: int) -> float:
-        """The TTFT target of a request without x-slo-ttft-ms (SFS rule, [estimator] keys)."""
-        st = self.settings
-        ms = st.ttft_slo_base_ms + st.ttft_slo_per_prompt_token_ms * num_prompt_tokens
-        return min(st.ttft_slo_max_ms, max(st.ttft_slo_min_ms, ms)) / 1000.0
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -113,7 +89,7 @@ class EstimatorService:
             self.predictors = Predictors.load(REPO_ROOT / self.settings.predictors)
         await self.bus.connect()
         await self.store.connect()
-        await self._refresh_workers()
+        await self.refresh_workers()
         await self.refresh_snapshots()
         ns = self.cluster.namespace
         await self.bus.serve(
@@ -139,7 +115,7 @@ class EstimatorService:
         self.started.set()
         log.info(
             "estimator_ready",
-            policy=self._default_policy.name,
+            policy=self.policies.default.name,
             live_workers=len(self.workers),
             predictors=self.predictors is not None,
             sfs_kernel=native.IMPL_NOTE,
@@ -154,7 +130,7 @@ class EstimatorService:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.settings.registry_refresh_s)
                 try:
-                    await self._refresh_workers()
+                    await self.refresh_workers()
                 except Exception as exc:
                     registry_failures.failed(error=str(exc))
                 else:
@@ -198,14 +174,14 @@ class EstimatorService:
             else:
                 failures.ok()
 
-    async def _refresh_workers(self) -> None:
+    async def refresh_workers(self) -> None:
         live = await self.store.read_live_workers(self.workers, self._registry_epoch)
         for gone in departed(self.workers, live):
             self.shared_ledger.forget_instance(gone)
             self.instances.pop(gone, None)
             self.latency.forget(gone)
             log.info("worker_gone", instance_id=gone)
-        self._snapshots.keep_only(live)
+        self.snapshots.keep_only(live)
         for iid, info in live.items():
             state = self.instances.get(iid)
             if state is None:
@@ -238,7 +214,7 @@ class EstimatorService:
             key = (blob.version, blob.wall_time_s)
             if key == state.snapshot_key:
                 continue
-            snapshot = self._snapshots.decode_one(iid, blob.data)
+            snapshot = self.snapshots.decode_one(iid, blob.data)
             if snapshot is None:  # as missing: the last one read ages out
                 continue
             state.take_snapshot(snapshot, key)
@@ -275,50 +251,7 @@ class EstimatorService:
                 ledger_failures.ok()
 
     async def fit_batch_times(self) -> None:
-        """Feed new batch samples to each instance's fitter; publish every refit."""
-        for iid, state in list(self.instances.items()):
-            new = await self._new_samples(state)
-            if not new:
-                continue
-            # The fit (numpy, a few ms for thousands of samples) runs off the event
-            # loop; only this loop touches the fitter.
-            fit = await asyncio.to_thread(state.add_samples, new)
-            if fit is None:
-                continue
-            cal = BatchTimeCalibration(
-                feature_set=fit.model.feature_set,
-                coefs=list(fit.model.coefs),
-                mape=fit.mape_inliers,
-                mape_all=fit.mape_all,
-                num_samples=fit.num_samples,
-                fitted_at_s=time.time(),
-            )
-            await self.store.write_calibration(iid, encode(cal), ttl_s=CALIBRATION_TTL_S)
-            log.info(
-                "batch_time_fitted",
-                instance_id=iid,
-                feature_set=cal.feature_set,
-                mape=round(cal.mape, 4),
-                mape_all=round(cal.mape_all, 4),
-                num_samples=cal.num_samples,
-                num_stalls=fit.num_stalls,
-            )
-
-    async def _new_samples(self, state: InstanceState) -> list[BatchSample]:
-        """Samples newer than the last one fed, oldest first: read newest-first in
-        growing pages, decoding only until an already-seen one."""
-        count = 64
-        while True:
-            raw = await self.store.read_samples(state.instance_id, count)
-            new: list[BatchSample] = []
-            for blob in reversed(raw):
-                sample = _SAMPLE_DECODER.decode(blob)
-                if sample.wall_time_s <= state.last_sample_time_s:
-                    return new[::-1]
-                new.append(sample)
-            if len(raw) < count or count >= SAMPLES_PER_READ:
-                return new[::-1]
-            count = min(SAMPLES_PER_READ, count * 4)
+        await fit_batch_times(self.store, self.instances)
 
     async def _on_done(self, event: RequestDoneEvent) -> None:
         predicted, measured, correction = (
@@ -339,19 +272,6 @@ class EstimatorService:
         else:
             self.ledger.remove(event.request_id)
 
-    def policy_for(self, request: RouteRequest) -> Policy:
-        """The request's own policy (x-baton-policy), else its preset's, else the default."""
-        preset = self.cluster.presets.get(request.model)
-        if request.policy is None:
-            return self._preset_policies.get(request.model, self._default_policy)
-        key = (request.model, request.policy)
-        policy = self._override_policies.get(key)
-        if policy is None:
-            lam = preset.lambda_ if preset is not None else self.settings.lambda_
-            delta = preset.delta if preset is not None else self.settings.delta
-            policy = self._override_policies[key] = self._create_policy(request.policy, lam, delta)
-        return policy
-
     async def route(self, request: RouteRequest) -> RouteReply:
         t0 = time.perf_counter()
         models = set(self.cluster.candidates(request.model))
@@ -368,7 +288,7 @@ class EstimatorService:
                 error=f"no live worker serves model {request.model!r}",
             )
         try:
-            policy = self.policy_for(request)
+            policy = self.policies.for_request(request)
         except ValueError as exc:
             return RouteReply(request_id=request.request_id, error=str(exc))
         predictions = self._predict(request, models)

@@ -114,7 +114,7 @@ async def test_estimator_reads_an_undecodable_snapshot_as_missing(
     await svc.store.connect()
     try:
         await publish(svc.store, {"bad": good(1), "ok": good(1)})
-        await svc._refresh_workers()
+        await svc.refresh_workers()
         await svc.refresh_snapshots()
         bad, ok = svc.instances["bad"], svc.instances["ok"]
         assert bad.snapshot is not None and bad.visible == {"r0", "r1", "w0"}
@@ -124,15 +124,15 @@ async def test_estimator_reads_an_undecodable_snapshot_as_missing(
         await publish(svc.store, {"bad": old_layout(2), "ok": good(2)})
         await svc.refresh_snapshots()
         assert bad.snapshot_key[0] == 1 and bad.snapshot_wall_time_s == first_time
-        assert "num_running" in svc._snapshots.error("bad")
+        assert "num_running" in svc.snapshots.error("bad")
         assert not bad.is_fresh(first_time + 10.0, svc.settings.snapshot_max_age_s)
         assert ok.snapshot_key[0] == 2
         await publish(svc.store, {"bad": unequal_columns(3)})
         await svc.refresh_snapshots()
-        assert "unequal length" in svc._snapshots.error("bad") and bad.snapshot_key[0] == 1
+        assert "unequal length" in svc.snapshots.error("bad") and bad.snapshot_key[0] == 1
         await publish(svc.store, {"bad": good(4)})
         await svc.refresh_snapshots()
-        assert bad.snapshot_key[0] == 4 and svc._snapshots.error("bad") == ""
+        assert bad.snapshot_key[0] == 4 and svc.snapshots.error("bad") == ""
     finally:
         await svc.store.close()
 

@@ -409,7 +409,7 @@ async def test_an_estimator_whose_registry_lags_is_routed_around(
 
         # The run loop may be inside a real refresh that would re-add the workers after
         # the patch: clear its view only once a patched call shows that one has ended.
-        patch.setattr(est, "_refresh_workers", stale)
+        patch.setattr(est, "refresh_workers", stale)
         await asyncio.wait_for(called.wait(), 10 * est.settings.registry_refresh_s + 5)
         patch.setattr(est, "instances", {})
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
