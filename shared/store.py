@@ -5,32 +5,22 @@ Snapshot invariant: one SET writes a single string value, a fixed 16-byte header
 script as the sample append (atomic, one command: a worker writes after every
 iteration, and MULTI/EXEC's pipeline cost it 1.5-2x the client CPU); a reader sees
 the old value or the new one, never a mix. There is one writer per instance (its
-worker), which keeps versions monotonic; readers compare the wall time against a staleness bound. One string per
-snapshot lets a reader fetch every instance's in a single MGET (13 instances:
-~120 us against ~320 us for 13 pipelined HGETALLs of the earlier hash layout).
+worker), which keeps versions monotonic; readers compare the wall time against a
+staleness bound. One string per snapshot lets a reader fetch every instance's in a
+single MGET (13 instances: ~120 us against ~320 us for 13 pipelined HGETALLs).
 
-Snapshot reads run every refresh (the estimator's: every 20 ms) and, in `bench-sfs`
-part 4, inside every decision: they go over a connection of their own with the
-commands packed once per instance list (`_Lane`), which skips the pool's
-per-command work (13 snapshots, paired: 239 -> 173 us; with the ledger hashes 462 ->
-298 us), and under one deadline per exchange instead of redis-py's timeout per send
-and per reply (a further 22-36 us). A worker's snapshot writes (up to one per engine
-step, `[worker] snapshot_interval_ms` apart, on the core that runs the steps) go over
-a `_Lane` of their own too, so a slow read never queues behind a write.
-
-`_Lane` drives redis-py's asyncio Connection directly (pack_commands,
-send_packed_command, read_response, disconnect): pyproject.toml pins the major
-version it was written against.
+Snapshot reads (every refresh, and inside every decision of `bench-sfs` part 4) and
+a worker's snapshot writes each go over a connection of their own (`redis_lane.Lane`),
+so a slow read never queues behind a write. Decoding the blobs is `snapshot_decoder`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import struct
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any, cast
 
 import msgspec
@@ -40,7 +30,7 @@ from redis.exceptions import NoScriptError
 from shared import keys
 from shared.messages import encode
 from shared.messages.registry import WORKER_INFO_DECODER, RegistryEpoch, WorkerInfo
-from shared.scheduling.snapshot import WorkloadSnapshot
+from shared.redis_lane import Lane
 
 _HEADER = struct.Struct("<qd")  # version, wall time: the stored snapshot's first 16 bytes
 
@@ -86,86 +76,6 @@ class VersionedBlob(msgspec.Struct, frozen=True):
         return cls(version, wall_time_s, raw[_HEADER.size :])
 
 
-class _Lane:
-    """A connection of its own for commands a process repeats at a high rate.
-
-    Reads that every refresh repeats with the same keys are packed once per key list
-    (`execute`: redis-py packs and encodes every argument on every call, and its pool
-    takes a lock and records metrics per command); other commands are packed per call
-    (`command`). Replies are read in order. A failure (a dropped connection, a timeout,
-    a cancellation between send and reply) closes the connection, so no reply is ever
-    read by the wrong call; the next call reconnects. A connection that turns out dead
-    when a call sends is retried once, as the pool's clients do. An error reply
-    (redis.ResponseError) is raised and leaves the connection open: it was read whole.
-    """
-
-    _MAX_PACKED = 8  # key lists kept packed (the live instance set changes rarely)
-
-    def __init__(self, pool: redis.ConnectionPool) -> None:
-        # The pool's settings, not its lock, and no socket timeout of its own: redis-py
-        # wraps every send in `asyncio.wait_for` (a task) and every reply in a timeout
-        # context; one deadline (the pool's socket timeout) over each attempt's
-        # exchange bounds it the same (13 snapshots: ~30 us of ~200 us).
-        kwargs = pool.connection_kwargs
-        self._timeout_s: float | None = kwargs.get("socket_timeout")
-        self._conn = pool.connection_class(**{**kwargs, "socket_timeout": None})
-        self._lock = asyncio.Lock()  # one request-reply exchange at a time
-        self._packed: dict[tuple[str, ...], list[bytes]] = {}
-        self._closed = False  # close() was called: no call reconnects
-
-    async def execute(
-        self, cache_key: tuple[str, ...], commands: list[tuple[str, ...]]
-    ) -> list[Any]:
-        """The replies to `commands` (one per command, in order); `cache_key` names
-        the command list (the same key: the same commands)."""
-        packed = self._packed.get(cache_key)
-        if packed is None:
-            if len(self._packed) >= self._MAX_PACKED:
-                self._packed.clear()
-            packed = self._packed[cache_key] = self._conn.pack_commands(commands)
-        return await self._exchange(packed, len(commands))
-
-    async def command(self, *args: str | bytes | int) -> Any:
-        """The reply to one command, packed for this call."""
-        return (await self._exchange(self._conn.pack_command(*args), 1))[0]
-
-    async def _exchange(self, packed: list[bytes], num_replies: int) -> list[Any]:
-        async with self._lock:
-            for attempt in (1, 2):
-                if self._closed:
-                    raise redis.ConnectionError("the store is closed")
-                replies: list[Any] = []
-                try:
-                    async with asyncio.timeout(self._timeout_s):
-                        await self._conn.send_packed_command(packed, check_health=False)
-                        while len(replies) < num_replies:
-                            replies.append(await self._conn.read_response())
-                        return replies
-                except redis.ResponseError:
-                    # An error reply, read whole: the connection stays in step unless
-                    # replies of this exchange are still unread.
-                    if len(replies) + 1 < num_replies:
-                        await self._conn.disconnect(nowait=True)
-                    raise
-                except redis.ConnectionError:
-                    await self._conn.disconnect(nowait=True)
-                    if attempt == 2:
-                        raise
-                except TimeoutError:  # the deadline: as redis-py's own timeout says it
-                    await self._conn.disconnect(nowait=True)
-                    raise redis.TimeoutError(
-                        f"no reply from Redis within {self._timeout_s} s"
-                    ) from None
-                except BaseException:
-                    await self._conn.disconnect(nowait=True)
-                    raise
-        raise AssertionError("unreachable")
-
-    async def close(self) -> None:
-        self._closed = True  # a call in flight fails instead of reconnecting
-        await self._conn.disconnect()
-
-
 def _as_hash(reply: Any) -> dict[bytes, bytes]:
     """An HGETALL reply as a dict: RESP2 gives a flat [field, value, ...] list."""
     if isinstance(reply, dict):
@@ -180,8 +90,8 @@ class Store:
         self.url = url
         self.namespace = namespace
         self._redis: redis.Redis | None = None
-        self._hot: _Lane | None = None  # snapshot reads (module docstring)
-        self._writes: _Lane | None = None  # snapshot writes (module docstring)
+        self._hot: Lane | None = None  # snapshot reads (module docstring)
+        self._writes: Lane | None = None  # snapshot writes (module docstring)
 
     @property
     def redis(self) -> redis.Redis:
@@ -199,8 +109,8 @@ class Store:
             self.url, socket_connect_timeout=5.0, socket_timeout=5.0, health_check_interval=30
         )
         await self._redis.ping()
-        self._hot = _Lane(self._redis.connection_pool)
-        self._writes = _Lane(self._redis.connection_pool)
+        self._hot = Lane(self._redis.connection_pool)
+        self._writes = Lane(self._redis.connection_pool)
 
     async def close(self) -> None:
         r, self._redis = self._redis, None
@@ -212,7 +122,7 @@ class Store:
             await r.aclose()
 
     @property
-    def hot(self) -> _Lane:
+    def hot(self) -> Lane:
         assert self._hot is not None, "Store.connect() not called"
         return self._hot
 
@@ -400,49 +310,3 @@ class Store:
         if gone:
             await self.redis.srem(keys.workers(self.namespace), *gone)
         return live
-
-
-class SnapshotDecoder:
-    """Read snapshots to `WorkloadSnapshot`s, for the readers that only count requests
-    (the gateway's metrics, the relay's load) and for the estimator: a blob that does
-    not decode (another writer's layout, a corrupt one) reads as missing, with one
-    warning per instance per bad stretch."""
-
-    def __init__(self, log: Any) -> None:
-        self._log = log  # the reader's structlog logger
-        self._decoder = msgspec.msgpack.Decoder(WorkloadSnapshot)
-        self._errors: dict[str, str] = {}  # instance -> why its latest blob did not decode
-
-    def decode_one(self, instance_id: str, data: bytes) -> WorkloadSnapshot | None:
-        """The snapshot, or None (warned on the first failure of a bad stretch)."""
-        try:
-            snapshot = self._decoder.decode(data)
-        except msgspec.DecodeError as exc:
-            if instance_id not in self._errors:
-                self._log.warning("snapshot_undecodable", instance_id=instance_id, error=str(exc))
-            self._errors[instance_id] = str(exc)
-            return None
-        self._errors.pop(instance_id, None)
-        return snapshot
-
-    def decode(self, blobs: Mapping[str, VersionedBlob | None]) -> dict[str, WorkloadSnapshot]:
-        """Every blob that decodes, by instance."""
-        out: dict[str, WorkloadSnapshot] = {}
-        for iid, blob in blobs.items():
-            if blob is not None and (snap := self.decode_one(iid, blob.data)) is not None:
-                out[iid] = snap
-        return out
-
-    @property
-    def undecodable(self) -> frozenset[str]:
-        """Instances whose latest blob did not decode."""
-        return frozenset(self._errors)
-
-    def error(self, instance_id: str) -> str:
-        """Why the instance's latest blob did not decode ("" if it did)."""
-        return self._errors.get(instance_id, "")
-
-    def keep_only(self, live: Iterable[str]) -> None:
-        """Forget instances that left (a returning one warns afresh)."""
-        for gone in set(self._errors).difference(live):
-            del self._errors[gone]

@@ -53,7 +53,8 @@ from shared.messages.estimator import (
 )
 from shared.messages.registry import RegistryEpoch, WorkerInfo, departed
 from shared.model_store import REPO_ROOT
-from shared.store import SnapshotDecoder, Store
+from shared.snapshot_decoder import SnapshotDecoder
+from shared.store import Store
 
 log = get_logger(component="estimator")
 

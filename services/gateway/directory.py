@@ -15,7 +15,8 @@ from shared.logging import RetryLog, get_logger
 from shared.messages.registry import RegistryEpoch, WorkerInfo, departed
 from shared.messages.worker import CALIBRATION_DECODER
 from shared.scheduling.unshown import UnshownRequests
-from shared.store import SnapshotDecoder, Store
+from shared.snapshot_decoder import SnapshotDecoder
+from shared.store import Store
 
 if TYPE_CHECKING:
     from services.gateway.links import WorkerLinks

@@ -37,7 +37,8 @@ from shared.messages.peer import (
 )
 from shared.messages.registry import RegistryEpoch, WorkerInfo
 from shared.scheduling.unshown import UnshownRequests
-from shared.store import SnapshotDecoder, Store
+from shared.snapshot_decoder import SnapshotDecoder
+from shared.store import Store
 
 log = get_logger(component="relay")
 CHECK_INTERVAL_S = 0.1

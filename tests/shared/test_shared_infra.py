@@ -260,7 +260,7 @@ async def test_snapshot_write_is_atomic_and_staleness_is_visible(redis_url: str)
 async def test_snapshot_reads_survive_a_dropped_connection_and_a_cancelled_read(
     redis_url: str,
 ) -> None:
-    """The hot-read connection (store._Lane): a connection the server dropped is
+    """The hot-read connection (redis_lane.Lane): a connection the server dropped is
     reopened for the same call; a read cancelled between its request and the reply
     closes the connection, so the next read never takes the stale reply."""
     store = Store(redis_url, "hot")
@@ -306,7 +306,7 @@ async def test_snapshot_reads_survive_a_dropped_connection_and_a_cancelled_read(
 
 
 async def test_an_error_reply_leaves_a_lane_in_step(redis_url: str) -> None:
-    """store._Lane: an error reply read whole keeps the connection; one that leaves
+    """redis_lane.Lane: an error reply read whole keeps the connection; one that leaves
     replies of its exchange unread closes it, so no later call reads them."""
     store = Store(redis_url, "lane")
     await store.connect()
