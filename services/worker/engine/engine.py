@@ -12,25 +12,21 @@ scheduler is touched by one thread alone.
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.frontend import RequestInbox, generate_all, validate_request
-from services.worker.engine.loader import (
-    build_model,
-    load_gguf,
-    load_hf_dir,
-    random_config,
-    random_state_dict,
+from services.worker.engine.frontend import (
+    RequestInbox,
+    StepRecords,
+    generate_all,
+    validate_request,
 )
+from services.worker.engine.loader import load_model
 from services.worker.engine.model import CausalLM
-from services.worker.engine.model_config import ModelConfig
 from services.worker.engine.outputs import (
     FinishReason,
     Handoff,
@@ -45,7 +41,7 @@ from services.worker.engine.sampler import SamplingState, sample
 from shared.sampling import SamplingParams
 from shared.scheduling.request import SchedRequest
 from shared.scheduling.scheduler import Scheduler
-from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot, describe_batch, take_snapshot
+from shared.scheduling.snapshot import describe_batch, take_snapshot
 
 if TYPE_CHECKING:
     from shared.model_store import Tokenizer
@@ -76,7 +72,7 @@ class Sequence:
 __all__ = ["LLMEngine", "RequestError"]
 
 
-class LLMEngine:
+class LLMEngine(StepRecords):
     def __init__(self, config: EngineConfig, model: CausalLM) -> None:
         self.config = config
         self.model = model
@@ -94,50 +90,17 @@ class LLMEngine:
         # change the next schedule (`can_progress`).
         self._stalled = False
         self._snapshot_version = 0
-        self._snapshot = take_snapshot(self.scheduler, 0, time.time())
-        self._samples: deque[BatchSample] = deque(maxlen=config.num_batch_samples)
+        StepRecords.__init__(
+            self, take_snapshot(self.scheduler, 0, time.time()), config.num_batch_samples
+        )
         self._tokenizer: Tokenizer | None = None  # loaded on first use (`tokenizer`)
         self.device = next(model.parameters()).device
 
     @classmethod
     def create(cls, config: EngineConfig) -> LLMEngine:
         """Load the model named in config (see shared.model_store) and build the engine."""
-        from shared.model_store import resolve
-
         torch.set_num_threads(config.threads)
-        source = resolve(config.model)
-        if source.kind == "random":
-            cfg = random_config(max_position_embeddings=max(config.scheduler.max_model_len, 4096))
-            state = random_state_dict(cfg, seed=config.seed)
-        elif source.kind == "gguf":
-            assert source.path is not None
-            # Deltas merge in fp32; a plain checkpoint is cast straight to the target dtype.
-            cfg, state = load_gguf(
-                source.path, torch.float32 if source.delta else config.torch_dtype
-            )
-        else:
-            assert source.path is not None
-            cfg, state = load_hf_dir(source.path)
-        if source.delta is not None:
-            from services.worker.engine.delta import apply_delta, read_delta
-
-            delta = read_delta(source.delta)
-            state = apply_delta(state, delta)
-            cfg = _with_layers(cfg, len(delta.layers))
-        if config.scheduler.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={config.scheduler.max_model_len} exceeds the model's "
-                f"{cfg.max_position_embeddings} positions"
-            )
-        # RoPE tables cover the positions this engine can reach, not the checkpoint's maximum.
-        cfg = dataclasses.replace(cfg, max_position_embeddings=config.scheduler.max_model_len)
-        model = build_model(cfg, state, config.torch_dtype, torch.device(config.device))
-        del state
-        if config.pack_weights:
-            model.pack_for_cpu(
-                batch_hint=config.scheduler.max_num_seqs, fp16_weights=config.fp16_weights
-            )
-        return cls(config, model)
+        return cls(config, load_model(config))
 
     # ---- requests (any thread) -------------------------------------------------
 
@@ -392,17 +355,6 @@ class LLMEngine:
             self._inbox.release(seq.sched.request_id)
         return output
 
-    # ---- observation -----------------------------------------------------------
-
-    def snapshot(self) -> WorkloadSnapshot:
-        """The scheduler state after the latest step (safe from any thread)."""
-        return self._snapshot
-
-    def pop_batch_samples(self) -> list[BatchSample]:
-        samples = list(self._samples)
-        self._samples.clear()
-        return samples
-
     # ---- offline use -------------------------------------------------------------
 
     def generate(
@@ -410,7 +362,3 @@ class LLMEngine:
     ) -> list[list[int]]:
         """Run prompts to completion; returns each prompt's output token ids."""
         return generate_all(self, prompts, params)
-
-
-def _with_layers(cfg: ModelConfig, num_layers: int) -> ModelConfig:
-    return dataclasses.replace(cfg, num_hidden_layers=num_layers)

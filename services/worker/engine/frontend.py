@@ -1,15 +1,18 @@
 """What every engine (real or simulated) does the same way at its front door:
-validate a request, queue it thread-safely for the loop, run prompts offline."""
+validate a request, queue it thread-safely for the loop, publish each step's snapshot
+and batch samples, run prompts offline."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from services.worker.engine.outputs import RequestError, RequestOutput, Resume
 from shared.sampling import SamplingParams
+from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot
 
 T = TypeVar("T")
 
@@ -93,6 +96,27 @@ class RequestInbox(Generic[T]):
         with self._lock:
             q = self._queued
             return bool(self._live or q.aborts or q.resumes)
+
+
+class StepRecords:
+    """What an engine publishes of its steps: the snapshot after the latest one (read
+    from any thread: the object is replaced, never changed) and the batch samples since
+    the last pop (at most `num_samples`, the newest)."""
+
+    def __init__(self, snapshot: WorkloadSnapshot, num_samples: int) -> None:
+        self._snapshot = snapshot
+        self._samples: deque[BatchSample] = deque(maxlen=num_samples)
+
+    def snapshot(self) -> WorkloadSnapshot:
+        """The scheduler state after the latest step (the sim engine's carries its
+        batch-time calibration)."""
+        return self._snapshot
+
+    def pop_batch_samples(self) -> list[BatchSample]:
+        """Samples since the last call (the sim engine's duration_s is modeled time)."""
+        samples = list(self._samples)
+        self._samples.clear()
+        return samples
 
 
 class SteppedEngine(Protocol):

@@ -7,6 +7,7 @@ compose with any source.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.worker.engine.config import EngineConfig
 from services.worker.engine.model import CausalLM
 from services.worker.engine.model_config import ModelConfig
+from shared.model_store import resolve
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -225,3 +228,43 @@ def build_model(
         cast[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
     model.load_hf_state_dict(cast, assign=True)  # raises on a missing tensor
     return model.eval()
+
+
+def load_model(config: EngineConfig) -> CausalLM:
+    """The model named in config (see shared.model_store), built for the engine: a
+    delta merged, RoPE tables sized to max_model_len, weights packed when asked."""
+    source = resolve(config.model)
+    if source.kind == "random":
+        cfg = random_config(max_position_embeddings=max(config.scheduler.max_model_len, 4096))
+        state = random_state_dict(cfg, seed=config.seed)
+    elif source.kind == "gguf":
+        assert source.path is not None
+        # Deltas merge in fp32; a plain checkpoint is cast straight to the target dtype.
+        cfg, state = load_gguf(source.path, torch.float32 if source.delta else config.torch_dtype)
+    else:
+        assert source.path is not None
+        cfg, state = load_hf_dir(source.path)
+    if source.delta is not None:
+        from services.worker.engine.delta import apply_delta, read_delta
+
+        delta = read_delta(source.delta)
+        state = apply_delta(state, delta)
+        cfg = _with_layers(cfg, len(delta.layers))
+    if config.scheduler.max_model_len > cfg.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={config.scheduler.max_model_len} exceeds the model's "
+            f"{cfg.max_position_embeddings} positions"
+        )
+    # RoPE tables cover the positions this engine can reach, not the checkpoint's maximum.
+    cfg = dataclasses.replace(cfg, max_position_embeddings=config.scheduler.max_model_len)
+    model = build_model(cfg, state, config.torch_dtype, torch.device(config.device))
+    del state
+    if config.pack_weights:
+        model.pack_for_cpu(
+            batch_hint=config.scheduler.max_num_seqs, fp16_weights=config.fp16_weights
+        )
+    return model
+
+
+def _with_layers(cfg: ModelConfig, num_layers: int) -> ModelConfig:
+    return dataclasses.replace(cfg, num_hidden_layers=num_layers)

@@ -48,19 +48,23 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import msgspec
 
-from services.worker.engine.frontend import RequestInbox, generate_all, validate_request
+from services.worker.engine.frontend import (
+    RequestInbox,
+    StepRecords,
+    generate_all,
+    validate_request,
+)
 from services.worker.engine.outputs import FinishReason, RequestOutput
 from shared.sampling import SamplingParams
 from shared.scheduling.batch_time import BatchTimeModel
 from shared.scheduling.request import SchedRequest
 from shared.scheduling.scheduler import Scheduler, SchedulerConfig
-from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot, describe_batch, take_snapshot
+from shared.scheduling.snapshot import WorkloadSnapshot, describe_batch, take_snapshot
 
 if TYPE_CHECKING:
     from services.worker.engine.config import EngineConfig
@@ -187,7 +191,7 @@ class SimStats:
     max_overrun_s: float = 0.0  # worst measured - modeled of one step (wall: sleep lag)
 
 
-class SimEngine:
+class SimEngine(StepRecords):
     """LLMEngine's public API over the real Scheduler, timed by a BatchTimeModel."""
 
     def __init__(self, config: SimEngineConfig, model: BatchTimeModel) -> None:
@@ -203,8 +207,7 @@ class SimEngine:
         self._seqs: dict[str, SimSequence] = {}
         self._inbox = RequestInbox[SimSequence]()
         self._snapshot_version = 0
-        self._snapshot = self._take_snapshot()
-        self._samples: deque[BatchSample] = deque(maxlen=config.num_batch_samples)
+        StepRecords.__init__(self, self._take_snapshot(), config.num_batch_samples)
 
     @classmethod
     def create(cls, config: SimEngineConfig, model: BatchTimeModel) -> SimEngine:
@@ -368,18 +371,6 @@ class SimEngine:
         if not isinstance(self.clock, VirtualClock):
             raise RuntimeError("advance_to needs clock='virtual'")
         self.clock.advance_to(t_s)
-
-    # ---- observation -----------------------------------------------------------
-
-    def snapshot(self) -> WorkloadSnapshot:
-        """The scheduler state after the latest step, with the batch-time calibration."""
-        return self._snapshot
-
-    def pop_batch_samples(self) -> list[BatchSample]:
-        """Samples since the last call; duration_s is the *modeled* batch time."""
-        samples = list(self._samples)
-        self._samples.clear()
-        return samples
 
     # ---- offline use -------------------------------------------------------------
 
