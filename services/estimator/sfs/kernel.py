@@ -1,7 +1,7 @@
 """The replay kernel: `shared.scheduling.scheduler.Scheduler`'s policy on flat counters.
 
 `Scheduler` keeps block-id lists and builds a `ScheduledChunk` per request per step;
-replaying it (`replay.replay_exact`) costs ~5 ms per instance with 64 running requests,
+replaying it (`exact_replay.replay_exact`) costs ~5 ms per instance with 64 running requests,
 far too much for 13 instances in a millisecond. This kernel applies the very same rules (running oldest first under
 one token budget, recompute-preemption of the newest running request when KV cannot
 grow, FIFO admission with head-of-line blocking, no admission in a step that
@@ -92,7 +92,7 @@ def build_state(
     are running, then pending, then waiting requests (a snapshot's columns);
     `predicted` holds -1 for none, `blocks` the KV blocks each running or pending
     request holds. The lists are copied (the state mutates its own). Each request's end
-    is `replay.OutputPolicy.target` with `ratios` (`capped_ratios` for a request
+    is `output_policy.OutputPolicy.target` with `ratios` (`capped_ratios` for a request
     predicted at or past its max_tokens): the same integers.
     """
     max_seqs, max_batched, bs, num_kv_blocks = limits

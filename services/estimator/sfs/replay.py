@@ -13,7 +13,7 @@ with per-iteration snapshots that is about one batch time.
 
 Two implementations of the same replay:
 
-* `replay_exact` restores a real `Scheduler` (`restore_scheduler`) and steps it:
+* `exact_replay.replay_exact` restores a real `Scheduler` (`restore_scheduler`) and steps it:
   the engine's code itself; the reference, used by tests and for debugging;
 * `estimate` / `SfsReplayer` run `kernel.KernelState`, the same policy on flat
   counters with a lazy decode group and bulk skips: on a 64-request snapshot ~80x
@@ -22,7 +22,7 @@ Two implementations of the same replay:
   admits waiting guests in queue order and does not model the chunk cap beside
   them). Its mypyc build runs when one exists (`native`).
 
-Request lengths in the replay (`OutputPolicy`): a request finishes when its output
+Request lengths in the replay (`output_policy.OutputPolicy`): a request finishes when its output
 reaches min(predicted_output_tokens, max_tokens); requests without a prediction use
 `default_output_tokens`; a request already past its prediction is given
 `min_remaining_tokens` more. The snapshot's pending requests (a peer is
@@ -31,18 +31,16 @@ writing) keep their KV and are never scheduled in the replay.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from services.estimator.sfs.kernel import KernelState, RunResult
 from services.estimator.sfs.native import IMPL as kernel_impl  # this module or its build
+from services.estimator.sfs.output_policy import OutputPolicy
 from shared.scheduling.batch_time import BatchTimeModel
-from shared.scheduling.lengths import predicted_capped
-from shared.scheduling.snapshot import WorkloadSnapshot, restore_scheduler
+from shared.scheduling.snapshot import WorkloadSnapshot
 
 PROBE_ID = "__sfs_probe__"
 # iterations a replay steps to catch up with a snapshot's age (`run_in_flight`)
@@ -81,77 +79,6 @@ class PendingRequest:
     num_prompt_tokens: int  # tokens
     max_tokens: int  # tokens
     predicted_output_tokens: int | None = None  # tokens
-
-
-def ratio_draw(key: str) -> int:
-    """A request's fixed draw among its possible ends (stable across processes and
-    decisions: CRC-32 of its id)."""
-    return zlib.crc32(key.encode())
-
-
-@dataclass(frozen=True, slots=True)
-class OutputPolicy:
-    """How many output tokens each simulated request produces before it finishes.
-
-    With `length_ratios` (quantiles of actual / predicted output length, as measured
-    on finished requests) each request with a prediction ends at one of its possible
-    ends still ahead of it, min(predicted x r, max_tokens) for the quantiles r that
-    put the end past the tokens it has, the one its id draws (`ratio_draw`). Point
-    predictions bias queued estimates low: a request past its prediction was replayed
-    as ending at the next step, so slots and budget freed too early. A point estimate
-    per request (its conditional mean or median) overshoots instead: a queued probe
-    waits for the *earliest* of the running requests to end, and the earliest of
-    their expected ends is later than their expected earliest end. A fixed draw per
-    request keeps the running set's spread of ends, so its earliest one, unbiased
-    (docs/sfs.md, "Bias from length predictions"). A request predicted at or past its
-    max_tokens draws from `capped_length_ratios` instead, measured on such requests
-    (`shared.scheduling.lengths` says why the two are kept apart).
-    """
-
-    default_output_tokens: int = 128  # for requests without a prediction
-    min_remaining_tokens: int = 1  # for requests past every ratio's end
-    length_ratios: tuple[float, ...] = ()  # quantiles of actual / predicted; () = trust it
-    use_measured_ratios: bool = True  # for_snapshot takes the snapshot's measured ratios
-    # the same for requests predicted at or past their max_tokens; () = trust it
-    capped_length_ratios: tuple[float, ...] = ()
-
-    def __post_init__(self) -> None:  # ascending, so a request's possible ends are too
-        object.__setattr__(self, "length_ratios", tuple(sorted(self.length_ratios)))
-        object.__setattr__(self, "capped_length_ratios", tuple(sorted(self.capped_length_ratios)))
-
-    def for_snapshot(self, snapshot: WorkloadSnapshot) -> OutputPolicy:
-        """This policy with the ratios the instance measured (its snapshot's
-        `output_length_ratios` and `output_length_ratios_capped`), unless ratios were
-        given or measuring is off."""
-        if self.length_ratios or self.capped_length_ratios or not self.use_measured_ratios:
-            return self
-        if not (snapshot.output_length_ratios or snapshot.output_length_ratios_capped):
-            return self
-        return dataclasses.replace(
-            self,
-            length_ratios=tuple(snapshot.output_length_ratios),
-            capped_length_ratios=tuple(snapshot.output_length_ratios_capped),
-        )
-
-    def target(
-        self, predicted: int | None, max_tokens: int, num_output: int, request_id: str = ""
-    ) -> int:
-        """Output count at which the request finishes: at most max_tokens (unless it
-        already has more), always > num_output."""
-        t = self.default_output_tokens if predicted is None else predicted
-        t = min(max(t, 1), max_tokens)
-        ratios: tuple[float, ...] = ()
-        if predicted is not None:
-            capped = predicted_capped(predicted, max_tokens)
-            ratios = self.capped_length_ratios if capped else self.length_ratios
-        if ratios:
-            if num_output <= 0:  # every end (>= 1) is ahead: the drawn one alone
-                r = ratios[ratio_draw(request_id) % len(ratios)]
-                return min(max(1, round(t * r)), max_tokens)
-            alive = [e for r in ratios if (e := min(max(1, round(t * r)), max_tokens)) > num_output]
-            if alive:
-                return alive[ratio_draw(request_id) % len(alive)]
-        return max(t, num_output + self.min_remaining_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,7 +267,7 @@ def run_on_state(
     return st.run(coefs, slot, want_e2e=want_e2e, max_steps=max_steps, fast=fast, trace=trace)
 
 
-def _estimate(r: RunResult, want_e2e: bool, num_pending: int, num_visible: int) -> ReplayEstimate:
+def to_estimate(r: RunResult, want_e2e: bool, num_pending: int, num_visible: int) -> ReplayEstimate:
     return ReplayEstimate(
         ttft_s=r.ttft_s,
         e2e_s=r.e2e_s if want_e2e else None,
@@ -374,7 +301,7 @@ def estimate(
         want_e2e=want_e2e,
         max_steps=max_steps,
     )
-    return _estimate(r, want_e2e, len(entries), num_visible)
+    return to_estimate(r, want_e2e, len(entries), num_visible)
 
 
 class SfsReplayer:
@@ -442,70 +369,4 @@ class SfsReplayer:
             want_e2e=want_e2e,
             max_steps=self.max_steps,
         )
-        return _estimate(r, want_e2e, len(entries), num_visible)
-
-
-@dataclass(frozen=True, slots=True)
-class ExactReplay:
-    """`replay_exact`'s result: the estimate and every batch as [(request_id, tokens)]."""
-
-    estimate: ReplayEstimate
-    batches: list[list[tuple[str, int]]]
-    batch_times_s: list[float]
-
-
-def replay_exact(
-    snapshot: WorkloadSnapshot,
-    model: BatchTimeModel,
-    probe: Probe,
-    pending: Iterable[PendingLike] = (),
-    *,
-    want_e2e: bool = False,
-    policy: OutputPolicy = OutputPolicy(),
-    max_steps: int = 100_000,
-) -> ExactReplay:
-    """The replay on the engine's own `Scheduler` (restore, add, schedule + commit)."""
-    sched = restore_scheduler(snapshot)
-    policy = policy.for_snapshot(snapshot)
-    targets = {
-        c.request_id: policy.target(
-            c.predicted_output_tokens, c.max_tokens, c.num_output_tokens, c.request_id
-        )
-        for c in (*snapshot.running, *snapshot.waiting)
-    }
-    entries, num_visible = admissible_pending(pending, snapshot)
-    for rid, prompt, max_tokens, predicted in entries:
-        req = sched.add(rid, prompt, max_tokens)
-        req.predicted_output_tokens = predicted
-        targets[rid] = policy.target(predicted, max_tokens, 0, rid)
-    batches: list[list[tuple[str, int]]] = []
-    times: list[float] = []
-    cap = probe_max_tokens(probe, snapshot.scheduler.max_model_len)
-    ttft, e2e, steps_ttft = math.inf, math.inf, 0
-    if probe.num_prompt_tokens >= 1 and cap >= 1:
-        assert PROBE_ID not in sched.requests
-        probe_req = sched.add(PROBE_ID, probe.num_prompt_tokens, cap)
-        targets[PROBE_ID] = min(max(probe.predicted_output_tokens, 1), cap)
-        clock = 0.0
-        while len(batches) < max_steps:
-            batch = sched.schedule()
-            if len(batch) == 0:
-                break
-            dt = model.predict(batch)
-            batches.append([(c.request.request_id, c.num_new_tokens) for c in batch])
-            times.append(dt)
-            clock += dt
-            sched.commit(batch)
-            for chunk in batch:
-                req = chunk.request
-                if not req.is_finished and req.num_output_tokens >= targets[req.request_id]:
-                    sched.finish(req)
-            if math.isinf(ttft) and probe_req.num_output_tokens >= 1:
-                ttft, steps_ttft = clock, len(batches)
-                if not want_e2e:
-                    break
-            if probe_req.is_finished:
-                e2e = clock
-                break
-    r = RunResult(ttft, e2e if want_e2e else math.nan, steps_ttft, len(batches))
-    return ExactReplay(_estimate(r, want_e2e, len(entries), num_visible), batches, times)
+        return to_estimate(r, want_e2e, len(entries), num_visible)

@@ -8,16 +8,16 @@ import random
 
 import pytest
 
+from services.estimator.sfs.exact_replay import replay_exact
+from services.estimator.sfs.output_policy import OutputPolicy
 from services.estimator.sfs.replay import (
     PROBE_ID,
-    OutputPolicy,
     PendingRequest,
     Probe,
     SfsReplayer,
     admissible_pending,
     estimate,
     kernel_state,
-    replay_exact,
     run_on_state,
 )
 from shared.scheduling.batch_time import (
