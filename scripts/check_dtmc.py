@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from services.batcher.dtmc import AffineLatency, predicted_throughput
+from services.batcher.dtmc import AffineLatency, ModelPair, predicted_throughput
 from services.batcher.estimates import DecayedAffineFit
 from services.batcher.simulate import simulate
 from services.worker.engine.config import EngineConfig
@@ -335,8 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         over = fit.overlap if aware else (None, None)
         return [
             predicted_throughput(
-                n, args.b_small, b, args.p, lat[0], lat[1], args.tokens_per_visit,
-                overlap_latency_s_small=over[0], overlap_latency_s_large=over[1],
+                ModelPair(args.p, lat[0], lat[1], args.tokens_per_visit,
+                          overlap_latency_s_small=over[0], overlap_latency_s_large=over[1]),
+                n, args.b_small, b,
             )
             for b in b_large_values
         ]  # fmt: skip
@@ -347,9 +348,10 @@ def main(argv: list[str] | None = None) -> int:
         "chain, overlap-aware, all runs": chain(all_fit, True),
         "sim (deterministic), overlap-aware, all runs": [
             simulate(
-                n, args.b_small, b, args.p, all_fit.solo[0], all_fit.solo[1],
-                args.tokens_per_visit, overlap_latency_s_small=all_fit.overlap[0],
-                overlap_latency_s_large=all_fit.overlap[1], num_steps=60_000, seed=args.seed,
+                ModelPair(args.p, all_fit.solo[0], all_fit.solo[1], args.tokens_per_visit,
+                          overlap_latency_s_small=all_fit.overlap[0],
+                          overlap_latency_s_large=all_fit.overlap[1]),
+                n, args.b_small, b, num_steps=60_000, seed=args.seed,
             ).throughput_tok_s
             for b in b_large_values
         ],

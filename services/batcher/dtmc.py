@@ -28,6 +28,7 @@ models it schedules.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,52 @@ from scipy.sparse.linalg import MatrixRankWarning, spsolve
 
 # A step latency: a table t[b-1] in seconds for b = 1..N, or a function b -> seconds.
 StepLatency = Sequence[float] | np.ndarray | Callable[[int], float]
+
+
+@dataclass(frozen=True)
+class ModelPair:
+    """The two models of a token-level preset as the chain (and the simulation) see
+    them; the B values and N are asked about separately."""
+
+    p: float  # hand-off probability after each small-model token
+    step_latency_s_small: StepLatency
+    step_latency_s_large: StepLatency
+    tokens_per_visit_large: float = 1.0  # mean run at L: q = 1 / this
+    # share of S's hand-offs whose just-sampled S token is taken back (R2R-style
+    # rewrite) and so does not count as output
+    rewrite_fraction: float = 0.0
+    # a model's step time while the other model is also mid-step (colocated models
+    # share cores or a GPU); None: the same as alone
+    overlap_latency_s_small: StepLatency | None = None
+    overlap_latency_s_large: StepLatency | None = None
+
+    def tables(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Step times for b = 1..n: small alone, large alone, small and large overlapped."""
+        t_s = latency_table(self.step_latency_s_small, n)
+        t_l = latency_table(self.step_latency_s_large, n)
+        o_s = (
+            t_s
+            if self.overlap_latency_s_small is None
+            else latency_table(self.overlap_latency_s_small, n)
+        )
+        o_l = (
+            t_l
+            if self.overlap_latency_s_large is None
+            else latency_table(self.overlap_latency_s_large, n)
+        )
+        return t_s, t_l, o_s, o_l
+
+    def tabulated(self, n: int) -> ModelPair:
+        """The same pair with every latency as a table for b = 1..n (computed once)."""
+        t_s, t_l, o_s, o_l = self.tables(n)
+        over = self.overlap_latency_s_small is not None, self.overlap_latency_s_large is not None
+        return dataclasses.replace(
+            self,
+            step_latency_s_small=t_s,
+            step_latency_s_large=t_l,
+            overlap_latency_s_small=o_s if over[0] else None,
+            overlap_latency_s_large=o_l if over[1] else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -120,27 +167,11 @@ def _binomial_pmf(n_max: int, prob: float) -> np.ndarray:
     return pmf
 
 
-def solve_chain(
-    num_active: int,
-    b_small: int,
-    b_large: int,
-    p: float,
-    step_latency_s_small: StepLatency,
-    step_latency_s_large: StepLatency,
-    tokens_per_visit_large: float = 1.0,
-    rewrite_fraction: float = 0.0,
-    *,
-    overlap_latency_s_small: StepLatency | None = None,
-    overlap_latency_s_large: StepLatency | None = None,
-) -> ChainSolution:
-    """Stationary distribution of the embedded chain and the renewal-reward throughput.
-
-    rewrite_fraction: share of S's hand-offs whose just-sampled S token is taken back
-    (R2R-style rewrite) and so does not count as output.
-    overlap_latency_s_*: a model's step time while the other model is also mid-step
-    (colocated models share cores or a GPU); None: the same as alone.
-    """
+def solve_chain(pair: ModelPair, num_active: int, b_small: int, b_large: int) -> ChainSolution:
+    """Stationary distribution of the embedded chain and the renewal-reward throughput."""
     n = num_active
+    p, tokens_per_visit_large = pair.p, pair.tokens_per_visit_large
+    rewrite_fraction = pair.rewrite_fraction
     if n < 1:
         raise ValueError(f"N must be >= 1, got {n}")
     if not is_feasible(n, b_small, b_large):
@@ -149,10 +180,7 @@ def solve_chain(
             "need 1 <= B <= N and B_S + B_L <= N + 1"
         )
     _check_probs(p, tokens_per_visit_large, rewrite_fraction)
-    t_s = latency_table(step_latency_s_small, n)
-    t_l = latency_table(step_latency_s_large, n)
-    o_s = t_s if overlap_latency_s_small is None else latency_table(overlap_latency_s_small, n)
-    o_l = t_l if overlap_latency_s_large is None else latency_table(overlap_latency_s_large, n)
+    t_s, t_l, o_s, o_l = pair.tables(n)
     q = 1.0 / tokens_per_visit_large
 
     # 1. Enumerate tangible states; index them by (a_S, a_L, k = a_L + w_L).
@@ -251,32 +279,9 @@ def solve_chain(
     )
 
 
-def predicted_throughput(
-    num_active: int,
-    b_small: int,
-    b_large: int,
-    p: float,
-    step_latency_s_small: StepLatency,
-    step_latency_s_large: StepLatency,
-    tokens_per_visit_large: float = 1.0,
-    rewrite_fraction: float = 0.0,
-    *,
-    overlap_latency_s_small: StepLatency | None = None,
-    overlap_latency_s_large: StepLatency | None = None,
-) -> float:
+def predicted_throughput(pair: ModelPair, num_active: int, b_small: int, b_large: int) -> float:
     """Output tokens per second the chain predicts for (N, B_S, B_L)."""
-    return solve_chain(
-        num_active,
-        b_small,
-        b_large,
-        p,
-        step_latency_s_small,
-        step_latency_s_large,
-        tokens_per_visit_large,
-        rewrite_fraction,
-        overlap_latency_s_small=overlap_latency_s_small,
-        overlap_latency_s_large=overlap_latency_s_large,
-    ).throughput_tok_s
+    return solve_chain(pair, num_active, b_small, b_large).throughput_tok_s
 
 
 @dataclass(frozen=True)
@@ -300,18 +305,7 @@ class BTable:
     eager_throughput_tok_s: list[float]  # predicted at (1, 1)
 
 
-def best_pair(
-    num_active: int,
-    p: float,
-    step_latency_s_small: StepLatency,
-    step_latency_s_large: StepLatency,
-    tokens_per_visit_large: float = 1.0,
-    rewrite_fraction: float = 0.0,
-    *,
-    overlap_latency_s_small: StepLatency | None = None,
-    overlap_latency_s_large: StepLatency | None = None,
-    rel_tol: float = 1e-9,
-) -> BestPair:
+def best_pair(pair: ModelPair, num_active: int, rel_tol: float = 1e-9) -> BestPair:
     """Search every feasible pair; ties (within rel_tol) go to the smaller B_S + B_L
     (less holding means lower latency at the same throughput)."""
     n = num_active
@@ -320,12 +314,7 @@ def best_pair(
     for total in range(2, n + 2):  # smaller sums first, so ties keep less holding
         for b_s in range(max(1, total - n), min(n, total - 1) + 1):
             b_l = total - b_s
-            th = predicted_throughput(
-                n, b_s, b_l, p, step_latency_s_small, step_latency_s_large,
-                tokens_per_visit_large, rewrite_fraction,
-                overlap_latency_s_small=overlap_latency_s_small,
-                overlap_latency_s_large=overlap_latency_s_large,
-            )  # fmt: skip
+            th = predicted_throughput(pair, n, b_s, b_l)
             if (b_s, b_l) == (1, 1):
                 eager = th
             if best is None or th > best[0] * (1.0 + rel_tol):
@@ -334,45 +323,12 @@ def best_pair(
     return BestPair(n, best[1], best[2], best[0], eager)
 
 
-def best_b(
-    max_active: int,
-    p: float,
-    step_latency_s_small: StepLatency,
-    step_latency_s_large: StepLatency,
-    tokens_per_visit_large: float = 1.0,
-    rewrite_fraction: float = 0.0,
-    *,
-    overlap_latency_s_small: StepLatency | None = None,
-    overlap_latency_s_large: StepLatency | None = None,
-) -> BTable:
+def best_b(pair: ModelPair, max_active: int) -> BTable:
     """B*(N) per model for N = 1..max_active (deadlock-free by construction)."""
     if max_active < 1:
         raise ValueError(f"max N must be >= 1, got {max_active}")
-    t_s = latency_table(step_latency_s_small, max_active)
-    t_l = latency_table(step_latency_s_large, max_active)
-    o_s = (
-        None
-        if overlap_latency_s_small is None
-        else latency_table(overlap_latency_s_small, max_active)
-    )
-    o_l = (
-        None
-        if overlap_latency_s_large is None
-        else latency_table(overlap_latency_s_large, max_active)
-    )
-    pairs = [
-        best_pair(
-            n,
-            p,
-            t_s,
-            t_l,
-            tokens_per_visit_large,
-            rewrite_fraction,
-            overlap_latency_s_small=o_s,
-            overlap_latency_s_large=o_l,
-        )
-        for n in range(1, max_active + 1)
-    ]
+    tabulated = pair.tabulated(max_active)
+    pairs = [best_pair(tabulated, n) for n in range(1, max_active + 1)]
     table = BTable(
         b_small=[x.b_small for x in pairs],
         b_large=[x.b_large for x in pairs],

@@ -27,6 +27,7 @@ import msgspec
 
 from services.batcher.dtmc import (
     BTable,
+    ModelPair,
     best_b,
     eager_table,
     fixed_table,
@@ -61,8 +62,12 @@ class PresetState:
 
 def compute_table(inputs: ChainInputs, max_n: int) -> BTable:
     """B*(N) for N = 1..max_n from the estimates (CPU-bound: run it off the event loop)."""
-    return best_b(
-        max_n,
+    return best_b(model_pair(inputs), max_n)
+
+
+def model_pair(inputs: ChainInputs) -> ModelPair:
+    """The chain's view of a preset's two models from the batcher's estimates."""
+    return ModelPair(
         inputs.p,
         inputs.latency_small,
         inputs.latency_large,
@@ -75,17 +80,9 @@ def pinned_table(inputs: ChainInputs, chain: BTable, fixed_b: list[int]) -> BTab
     """The pinned pair `[batcher] fixed_b` per N with the chain's prediction for it
     (`chain`: the chain's own table from the same inputs, for its eager figures)."""
     table = fixed_table(len(chain.b_small), fixed_b[0], fixed_b[1])
+    pair = model_pair(inputs)
     predicted = [
-        predicted_throughput(
-            n,
-            b_small,
-            b_large,
-            inputs.p,
-            inputs.latency_small,
-            inputs.latency_large,
-            inputs.tokens_per_visit,
-            inputs.rewrite_fraction,
-        )
+        predicted_throughput(pair, n, b_small, b_large)
         for n, (b_small, b_large) in enumerate(
             zip(table.b_small, table.b_large, strict=True), start=1
         )

@@ -22,7 +22,7 @@ from typing import Literal
 
 import numpy as np
 
-from services.batcher.dtmc import StepLatency, is_feasible, latency_table
+from services.batcher.dtmc import ModelPair, is_feasible
 
 DurationLaw = Literal["exponential", "deterministic"]
 
@@ -53,17 +53,11 @@ class _Model:
 
 
 def simulate(
+    pair: ModelPair,
     num_active: int,
     b_small: int,
     b_large: int,
-    p: float,
-    step_latency_s_small: StepLatency,
-    step_latency_s_large: StepLatency,
-    tokens_per_visit_large: float = 1.0,
-    rewrite_fraction: float = 0.0,
     *,
-    overlap_latency_s_small: StepLatency | None = None,
-    overlap_latency_s_large: StepLatency | None = None,
     durations: DurationLaw = "deterministic",
     num_steps: int = 100_000,
     warmup_steps: int = 2_000,
@@ -77,10 +71,8 @@ def simulate(
     if not is_feasible(n, b_small, b_large) and hold_timeout_s is None:
         raise ValueError(f"({b_small}, {b_large}) can deadlock at N = {n} without a hold timeout")
     rng = np.random.default_rng(seed)
-    q = 1.0 / tokens_per_visit_large
-    t_s, t_l = latency_table(step_latency_s_small, n), latency_table(step_latency_s_large, n)
-    o_s = t_s if overlap_latency_s_small is None else latency_table(overlap_latency_s_small, n)
-    o_l = t_l if overlap_latency_s_large is None else latency_table(overlap_latency_s_large, n)
+    p, q = pair.p, 1.0 / pair.tokens_per_visit_large
+    t_s, t_l, o_s, o_l = pair.tables(n)
     small, large = _Model(t_s, o_s, b_small), _Model(t_l, o_l, b_large)
     small.ready.extend([0.0] * n)  # every request starts at the entry model
     now = 0.0
@@ -128,7 +120,7 @@ def simulate(
         if ends[0] == nxt:
             batch, small.batch = small.batch, 0
             sent = int(rng.binomial(batch, p))
-            kept_back = int(rng.binomial(sent, rewrite_fraction)) if sent else 0
+            kept_back = int(rng.binomial(sent, pair.rewrite_fraction)) if sent else 0
             counted["tokens"] += batch - kept_back
             counted["small"] += 1
             large.ready.extend([now] * sent)

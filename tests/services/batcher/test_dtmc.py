@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 
 from services.batcher.dtmc import (
     AffineLatency,
+    ModelPair,
     best_b,
     best_pair,
     fixed_table,
@@ -47,7 +49,7 @@ def test_feasible_is_exactly_deadlock_free() -> None:
 def test_tables_obey_the_deadlock_bound(
     p: float, tokens_per_visit: float, small: AffineLatency, large: AffineLatency
 ) -> None:
-    table = best_b(7, p, small, large, tokens_per_visit_large=tokens_per_visit)
+    table = best_b(ModelPair(p, small, large, tokens_per_visit_large=tokens_per_visit), 7)
     assert is_deadlock_free(table.b_small, table.b_large)
     assert all(1 <= b <= n for n, b in enumerate(table.b_small, 1))
     assert all(1 <= b <= n for n, b in enumerate(table.b_large, 1))
@@ -71,21 +73,23 @@ def test_tables_that_break_the_bound_are_refused() -> None:
     assert not is_deadlock_free([1, 2, 3], [1, 1, 2])  # N=3: 3 + 2 > 4
     assert not is_deadlock_free([1, 1], [1, 3])  # N=2: B_L > N
     with pytest.raises(ValueError, match="infeasible"):
-        predicted_throughput(4, 3, 3, 0.1, SMALL, LARGE)
+        predicted_throughput(ModelPair(0.1, SMALL, LARGE), 4, 3, 3)
     with pytest.raises(ValueError, match="p must be"):
-        predicted_throughput(4, 1, 1, 1.5, SMALL, LARGE)
+        predicted_throughput(ModelPair(1.5, SMALL, LARGE), 4, 1, 1)
     with pytest.raises(ValueError, match="needs 4 entries"):
-        predicted_throughput(4, 1, 1, 0.1, [0.01, 0.02], LARGE)
+        predicted_throughput(ModelPair(0.1, [0.01, 0.02], LARGE), 4, 1, 1)
     with pytest.raises(ValueError, match="> 0 s"):
-        predicted_throughput(2, 1, 1, 0.1, [0.01, -1.0], LARGE)
+        predicted_throughput(ModelPair(0.1, [0.01, -1.0], LARGE), 2, 1, 1)
 
 
 def test_an_infeasible_pair_deadlocks_and_the_timeout_rescues_it() -> None:
     # N = 4, B = (3, 3): a 2/2 split holds on both sides; only the timeout moves it.
-    res = simulate(4, 3, 3, 0.3, SMALL, LARGE, num_steps=5_000, hold_timeout_s=0.1, seed=3)
+    res = simulate(
+        ModelPair(0.3, SMALL, LARGE), 4, 3, 3, num_steps=5_000, hold_timeout_s=0.1, seed=3
+    )
     assert res.num_timeouts > 0 and res.throughput_tok_s > 0
     with pytest.raises(ValueError, match="deadlock"):
-        simulate(4, 3, 3, 0.3, SMALL, LARGE)
+        simulate(ModelPair(0.3, SMALL, LARGE), 4, 3, 3)
 
 
 def test_one_request_matches_the_closed_form() -> None:
@@ -94,7 +98,7 @@ def test_one_request_matches_the_closed_form() -> None:
     p, m, rho = 0.2, 3.0, 0.5
     t_s, t_l = SMALL(1), LARGE(1)
     expected = (1 / p - rho + m) / (t_s / p + m * t_l)
-    got = predicted_throughput(1, 1, 1, p, SMALL, LARGE, m, rewrite_fraction=rho)
+    got = predicted_throughput(ModelPair(p, SMALL, LARGE, m, rewrite_fraction=rho), 1, 1, 1)
     assert got == pytest.approx(expected, rel=1e-9)
 
 
@@ -102,7 +106,7 @@ def test_no_routing_means_no_holding() -> None:
     # p = 0: every request stays at S, which always holds all N, so B changes nothing;
     # ties go to the least holding.
     for n in (1, 3, 6):
-        best = best_pair(n, 0.0, SMALL, LARGE)
+        best = best_pair(ModelPair(0.0, SMALL, LARGE), n)
         assert (best.b_small, best.b_large) == (1, 1)
         assert best.throughput_tok_s == pytest.approx(n / SMALL(n))
 
@@ -123,20 +127,23 @@ def test_chain_equals_simulation_under_its_assumption(case: tuple, colocated: bo
     """With memoryless step times the chain is exact: the sim must agree within noise
     (also when each model's step slows down while the other one steps)."""
     n, b_s, b_l, p, small, large, m, rho = case
-    over = dict(zip(("overlap_latency_s_small", "overlap_latency_s_large"), SLOWED, strict=True))
-    kw = over if colocated else {}
-    chain = solve_chain(n, b_s, b_l, p, small, large, m, rho, **kw)  # type: ignore[arg-type]
-    sim = simulate(
-        n, b_s, b_l, p, small, large, m, rho, durations="exponential", num_steps=200_000,
-        seed=11, **kw,  # type: ignore[arg-type]
-    )  # fmt: skip
+    alone = ModelPair(p, small, large, m, rho)
+    pair = (
+        dataclasses.replace(
+            alone, overlap_latency_s_small=SLOWED[0], overlap_latency_s_large=SLOWED[1]
+        )
+        if colocated
+        else alone
+    )
+    chain = solve_chain(pair, n, b_s, b_l)
+    sim = simulate(pair, n, b_s, b_l, durations="exponential", num_steps=200_000, seed=11)
     if colocated:  # slower than the same system uncontended, unless B_L = N: then the
         # models strictly alternate and never step at the same time
-        alone = solve_chain(n, b_s, b_l, p, small, large, m, rho).throughput_tok_s
+        alone_tok_s = solve_chain(alone, n, b_s, b_l).throughput_tok_s
         if b_l == n:
-            assert chain.throughput_tok_s == pytest.approx(alone, rel=1e-9)
+            assert chain.throughput_tok_s == pytest.approx(alone_tok_s, rel=1e-9)
         else:
-            assert chain.throughput_tok_s < alone
+            assert chain.throughput_tok_s < alone_tok_s
     assert sim.throughput_tok_s == pytest.approx(chain.throughput_tok_s, rel=0.015)
     sim_steps = (sim.num_small_steps / sim.elapsed_s, sim.num_large_steps / sim.elapsed_s)
     assert sim_steps[0] == pytest.approx(chain.small_steps_per_s, rel=0.02)
@@ -147,10 +154,10 @@ def test_chain_ranks_clearly_separated_b_like_deterministic_steps() -> None:
     """Real steps take t(b), not a memoryless time: the chain's level is off by a few %,
     but B values it separates by > 8% must come out in the same order."""
     n, p = 6, 0.1
-    chain = [predicted_throughput(n, 1, b, p, SMALL, LARGE) for b in range(1, n + 1)]
+    pair = ModelPair(p, SMALL, LARGE)
+    chain = [predicted_throughput(pair, n, 1, b) for b in range(1, n + 1)]
     sim = [
-        simulate(n, 1, b, p, SMALL, LARGE, num_steps=60_000, seed=5).throughput_tok_s
-        for b in range(1, n + 1)
+        simulate(pair, n, 1, b, num_steps=60_000, seed=5).throughput_tok_s for b in range(1, n + 1)
     ]
     separated = [
         (i, j)

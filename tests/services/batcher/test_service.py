@@ -10,7 +10,13 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from services.batcher.dtmc import AffineLatency, best_b, is_deadlock_free, predicted_throughput
+from services.batcher.dtmc import (
+    AffineLatency,
+    ModelPair,
+    best_b,
+    is_deadlock_free,
+    predicted_throughput,
+)
 from services.batcher.service import BatcherService
 from shared import keys, subjects
 from shared.bus import Bus
@@ -133,7 +139,7 @@ async def test_all_ones_first_then_the_chain_table(stack) -> None:  # type: igno
         assert est.version > eager.version
         assert est.p == pytest.approx(0.1, rel=0.02) and est.tokens_per_visit == pytest.approx(1.0)
         assert est.step_intercept_s == pytest.approx([0.010, 0.050], rel=1e-3)
-        expected = best_b(MAX_N, est.p, SMALL, LARGE, est.tokens_per_visit)
+        expected = best_b(ModelPair(est.p, SMALL, LARGE, est.tokens_per_visit), MAX_N)
         assert est.b == [expected.b_small, expected.b_large]
         assert is_deadlock_free(est.b[0], est.b[1])
         assert est.b != eager.b  # this case holds L for more than one (a real change)
@@ -184,7 +190,7 @@ async def test_fixed_b_pins_the_table_for_every_n(stack) -> None:  # type: ignor
             AffineLatency(i, c)
             for i, c in zip(est.step_intercept_s, est.step_per_request_s, strict=True)
         )
-        want = predicted_throughput(4, 1, 3, est.p, small, large, est.tokens_per_visit)
+        want = predicted_throughput(ModelPair(est.p, small, large, est.tokens_per_visit), 4, 1, 3)
         assert est.predicted_tok_s[3] == pytest.approx(want)
     finally:
         await stop(service, task)
@@ -226,7 +232,7 @@ async def test_recomputes_stay_within_the_compute_budget(stack, share: float) ->
 
 
 def test_max_compute_share_must_be_a_fraction() -> None:
-    text = "[batcher]\nmax_compute_share = {}\n[models.a]\n[presets.p]\nmodels = [\"a\"]\n"
+    text = '[batcher]\nmax_compute_share = {}\n[models.a]\n[presets.p]\nmodels = ["a"]\n'
     assert parse_cluster(text.format(0.5), environ={}).batcher.max_compute_share == 0.5
     for bad in (0, 1.5, -0.1):
         with pytest.raises(ConfigError, match="max_compute_share"):
