@@ -17,40 +17,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from shared.subjects import check_token
 
 
-def workers(namespace: str) -> str:
-    return f"{check_token(namespace)}:workers"
+def _global(name: str) -> Callable[[str], str]:
+    def key(namespace: str) -> str:
+        return f"{check_token(namespace)}:{name}"
+
+    return key
 
 
-def registry_epoch(namespace: str) -> str:
-    return f"{check_token(namespace)}:registry_epoch"
+def _per_id(name: str) -> Callable[[str, str], str]:
+    """The key of one instance's (gateway's, preset's) `name` in a namespace."""
+
+    def key(namespace: str, ident: str) -> str:
+        return f"{check_token(namespace)}:{name}:{check_token(ident)}"
+
+    return key
 
 
-def worker(namespace: str, instance_id: str) -> str:
-    return f"{check_token(namespace)}:worker:{check_token(instance_id)}"
-
-
-def gateway(namespace: str, gateway_id: str) -> str:
-    return f"{check_token(namespace)}:gateway:{check_token(gateway_id)}"
-
-
-def snapshot(namespace: str, instance_id: str) -> str:
-    return f"{check_token(namespace)}:snapshot:{check_token(instance_id)}"
-
-
-def batch_samples(namespace: str, instance_id: str) -> str:
-    return f"{check_token(namespace)}:samples:{check_token(instance_id)}"
-
-
-def calibration(namespace: str, instance_id: str) -> str:
-    return f"{check_token(namespace)}:calibration:{check_token(instance_id)}"
-
-
-def batch_tables(namespace: str, preset: str) -> str:
-    return f"{check_token(namespace)}:batch_tables:{check_token(preset)}"
-
-
-def ledger(namespace: str, instance_id: str) -> str:
-    return f"{check_token(namespace)}:ledger:{check_token(instance_id)}"
+# The module docstring lists each key's type and content.
+workers = _global("workers")
+registry_epoch = _global("registry_epoch")
+worker = _per_id("worker")
+gateway = _per_id("gateway")
+snapshot = _per_id("snapshot")
+batch_samples = _per_id("samples")
+calibration = _per_id("calibration")
+batch_tables = _per_id("batch_tables")
+ledger = _per_id("ledger")

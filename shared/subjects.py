@@ -13,11 +13,13 @@ NATS server. Services never format a subject string themselves.
     {ns}.worker.{instance_id}.peer    PeerReq | PeerRelease           relay -> worker
     {ns}.relay.query                  PeerQuery -> PeerQueryReply     worker -> relay (request/reply)
     {ns}.relay.started                RelayStarted                    relay -> every worker
+    {ns}.health.{service}             HealthProbe -> HealthReply      liveness of a service without HTTP
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 # NATS tokens are separated by dots; ids become single tokens, so they must not
 # contain dots, spaces or wildcards.
@@ -46,47 +48,31 @@ def check_token(value: str) -> str:
     return value
 
 
-def worker_inbox(namespace: str, instance_id: str) -> str:
-    return f"{check_token(namespace)}.worker.{check_token(instance_id)}.in"
+def _global(*tokens: str) -> Callable[[str], str]:
+    def subject(namespace: str) -> str:
+        return ".".join((check_token(namespace), *tokens))
+
+    return subject
 
 
-def gateway_inbox(namespace: str, gateway_id: str) -> str:
-    return f"{check_token(namespace)}.gateway.{check_token(gateway_id)}.in"
+def _per_id(kind: str, suffix: str = "") -> Callable[[str, str], str]:
+    """The subject of one worker's (gateway's, service's) `kind` in a namespace."""
+
+    def subject(namespace: str, ident: str) -> str:
+        return f"{check_token(namespace)}.{kind}.{check_token(ident)}{suffix}"
+
+    return subject
 
 
-def estimator_route(namespace: str) -> str:
-    return f"{check_token(namespace)}.estimator.route"
-
-
-def estimator_events(namespace: str) -> str:
-    return f"{check_token(namespace)}.estimator.events"
-
-
-def batcher_stats(namespace: str) -> str:
-    return f"{check_token(namespace)}.batcher.stats"
-
-
-def batcher_tables(namespace: str) -> str:
-    return f"{check_token(namespace)}.batcher.tables"
-
-
-def relay_inbox(namespace: str) -> str:
-    return f"{check_token(namespace)}.relay.in"
-
-
-def relay_query(namespace: str) -> str:
-    return f"{check_token(namespace)}.relay.query"
-
-
-def relay_started(namespace: str) -> str:
-    """A relay announces its start here (RelayStarted): workers re-check hand-offs."""
-    return f"{check_token(namespace)}.relay.started"
-
-
-def worker_peer(namespace: str, instance_id: str) -> str:
-    return f"{check_token(namespace)}.worker.{check_token(instance_id)}.peer"
-
-
-def health(namespace: str, service: str) -> str:
-    """Request/reply liveness probe of a service without an HTTP port."""
-    return f"{check_token(namespace)}.health.{check_token(service)}"
+# The module docstring lists each subject's messages and direction.
+worker_inbox = _per_id("worker", ".in")
+gateway_inbox = _per_id("gateway", ".in")
+worker_peer = _per_id("worker", ".peer")
+estimator_route = _global("estimator", "route")
+estimator_events = _global("estimator", "events")
+batcher_stats = _global("batcher", "stats")
+batcher_tables = _global("batcher", "tables")
+relay_inbox = _global("relay", "in")
+relay_query = _global("relay", "query")
+relay_started = _global("relay", "started")  # a relay's start: workers re-check hand-offs
+health = _per_id("health")  # request/reply liveness probe of a service without an HTTP port
