@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from services.worker.routing.policy_args import check_keys
+
 if TYPE_CHECKING:
     import torch
 
@@ -102,6 +104,12 @@ class TokenPolicy(ABC):
         self.model_index = model_index
         self.args = dict(args)
         self.artifacts_dir = artifacts_dir
+        self.configure()
+
+    def configure(self) -> None:
+        """Check and read the policy's own arguments and artifacts (ValueError, OSError
+        for a preset it cannot run); called once by __init__. This one takes none."""
+        check_keys(self.name, self.args, ())
 
     @abstractmethod
     def route(self, batch: RouteBatch) -> list[int]:

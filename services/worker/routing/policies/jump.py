@@ -10,15 +10,13 @@ Only the small side loads the router.
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
 from services.worker.routing.api import STAY, RouteBatch, TokenPolicy, hand_after, hand_rewrite
-from services.worker.routing.policies.args import check_keys, float_arg
 from services.worker.routing.policies.routers import RouterNet, load_router, load_router_meta
+from services.worker.routing.policy_args import check_keys, float_arg
 from shared.model_store import model_digest
 
 SMALL, LARGE = 0, 1  # indices in the preset's `models`
@@ -29,39 +27,32 @@ class OneTokenJumpPolicy(TokenPolicy):
 
     threshold_arg: ClassVar[str]  # the preset argument that overrides the calibrated threshold
 
-    def __init__(
-        self,
-        models: list[str],
-        model_index: int,
-        args: Mapping[str, float | str],
-        artifacts_dir: Path,
-    ) -> None:
-        super().__init__(models, model_index, args, artifacts_dir)
+    def configure(self) -> None:
         check_keys(self.name, self.args, (self.threshold_arg,))
-        meta = load_router_meta(artifacts_dir, self.name)
-        if models[SMALL] != meta["small_model"]:
+        meta = load_router_meta(self.artifacts_dir, self.name)
+        if self.models[SMALL] != meta["small_model"]:
             raise ValueError(
-                f"policy {self.name!r}: the router in {artifacts_dir} was trained on "
+                f"policy {self.name!r}: the router in {self.artifacts_dir} was trained on "
                 f"{meta['small_model']!r}, which must be the preset's first model "
-                f"(got {models[SMALL]!r})"
+                f"(got {self.models[SMALL]!r})"
             )
         trained_on = meta.get("small_model_digest")
         if (
             trained_on is not None
-            and model_index == SMALL
-            and model_digest(models[SMALL]) != trained_on
+            and self.model_index == SMALL
+            and model_digest(self.models[SMALL]) != trained_on
         ):
             raise ValueError(
-                f"policy {self.name!r}: the router in {artifacts_dir} was trained on other "
-                f"weights of {models[SMALL]!r}: retrain it with `just routers`"
+                f"policy {self.name!r}: the router in {self.artifacts_dir} was trained on other "
+                f"weights of {self.models[SMALL]!r}: retrain it with `just routers`"
             )
         self.meta: dict[str, Any] = meta
         self.threshold = float_arg(
             self.name, self.args, self.threshold_arg, float(meta["threshold"]), 0.0, 1.0
         )
         self.net: RouterNet | None = None
-        if model_index == SMALL:
-            self.net, _ = load_router(artifacts_dir, self.name)
+        if self.model_index == SMALL:
+            self.net, _ = load_router(self.artifacts_dir, self.name)
 
     def route(self, batch: RouteBatch) -> list[int]:
         if self.model_index != SMALL:

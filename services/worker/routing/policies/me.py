@@ -21,13 +21,11 @@ sampled token always stands (hand_after(j)).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 
 from services.worker.routing.api import STAY, RouteBatch, TokenPolicy, hand_after
-from services.worker.routing.policies.args import check_keys, float_arg, floats_arg
+from services.worker.routing.policy_args import check_keys, float_arg, floats_arg
 
 PAPER_WEIGHTS = (0.5, 0.3, 0.2)
 
@@ -43,19 +41,12 @@ class MEPolicy(TokenPolicy):
     min_models = 2
     max_models = 3
 
-    def __init__(
-        self,
-        models: list[str],
-        model_index: int,
-        args: Mapping[str, float | str],
-        artifacts_dir: Path,
-    ) -> None:
-        super().__init__(models, model_index, args, artifacts_dir)
+    def configure(self) -> None:
         check_keys(self.name, self.args, ("weights", "seed"))
-        weights = floats_arg(self.name, self.args, "weights", PAPER_WEIGHTS[: len(models)])
-        if len(weights) != len(models) or any(w < 0 for w in weights) or sum(weights) <= 0:
+        weights = floats_arg(self.name, self.args, "weights", PAPER_WEIGHTS[: len(self.models)])
+        if len(weights) != len(self.models) or any(w < 0 for w in weights) or sum(weights) <= 0:
             raise ValueError(
-                f"policy 'me': weights must be {len(models)} non-negative numbers with a "
+                f"policy 'me': weights must be {len(self.models)} non-negative numbers with a "
                 f"positive sum, got {weights}"
             )
         total = sum(weights)

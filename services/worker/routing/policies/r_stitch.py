@@ -16,14 +16,12 @@ docs/token-routing.md); the preset argument `tau` overrides it.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 
 from services.worker.routing.api import STAY, RouteBatch, TokenPolicy, hand_after, hand_rewrite
-from services.worker.routing.policies.args import check_keys, float_arg
 from services.worker.routing.policies.routers import load_router_meta
+from services.worker.routing.policy_args import check_keys, float_arg
 
 SMALL, LARGE = 0, 1
 
@@ -39,16 +37,9 @@ def normalized_entropy(logits: torch.Tensor) -> torch.Tensor:
 class RStitchPolicy(TokenPolicy):
     name = "r-stitch"
 
-    def __init__(
-        self,
-        models: list[str],
-        model_index: int,
-        args: Mapping[str, float | str],
-        artifacts_dir: Path,
-    ) -> None:
-        super().__init__(models, model_index, args, artifacts_dir)
+    def configure(self) -> None:
         check_keys(self.name, self.args, ("tau",))
-        meta = load_router_meta(artifacts_dir, self.name)
+        meta = load_router_meta(self.artifacts_dir, self.name)
         self.tau = float_arg(self.name, self.args, "tau", float(meta["threshold"]), 0.0, 1.0)
 
     def route(self, batch: RouteBatch) -> list[int]:

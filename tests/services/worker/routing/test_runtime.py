@@ -226,6 +226,9 @@ class Always(TokenPolicy):
 
     name = "always"
 
+    def configure(self) -> None:  # takes its destination as an argument
+        pass
+
     def route(self, batch: RouteBatch) -> list[int]:
         return [int(self.args["dest"])] * len(batch.states)
 
