@@ -208,6 +208,16 @@ __all__ = [
 ]
 
 
+def service_parser(name: str, description: str) -> argparse.ArgumentParser:
+    """The command line every `python -m services.<name>` shares: --cluster; a service
+    adds its own flags."""
+    parser = argparse.ArgumentParser(prog=f"python -m services.{name}", description=description)
+    parser.add_argument(
+        "--cluster", help="cluster file (default $BATON_CLUSTER or configs/local.toml)"
+    )
+    return parser
+
+
 def cluster_service_main(
     name: str,
     description: str,
@@ -218,11 +228,7 @@ def cluster_service_main(
     the process to the section's `cpus`, build the service and run it. Exit 2 for a bad
     cluster file, CPUs it cannot have or settings the service refuses (ValueError from
     `build`)."""
-    parser = argparse.ArgumentParser(prog=f"python -m services.{name}", description=description)
-    parser.add_argument(
-        "--cluster", help="cluster file (default $BATON_CLUSTER or configs/local.toml)"
-    )
-    args = parser.parse_args(argv)
+    args = service_parser(name, description).parse_args(argv)
     log = configure_logging(name)
     try:
         cluster = load_cluster(args.cluster)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 
@@ -10,16 +9,11 @@ from uvicorn.config import STARTUP_FAILURE
 
 from shared.config import ConfigError, load_cluster
 from shared.logging import configure_logging
-from shared.runtime import pin_cpus
+from shared.runtime import pin_cpus, service_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m services.gateway", description="Serve the OpenAI API."
-    )
-    parser.add_argument(
-        "--cluster", help="cluster file (default $BATON_CLUSTER or configs/local.toml)"
-    )
+    parser = service_parser("gateway", "Serve the OpenAI API.")
     parser.add_argument("--gateway-id", help="unique gateway id (default gw-host-pid)")
     args = parser.parse_args(argv)
     log = configure_logging("gateway")

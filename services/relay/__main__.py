@@ -14,13 +14,14 @@ def build(cluster: ClusterConfig) -> StoppableService:
     return RelayService(cluster)
 
 
+DESCRIPTION = (
+    "Move token-level hand-offs (PeerReqs) between workers; hand a request back to its "
+    "origin when a peer dies or times out."
+)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return cluster_service_main(
-        "relay",
-        "Move token-level hand-offs (PeerReqs) between workers; hand a request back to its origin when a peer dies or times out.",
-        build,
-        argv,
-    )
+    return cluster_service_main("relay", DESCRIPTION, build, argv)
 
 
 if __name__ == "__main__":

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 from shared.config import ConfigError, Env, load_cluster
 from shared.logging import configure_logging
-from shared.runtime import pin_cpus, run_service
+from shared.runtime import pin_cpus, run_service, service_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m services.worker", description="Run one model instance."
-    )
-    parser.add_argument(
-        "--cluster", help="cluster file (default $BATON_CLUSTER or configs/local.toml)"
-    )
+    parser = service_parser("worker", "Run one model instance.")
     parser.add_argument("--model", help="model to serve (default $BATON_MODEL)")
     parser.add_argument("--instance-id", help="unique instance id (default model-host-pid)")
     args = parser.parse_args(argv)
