@@ -40,8 +40,8 @@ from services.estimator.sfs.baselines import ArrivalRateEstimator, lps_ttft_s
 from services.estimator.sfs.correction import TtftCorrection
 from services.estimator.sfs.fit import FitResult, OnlineBatchTimeFitter
 from services.estimator.sfs.kernel import KernelState
+from services.estimator.sfs.output_policy import OutputPolicy
 from services.estimator.sfs.replay import (
-    OutputPolicy,
     Probe,
     admissible_pending,
     in_dispatch_order,
