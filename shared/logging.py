@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -79,6 +80,17 @@ class RetryLog:
             self._last_logged_s, self._num_quiet = now, 0
         else:
             self._num_quiet += 1
+
+    async def attempt(self, step: Callable[[], Awaitable[object]]) -> bool:
+        """await step(): an exception is logged as a failure of the stretch, a return as
+        a success. Returns whether it succeeded."""
+        try:
+            await step()
+        except Exception as exc:
+            self.failed(error=str(exc) or type(exc).__name__)
+            return False
+        self.ok()
+        return True
 
     def ok(self) -> None:
         if self.num_failed:

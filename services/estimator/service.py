@@ -130,12 +130,7 @@ class EstimatorService:
             while not self._stop.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.settings.registry_refresh_s)
-                try:
-                    await self.refresh_workers()
-                except Exception as exc:
-                    registry_failures.failed(error=str(exc))
-                else:
-                    registry_failures.ok()
+                await registry_failures.attempt(self.refresh_workers)
                 if self.settings.shared_ledger:
                     self.shared_ledger.expire(time.time())
                     self._ledger_dirty.set()
@@ -168,12 +163,7 @@ class EstimatorService:
             await asyncio.sleep(period_s)
             if self._stop.is_set():
                 return
-            try:
-                await step()
-            except Exception as exc:
-                failures.failed(error=repr(exc))
-            else:
-                failures.ok()
+            await failures.attempt(step)
 
     async def refresh_workers(self) -> None:
         live = await self.store.read_live_workers(self.workers, self._registry_epoch)

@@ -78,12 +78,9 @@ class WorkerDirectory:
         workers that went away."""
         # This gateway lives: workers keep its requests (they abort a dead gateway's).
         # On its own: a failed write must not stop the registry read.
-        try:
-            await self._store.register_gateway(self.owner_token, ttl_s=self._liveness_ttl_s)
-        except Exception as exc:
-            self._liveness_failures.failed(error=str(exc))
-        else:
-            self._liveness_failures.ok()
+        await self._liveness_failures.attempt(
+            lambda: self._store.register_gateway(self.owner_token, ttl_s=self._liveness_ttl_s)
+        )
         live = await self._store.read_live_workers(self.workers, self._registry_epoch)
         for gone in departed(self.workers, live):
             num = self._streams.fail_instance(

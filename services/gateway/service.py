@@ -193,12 +193,7 @@ class GatewayService:
             await asyncio.sleep(self.settings.registry_refresh_s)
             if self._closing:
                 return
-            try:
-                await self.directory.refresh()
-            except Exception as exc:
-                failures.failed(error=str(exc))
-            else:
-                failures.ok()
+            await failures.attempt(self.directory.refresh)
 
     async def _watch_silence(self) -> None:
         """Fail the requests whose worker sent nothing for event_timeout_s (504): looked

@@ -108,6 +108,10 @@ class RelayService:
         self._placed.add(best, request_id)
         return best
 
+    async def _refresh_or_keep(self) -> None:
+        """Refresh the view; on a Redis hiccup keep the last one (logged)."""
+        await self._refresh_failures.attempt(self._refresh)
+
     async def _refresh(self) -> None:
         self.workers = await self.store.read_live_workers(self.workers, self._registry_epoch)
         self._snapshots.keep_only(self.workers)
@@ -149,12 +153,7 @@ class RelayService:
         if now - self._last_retry_s < RETRY_REFRESH_S:
             return
         self._last_retry_s = now
-        try:
-            await self._refresh()
-        except Exception as exc:  # Redis hiccup: keep the last view
-            self._refresh_failures.failed(error=repr(exc))
-        else:
-            self._refresh_failures.ok()
+        await self._refresh_or_keep()
 
     async def _send(self, sends: list[Send]) -> None:
         ns = self.cluster.namespace
@@ -203,12 +202,7 @@ class RelayService:
                 now = time.monotonic()
                 if now >= next_refresh:
                     next_refresh = now + self.settings.registry_refresh_s
-                    try:
-                        await self._refresh()
-                    except Exception as exc:  # Redis hiccup: keep the last view
-                        self._refresh_failures.failed(error=repr(exc))
-                    else:
-                        self._refresh_failures.ok()
+                    await self._refresh_or_keep()
                 await self._send(self.books.check(now))
         finally:
             c = self.books.counters

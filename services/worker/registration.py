@@ -94,19 +94,13 @@ class Registration:
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
             if self._closing:
                 return
-            try:
-                await self.register()
-                await writer.read_calibration()
-            except Exception as exc:
-                failures.failed(error=str(exc))
-            else:
-                failures.ok()
-            try:  # on its own: a calibration that keeps failing must not stop it
-                await self.check_owners(answers, inbox)
-            except Exception as exc:
-                orphan_failures.failed(error=str(exc))
-            else:
-                orphan_failures.ok()
+            await failures.attempt(lambda: self._renew(writer))
+            # on its own: a calibration that keeps failing must not stop it
+            await orphan_failures.attempt(lambda: self.check_owners(answers, inbox))
+
+    async def _renew(self, writer: SnapshotWriter) -> None:
+        await self.register()
+        await writer.read_calibration()
 
     async def check_owners(self, answers: Answers, inbox: Inbox) -> None:
         """Abort the requests whose owning gateway is gone (orphans.py), through the
