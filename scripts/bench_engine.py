@@ -240,7 +240,9 @@ def main() -> None:
         """The engine as a worker serves it (packed as LLMEngine.create packs it)."""
         model = build_model(cfg, dict(state), conf.torch_dtype, torch.device("cpu"))
         if conf.pack_weights:
-            model.pack_for_cpu(batch_hint=conf.scheduler.max_num_seqs, fp16_weights=conf.fp16_weights)
+            model.pack_for_cpu(
+                batch_hint=conf.scheduler.max_num_seqs, fp16_weights=conf.fp16_weights
+            )
         return LLMEngine(conf, model)
 
     def label(conf: EngineConfig) -> str:

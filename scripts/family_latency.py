@@ -62,11 +62,15 @@ def make_engine(model: str, config: EngineConfig) -> LLMEngine:
     delta = read_delta(model)
     state = apply_delta(state, delta)
     cfg = dataclasses.replace(
-        cfg, num_hidden_layers=len(delta.layers), max_position_embeddings=config.scheduler.max_model_len
+        cfg,
+        num_hidden_layers=len(delta.layers),
+        max_position_embeddings=config.scheduler.max_model_len,
     )
     built = build_model(cfg, state, config.torch_dtype, torch.device(config.device))
     if config.pack_weights:
-        built.pack_for_cpu(batch_hint=config.scheduler.max_num_seqs, fp16_weights=config.fp16_weights)
+        built.pack_for_cpu(
+            batch_hint=config.scheduler.max_num_seqs, fp16_weights=config.fp16_weights
+        )
     return LLMEngine(config, built)
 
 

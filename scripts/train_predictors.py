@@ -244,7 +244,10 @@ def greedy_lengths(
     long = [it for it in items if len(it.prompt_ids) > LONG_PROMPT_TOKENS]
     out: dict[str, tuple[int, bool]] = {}
     with tqdm(total=len(items), desc=desc, unit="answer", leave=False) as bar:
-        for group, concurrency in ((short, engine.config.scheduler.max_num_seqs), (long, LONG_CONCURRENCY)):
+        for group, concurrency in (
+            (short, engine.config.scheduler.max_num_seqs),
+            (long, LONG_CONCURRENCY),
+        ):
             queue = sorted(group, key=lambda it: len(it.prompt_ids))
             in_flight: dict[str, Item] = {}
             while queue or in_flight:

@@ -108,8 +108,7 @@ def test_the_rule_sees_a_cross_service_import(tmp_path: Path) -> None:
     """The checker itself: a relative and an absolute import across services are found."""
     src = tmp_path / "probe.py"
     src.write_text(
-        "from services.estimator.sfs.replay import X\n"
-        "def f():\n    from ..batcher import service\n"
+        "from services.estimator.sfs.replay import X\ndef f():\n    from ..batcher import service\n"
     )
     names = [name for _, name in imported_modules(src, "services.worker.probe")]
     assert "services.estimator.sfs.replay" in names

@@ -47,7 +47,6 @@ Cpus = list[Annotated[int, msgspec.Meta(ge=0)]]
 SERVICES_WITH_CPUS = ("gateway", "estimator", "batcher", "relay")
 
 
-
 # ---------------------------------------------------------------------------
 # Cluster file schema (msgspec validates types and rejects unknown keys)
 
@@ -177,7 +176,6 @@ class BatcherConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # choice (clamped to the deadlock bound per N); empty = the chain decides.
     fixed_b: list[int] = []
     cpus: Cpus = []  # CPU ids the batcher process runs on (empty: any)
-
 
 
 class RelayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -1,6 +1,6 @@
 """Liveness probes for services without an HTTP port (compose healthchecks).
 
-    {ns}.health.{service}   HealthProbe -> HealthReply   (request/reply)
+{ns}.health.{service}   HealthProbe -> HealthReply   (request/reply)
 """
 
 from __future__ import annotations

@@ -69,9 +69,7 @@ def test_task_shapes_differ_as_the_paper_says() -> None:
     counter = WordCounter()
 
     def mean_len(name: str) -> float:
-        return float(
-            np.mean([counter.count(p.text) for p in load_prompt_set(name, data_dir())])
-        )
+        return float(np.mean([counter.count(p.text) for p in load_prompt_set(name, data_dir())]))
 
     assert mean_len("govreport") > mean_len("hotpotqa") > 10 * mean_len("alpaca")
 

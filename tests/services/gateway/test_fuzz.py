@@ -136,7 +136,9 @@ async def test_random_requests_get_2xx_or_4xx_and_leave_nothing_behind(stack: St
         if (
             stack.gateway.num_in_flight == 0
             and len(stack.gateway.streams) == 0
-            and all(not s.request_ids and s.num_free_blocks == s.scheduler.num_kv_blocks for s in snaps)
+            and all(
+                not s.request_ids and s.num_free_blocks == s.scheduler.num_kv_blocks for s in snaps
+            )
         ):
             break
         await asyncio.sleep(0.05)

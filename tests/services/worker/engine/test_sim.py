@@ -73,7 +73,11 @@ ARRIVALS: dict[int, list[tuple[str, int, int, int]]] = {
 def test_same_batches_as_a_live_scheduler() -> None:
     # Small KV and budget: chunked prefill, head-of-line blocking and preemption all occur.
     limits = SchedulerConfig(
-        max_num_seqs=4, max_num_batched_tokens=64, block_size=16, num_kv_blocks=24, max_model_len=384
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        block_size=16,
+        num_kv_blocks=24,
+        max_model_len=384,
     )
     cfg = SimEngineConfig(clock="virtual", scheduler=limits)
     sim = SimEngine.create(cfg, TOY)
@@ -313,7 +317,11 @@ def test_requests_from_another_thread() -> None:
 
 def test_like_copies_the_engine_limits() -> None:
     limits = SchedulerConfig(
-        max_num_seqs=5, max_num_batched_tokens=96, block_size=8, num_kv_blocks=300, max_model_len=1024
+        max_num_seqs=5,
+        max_num_batched_tokens=96,
+        block_size=8,
+        num_kv_blocks=300,
+        max_model_len=1024,
     )
     eng = EngineConfig(num_batch_samples=7, scheduler=limits)
     cfg = SimEngineConfig.like(eng, clock="virtual", seed=3)
