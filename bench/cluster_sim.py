@@ -40,7 +40,8 @@ from bench.sfs_evaluation import estimate_from_now
 from services.estimator.instances import InstanceState, LatencyEstimator, create_instance_state
 from services.estimator.ledger import Ledger, LedgerEntry
 from services.estimator.policies import InstanceView, Policy, Scores
-from services.estimator.sfs.replay import OutputPolicy, PendingRequest, Probe
+from services.estimator.sfs.output_policy import OutputPolicy
+from services.estimator.sfs.replay import PendingRequest, Probe
 from services.worker.engine.outputs import FinishReason
 from services.worker.engine.sim import SimEngine, SimEngineConfig, SimSequence
 from shared.config import ClusterConfig

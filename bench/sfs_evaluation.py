@@ -1,7 +1,7 @@
 """Measuring the estimator offline: error metrics, distribution distances, curve areas,
 and the SFS estimate of a request arriving while its instance runs an iteration.
 
-Used by `scripts/bench_sfs.py` (SFS benchmark) and `scripts/sim_fidelity.py`; pure.
+Used by `scripts/bench_sfs.py` (SFS benchmark) and `scripts/sfs_bias.py`; pure.
 
 In-flight-aware SFS estimate (`estimate_from_now`): an engine publishes its snapshot
 at the end of an iteration and starts the next one at once, so a query that arrives
@@ -26,8 +26,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from services.estimator.sfs.output_policy import OutputPolicy
 from services.estimator.sfs.replay import (
-    OutputPolicy,
     PendingLike,
     Probe,
     admissible_pending,

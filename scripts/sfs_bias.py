@@ -26,7 +26,8 @@ import bench_sfs  # noqa: E402  (the same trace mapping and load calibration)
 
 from bench.cluster_sim import Arrival, sfs_errors_on_sim  # noqa: E402
 from bench.sfs_evaluation import mape, signed_relative_errors  # noqa: E402
-from services.estimator.sfs.replay import OutputPolicy  # noqa: E402
+from bench.sfs_trace import calibrate_scale, trace_requests  # noqa: E402
+from services.estimator.sfs.output_policy import OutputPolicy  # noqa: E402
 from services.worker.engine.config import EngineConfig  # noqa: E402
 from services.worker.engine.sim import SimEngineConfig  # noqa: E402
 from shared.scheduling.batch_time import FEATURE_SETS, SEVEN_TERM, BatchTimeModel  # noqa: E402
@@ -92,8 +93,8 @@ def main() -> None:
     cfg = SimEngineConfig.like(engine, clock="virtual")
     inflation = args.ttft_inflation or part1.ttft_inflation
     duration_s = args.duration_s or part1.duration_s
-    _, rows = bench_sfs.trace_requests(part1)
-    scale, idle = bench_sfs.calibrate_scale(cfg, model, rows, inflation, duration_s)
+    _, rows = trace_requests(part1)
+    scale, idle = calibrate_scale(cfg, model, rows, inflation, duration_s)
     plan = [r for r in rows if r.offset_s * scale < duration_s]
     arrivals = [
         Arrival(f"m{i}", r.offset_s * scale, r.num_prompt_tokens, r.num_output_tokens)

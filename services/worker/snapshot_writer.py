@@ -32,7 +32,7 @@ from shared.logging import RetryLog, get_logger
 from shared.messages import encode
 from shared.messages.worker import CALIBRATION_DECODER, BatchTimeCalibration
 from shared.scheduling.batch_time import BatchTimeModel
-from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot
+from shared.scheduling.snapshot import BatchSample, WorkloadSnapshot, with_calibration
 from shared.scheduling.speed import RecentSpeed
 from shared.store import Store
 
@@ -192,9 +192,4 @@ class SnapshotWriter:
             if self._speed is None or self._calibrated is None
             else self._speed.factor(time.time())
         )
-        return msgspec.structs.replace(
-            snapshot,
-            batch_time_features=cal.feature_set,
-            batch_time_coefs=list(cal.coefs),
-            batch_time_speed=speed,
-        )
+        return with_calibration(snapshot, cal.feature_set, cal.coefs, speed)

@@ -255,6 +255,20 @@ def take_snapshot(scheduler: Scheduler, version: int, wall_time_s: float) -> Wor
     )
 
 
+def with_calibration(
+    snapshot: WorkloadSnapshot, feature_set: str, coefs: Sequence[float], speed: float
+) -> WorkloadSnapshot:
+    """`snapshot` as a worker publishes it under a batch-time calibration: the model it
+    is read under (`carries_calibration`) and how fast the latest iterations ran against
+    that model (`batch_time_speed`, shared/scheduling/speed.py)."""
+    return msgspec.structs.replace(
+        snapshot,
+        batch_time_features=feature_set,
+        batch_time_coefs=list(coefs),
+        batch_time_speed=speed,
+    )
+
+
 def describe_batch(
     batch: ScheduledBatch,
     scheduler: Scheduler,

@@ -28,7 +28,8 @@ from bench.sfs_evaluation import (
 )
 from bench.stats import percentile
 from services.estimator.policies import create_policy
-from services.estimator.sfs.replay import MAX_CATCH_UP_STEPS, OutputPolicy, PendingRequest, Probe
+from services.estimator.sfs.output_policy import OutputPolicy
+from services.estimator.sfs.replay import MAX_CATCH_UP_STEPS, PendingRequest, Probe
 from services.estimator.sfs.utility import default_ttft_target_s
 from services.worker.engine.sim import SimEngine, SimEngineConfig
 from shared.config import parse_cluster

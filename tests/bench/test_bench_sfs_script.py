@@ -15,14 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from bench.sfs_cells import TASKS
 from loadgen.data import has_files
 from loadgen.workloads import PROMPT_SET_FILES
 
 REPO = Path(__file__).resolve().parents[2]
 POLICIES = {"round-robin", "shortest-queue", "latency-agnostic", "sfs-constraint", "sfs-lagrangian"}
-
-
-PROMPT_SETS = [f"prompts/{PROMPT_SET_FILES[t]}" for t in ("alpaca", "hotpotqa", "govreport", "writingprompts")]
+PROMPT_SETS = [f"prompts/{PROMPT_SET_FILES[t]}" for t in TASKS]  # parts 2 and 3 read them
 
 
 @pytest.mark.skipif(not has_files(*PROMPT_SETS), reason="no data directory (`just data`)")

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from services.estimator.sfs import kernel, native, replay
-from services.estimator.sfs.replay import OutputPolicy, Probe, estimate, kernel_state
+from services.estimator.sfs.output_policy import OutputPolicy
+from services.estimator.sfs.replay import Probe, estimate, kernel_state
 from shared.scheduling.snapshot import take_snapshot
 from tests.services.estimator.sfs.builders import MODEL, random_live
 
