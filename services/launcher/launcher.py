@@ -153,13 +153,7 @@ class Launcher:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, lambda *_: self._raise_stop())
         try:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._check_gateway_port()  # before any server: a refusal starts nothing
-            self._start_redis()
-            self._check_namespace_free()  # before NATS: a refusal starts nothing
-            self._start_nats()
-            self._start_services()
-            if not self._wait_ready():
+            if not self.start():
                 return 1
             self._print_banner()
             return self._supervise(self._child_env())
@@ -171,6 +165,20 @@ class Launcher:
             return 1
         finally:
             self.stop()
+
+    def start(self) -> bool:
+        """Steps 1 to 3: the servers, the services, the wait until they serve; False when
+        none does (a service exited during start-up, no worker ready in time). ServerError:
+        a refusal, or a server that did not start. run() does this, then supervises; a
+        caller that only needs the deployment started (a benchmark's, in its own process:
+        the processes are its children) calls start() and, whatever it did, stop()."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._check_gateway_port()  # before any server: a refusal starts nothing
+        self._start_redis()
+        self._check_namespace_free()  # before NATS: a refusal starts nothing
+        self._start_nats()
+        self._start_services()
+        return self._wait_ready()
 
     def _raise_stop(self) -> None:
         raise KeyboardInterrupt

@@ -6,7 +6,6 @@ started running."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
@@ -18,13 +17,15 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from bench.gateway_anchors import http_floor_after_step_ms
+from bench.gateway_samples import RoundAnatomy, RoundBreakdown
+from bench.gateway_settings import Settings
+from bench.gateway_ttft_split import ServerSplit
 from shared import keys
 from shared.scheduling.snapshot import BatchSample
 from shared.store import Store
-from tests.scripts import SCRIPTS, load_script
+from tests.scripts import SCRIPTS
 from tests.services.launcher.test_launcher import assert_no_orphans, children_of
-
-bench = load_script("bench_gateway")
 
 
 def sample(
@@ -50,7 +51,7 @@ OTHERS = [sample(99.99, 0.002), sample(100.02, 0.002)]
 
 
 def test_a_round_splits_into_lead_steps_gaps_and_tail() -> None:
-    anatomy = bench.RoundAnatomy()
+    anatomy = RoundAnatomy()
     anatomy.add(list(reversed(ROUND)) + OTHERS, 100.0, 100.009)  # any order
     got = anatomy.summary()
     assert got["steps"] == 3
@@ -63,7 +64,7 @@ def test_a_round_splits_into_lead_steps_gaps_and_tail() -> None:
 
 
 def test_the_decode_step_is_the_median_of_the_largest_decode_only_batches() -> None:
-    anatomy = bench.RoundAnatomy()
+    anatomy = RoundAnatomy()
     steps = [
         sample(100.000, 0.008, num_decodes=3, prefill=30),  # prefill: not a decode step
         sample(100.010, 0.003, num_decodes=15),  # a smaller batch
@@ -78,7 +79,7 @@ def test_the_decode_step_is_the_median_of_the_largest_decode_only_batches() -> N
 
 
 def test_intake_runs_from_the_first_step_to_the_last_with_prompt_tokens() -> None:
-    anatomy = bench.RoundAnatomy()
+    anatomy = RoundAnatomy()
     steps = [
         sample(100.001, 0.001, num_decodes=0, prefill=30),  # the first request alone
         sample(100.003, 0.002, num_decodes=1, prefill=60),  # two more came meanwhile
@@ -90,13 +91,13 @@ def test_intake_runs_from_the_first_step_to_the_last_with_prompt_tokens() -> Non
     got = anatomy.summary()
     assert got["prefill_steps"] == 3
     assert got["intake_ms"] == pytest.approx(8.0)
-    anatomy = bench.RoundAnatomy()
+    anatomy = RoundAnatomy()
     anatomy.add(ROUND, 100.0, 100.009)  # decode steps only: nothing taken in
     assert anatomy.summary()["intake_ms"] == 0.0
 
 
 def test_the_summary_is_the_mean_of_the_rounds_and_empty_windows_are_skipped() -> None:
-    anatomy = bench.RoundAnatomy()
+    anatomy = RoundAnatomy()
     anatomy.add(ROUND, 100.0, 100.009)
     anatomy.add([sample(200.004, 0.004)], 200.0, 200.010)  # one step: no gap
     anatomy.add(ROUND, 300.0, 300.010)  # no sample in the window: not a round
@@ -105,7 +106,7 @@ def test_the_summary_is_the_mean_of_the_rounds_and_empty_windows_are_skipped() -
     assert got["lead_ms"] == pytest.approx(2.5)
     assert got["step_ms"] == pytest.approx(3.0)
     assert got["gaps_ms"] == pytest.approx(0.75)
-    assert bench.RoundAnatomy().summary() == {}
+    assert RoundAnatomy().summary() == {}
 
 
 async def test_the_worker_side_reads_the_samples_the_worker_wrote(redis_url: str) -> None:
@@ -119,7 +120,7 @@ async def test_the_worker_side_reads_the_samples_the_worker_wrote(redis_url: str
             ttl_s=10,
             samples=[msgspec.msgpack.encode(s) for s in ROUND + OTHERS],
         )
-        rounds = bench.RoundBreakdown(store)
+        rounds = RoundBreakdown(store, "bench-0")
         await rounds.record("gateway", None, 100.0, 100.009)
         got = rounds.summary()
         assert got["gateway"]["steps"] == 3
@@ -135,7 +136,7 @@ async def test_the_worker_side_reads_the_samples_the_worker_wrote(redis_url: str
 def test_the_gateway_ttft_splits_by_its_own_stamps() -> None:
     """What the client waited beyond the gateway's prepare, route and submit -> first
     token is HTTP and SSE; a request whose last chunk lacks a part is left out."""
-    split = bench.ServerSplit()
+    split = ServerSplit()
     assert split.summary() == {}
     for ttft_s, first in ((0.005, 3.0), (0.007, 5.0), (0.006, 4.0)):
         split.record(
@@ -155,8 +156,8 @@ def test_the_gateway_ttft_splits_by_its_own_stamps() -> None:
 
 
 async def test_the_floor_after_a_step_waits_for_the_step_and_takes_it_out() -> None:
-    args = argparse.Namespace(client="aiohttp", idle_ms=1.0, worker_cpus=[])
-    after = await bench.http_floor_after_step_ms(args, step_ms=40.0, count=4)
+    settings = Settings(client="aiohttp", idle_ms=1.0)
+    after = await http_floor_after_step_ms(settings, step_ms=40.0, count=4)
     assert len(after) == 4
     # each answer came after the 40 ms step (else ~ -40 ms), and the step is taken out
     # (its median: one wake-up late on a loaded machine is not what this checks)
