@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"baton: {exc}", file=sys.stderr)
         return 2
-    from services.launcher.launcher import DEFAULT_MAX_RESTARTS, Launcher
+    from services.launcher.children import DEFAULT_MAX_RESTARTS
+    from services.launcher.launcher import Launcher
 
     log_dir = Path(args.log_dir or Env.LOG_DIR.get() or "logs")
     return Launcher(

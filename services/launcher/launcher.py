@@ -23,108 +23,36 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import math
 import os
 import signal
-import subprocess
 import sys
 import time
 import urllib.request
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from redis.exceptions import RedisError
-
+from services.launcher.children import (
+    DEFAULT_MAX_RESTARTS,
+    RESTART_WINDOW_S,
+    Child,
+    Restarts,
+    signals_held,
+)
+from services.launcher.preflight import check_gateway_port, check_namespace_free
 from services.launcher.servers import (
     ServerError,
     ServerProcess,
     host_port,
     is_reachable,
-    own_session_dying_with_parent,
     start_nats,
     start_redis,
     stop_process_group,
 )
 from shared.config import ClusterConfig, Env
-from shared.store import Store
-
-_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
-
-DEFAULT_MAX_RESTARTS = 5  # per child within RESTART_WINDOW_S; one more death stops all
-RESTART_WINDOW_S = 60.0
-RESTART_BACKOFF_S = (0.5, 30.0)  # the first restart's delay, doubling up to the second
-
-
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """Ctrl-C and SIGTERM wait until the block ends: a server started in it (its own
-    session, so the terminal's Ctrl-C does not reach it) is in `Launcher.servers`,
-    which stop() reaches, before the KeyboardInterrupt can be raised. The server itself
-    starts with the mask cleared (`own_session_dying_with_parent`)."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
-
-
-@dataclass
-class Restarts:
-    """The deaths of one supervised process within RESTART_WINDOW_S and its next start."""
-
-    deaths: deque[float] = field(default_factory=deque)  # monotonic times
-    restart_at: float | None = None  # monotonic time of a scheduled start (inf: never)
-
-    def schedule(self, now: float, max_restarts: int) -> float | None:
-        """Count a death at `now`: the delay before the restart, or None when this is
-        one death too many within the window (a crash loop)."""
-        while self.deaths and now - self.deaths[0] > RESTART_WINDOW_S:
-            self.deaths.popleft()
-        self.deaths.append(now)
-        if len(self.deaths) > max_restarts:
-            return None
-        first, cap = RESTART_BACKOFF_S
-        delay = min(cap, first * 2 ** (len(self.deaths) - 1))
-        self.restart_at = now + delay
-        return delay
-
-    def is_due(self, now: float) -> bool:
-        if self.restart_at is None or self.restart_at > now:
-            return False
-        self.restart_at = None
-        return True
-
-
-@dataclass
-class Child:
-    name: str
-    cmd: list[str]
-    log_path: Path
-    process: subprocess.Popen[bytes] | None = None
-    restarts: Restarts = field(default_factory=Restarts)
-
-    @property
-    def returncode(self) -> int | None:
-        return None if self.process is None else self.process.returncode
-
-    @property
-    def is_worker(self) -> bool:
-        return self.name.startswith("worker ")
-
-    def start(self, env: dict[str, str]) -> None:
-        with open(self.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
-            self.process = subprocess.Popen(
-                self.cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                preexec_fn=own_session_dying_with_parent,
-            )
 
 
 @dataclass
@@ -173,9 +101,11 @@ class Launcher:
         caller that only needs the deployment started (a benchmark's, in its own process:
         the processes are its children) calls start() and, whatever it did, stop()."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._check_gateway_port()  # before any server: a refusal starts nothing
+        check_gateway_port(self.cluster)  # before any server: a refusal starts nothing
         self._start_redis()
-        self._check_namespace_free()  # before NATS: a refusal starts nothing
+        check_namespace_free(  # before NATS: a refusal starts nothing
+            self.cluster, self.redis_url, any(s.name == "redis" for s in self.servers), self.say
+        )
         self._start_nats()
         self._start_services()
         return self._wait_ready()
@@ -223,64 +153,16 @@ class Launcher:
 
     def _start_server(self, start: Callable[[], ServerProcess], log_path: Path) -> ServerProcess:
         """Start a server of step 1 and keep `start` to restart it on its port (step 4)."""
-        with _signals_held():
+        with signals_held():
             server = start()
             self.servers.append(server)
         self._server_starts[server.name] = (start, log_path, Restarts())
         return server
 
-    def _check_namespace_free(self) -> None:
-        """Refuse to start a second deployment in a namespace whose workers are live.
-
-        Two deployments on one NATS/Redis and namespace share workers, snapshots and
-        relay subjects without knowing it (hand-offs time out, routing counts the other's
-        load). A deployment that was killed leaves registrations that expire within the
-        heartbeat TTL, so one wait of that long tells a dead deployment from a live one.
-        """
-        if not any(s.name == "redis" for s in self.servers):
-            live = self._live_worker_ids()
-            if live:
-                wait_s = self.cluster.worker.heartbeat_ttl_s + 0.5
-                self.say(
-                    f"namespace {self.cluster.namespace!r} lists workers ({', '.join(live)}); "
-                    f"waiting {wait_s:.1f} s for the registrations of a stopped deployment to expire"
-                )
-                time.sleep(wait_s)
-                live = self._live_worker_ids()
-            if live:
-                raise ServerError(
-                    f"namespace {self.cluster.namespace!r} at {self.redis_url} already has live "
-                    f"workers ({', '.join(live)}): another Baton deployment is running there. "
-                    "Stop it, or give this one its own namespace "
-                    "(BATON_NAMESPACE=<name> or `namespace` in the cluster file)"
-                )
-
-    def _live_worker_ids(self) -> list[str]:
-        store = Store(self.redis_url, self.cluster.namespace)
-
-        async def read() -> list[str]:
-            try:
-                await store.connect()
-                return [w.instance_id for w in await store.live_workers()]
-            finally:
-                await store.close()
-
-        try:
-            return asyncio.run(read())
-        except RedisError as exc:  # it answers on the port but not as we need (auth, ...)
-            raise ServerError(f"the Redis server at {self.redis_url} failed: {exc}") from None
-
     # 2. services ------------------------------------------------------------
 
-    def _check_gateway_port(self) -> None:
-        gw = self.cluster.gateway
-        if is_reachable(gw.host, gw.port):
-            raise ServerError(
-                f"port {gw.port} on {gw.host} is in use: set BATON_PORT or [gateway] port"
-            )
-
     def _start_services(self) -> None:
-        self._check_gateway_port()  # (again: it may have been taken while servers started)
+        check_gateway_port(self.cluster)  # (again: it may have been taken while servers started)
         env = self._child_env()
         py = [sys.executable, "-m"]
         self.children.append(
@@ -440,7 +322,7 @@ class Launcher:
                 if not restarts.is_due(now):
                     continue
                 try:
-                    with _signals_held():
+                    with signals_held():
                         self.servers[i] = start()
                 except ServerError as exc:  # its next death: retried after the next backoff
                     name = f"{server.name}-server"
