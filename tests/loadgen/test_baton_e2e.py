@@ -96,13 +96,21 @@ async def run_loadgen(*args: str) -> tuple[int, str]:
     return proc.returncode, text
 
 
-def read_lines(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+async def saved_run(stem: Path, *args: str) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
+    """run_loadgen saving its result to `stem`.json and its per-request lines to
+    `stem`.jsonl; it must exit 0. (The result, the lines, the output.)"""
+    result_file, detail_file = stem.with_suffix(".json"), stem.with_suffix(".jsonl")
+    rc, out = await run_loadgen(
+        *args, "--save-result", str(result_file), "--save-detailed", str(detail_file)
+    )
+    assert rc == 0, out
+    details = [json.loads(line) for line in detail_file.read_text().splitlines()]
+    return json.loads(result_file.read_text()), details, out
 
 
 async def test_azure_trace_replay_against_baton(baton_stack: Stack, tmp_path: Path) -> None:
-    result_file, detail_file = tmp_path / "azure.json", tmp_path / "azure.jsonl"
-    rc, out = await run_loadgen(
+    result, lines, out = await saved_run(
+        tmp_path / "azure",
         "--base-url",
         baton_stack.base_url,
         "--model",
@@ -122,13 +130,7 @@ async def test_azure_trace_replay_against_baton(baton_stack: Stack, tmp_path: Pa
         "tpot:1000",
         "--label",
         "baton-azure",
-        "--save-result",
-        str(result_file),
-        "--save-detailed",
-        str(detail_file),
     )
-    assert rc == 0, out
-    result = json.loads(result_file.read_text())
 
     for name in REQUIRED_NUMBERS:
         value = result[name]
@@ -184,7 +186,6 @@ async def test_azure_trace_replay_against_baton(baton_stack: Stack, tmp_path: Pa
     assert all(v["completed"] > 0 for v in result["per_instance"].values())
     assert result["num_with_server_request_id"] == NUM_REQUESTS
 
-    lines = read_lines(detail_file)
     assert len(lines) == NUM_REQUESTS
     assert all(x["status"] == "ok" and x["served_model"] == "random-tiny" for x in lines)
     assert all(x["end_ns"] >= x["first_token_ns"] > x["start_ns"] > 10**18 for x in lines)
@@ -222,27 +223,12 @@ async def test_bad_requests_are_failures_not_crashes(baton_stack: Stack, tmp_pat
         )
         + "\n"
     )
-    result_file, detail_file = tmp_path / "bad.json", tmp_path / "bad.jsonl"
-    rc, out = await run_loadgen(
-        "--base-url",
-        baton_stack.base_url,
-        "--model",
-        "random-tiny",
-        "--dataset",
-        "jsonl",
-        "--dataset-path",
-        str(prompts),
-        "--num-prompts",
-        "12",
-        "--request-rate",
-        "40",
-        "--save-result",
-        str(result_file),
-        "--save-detailed",
-        str(detail_file),
+    options = "--model random-tiny --dataset jsonl --num-prompts 12 --request-rate 40"
+    result, lines, out = await saved_run(
+        tmp_path / "bad",
+        *("--base-url", baton_stack.base_url, "--dataset-path", str(prompts)),
+        *options.split(),
     )
-    assert rc == 0, out
-    result = json.loads(result_file.read_text())
     assert result["completed"] == 4 and result["failed"] == 8
     assert result["failed_by_status"] == {"http_error": 8}
     assert result["failed_by_http_status"] == {"404": 4, "400": 4}
@@ -252,7 +238,6 @@ async def test_bad_requests_are_failures_not_crashes(baton_stack: Stack, tmp_pat
     assert per_task["good"]["completed"] == 4
     assert per_task["404"]["completed"] == 0 and per_task["too-long"]["completed"] == 0
     assert result["mean_ttft_ms"] is not None and result["slo_attainment"] <= 4 / 12
-    lines = read_lines(detail_file)
     assert {x["http_status"] for x in lines if x["status"] == "http_error"} == {400, 404}
     assert all(x["ttft_ms"] is None for x in lines if x["status"] != "ok")
     assert "Failed requests:" in out and "http_error" in out

@@ -68,19 +68,31 @@ def server() -> Iterator[tuple[str, FastAPI]]:
         yield running
 
 
-def _run(tmp_path: Path, name: str, *args: str) -> dict[str, Any]:
+@pytest.fixture
+def url(server: tuple[str, FastAPI]) -> str:
+    return server[0]
+
+
+@pytest.fixture
+def fresh(server: tuple[str, FastAPI]) -> tuple[str, FastAPI]:
+    """The module's server, with no request seen yet."""
+    server[1].state.seen.clear()
+    return server
+
+
+def _run(tmp_path: Path, name: str, base_url: str, *args: str) -> dict[str, Any]:
+    """loadgen against `base_url`, to its end; its saved result."""
     out = tmp_path / f"{name}.json"
-    assert main([*args, "--save-result", str(out), "--disable-tqdm"]) == 0
+    argv = ["--base-url", base_url, *args, "--save-result", str(out), "--disable-tqdm"]
+    assert main(argv) == 0
     return json.loads(out.read_text())
 
 
-def test_azure_replay_time_compressed(server: tuple[str, FastAPI], tmp_path: Path) -> None:
-    url, app = server
-    app.state.seen.clear()
+def test_azure_replay_time_compressed(fresh: tuple[str, FastAPI], tmp_path: Path) -> None:
+    url, app = fresh
     result = _run(
         tmp_path,
         "azure",
-        "--base-url",
         url,
         "--trace",
         str(AZURE),
@@ -153,67 +165,31 @@ def test_azure_replay_time_compressed(server: tuple[str, FastAPI], tmp_path: Pat
         assert (tmp_path / "plots" / png).stat().st_size > 10_000
 
 
-def test_server_errors_are_failures_not_crashes(
-    server: tuple[str, FastAPI], tmp_path: Path
-) -> None:
-    url, _ = server
-    result = _run(
-        tmp_path,
-        "fail",
-        "--base-url",
-        f"{url}/fail",
-        "--model",
-        "m",
-        "--request-rate",
-        "100",
-        "--num-prompts",
-        "8",
-    )
+def test_server_errors_are_failures_not_crashes(url: str, tmp_path: Path) -> None:
+    options = "--model m --request-rate 100 --num-prompts 8"
+    result = _run(tmp_path, "fail", f"{url}/fail", *options.split())
     assert result["completed"] == 0 and result["failed"] == 8
     assert result["failed_by_http_status"] == {"500": 8}
     assert result["error_samples"] == ["HTTP 500: engine exploded"]
     assert result["mean_ttft_ms"] is None and result["slo_attainment"] == 0.0
 
 
-def test_broken_stream_and_refused_connection(server: tuple[str, FastAPI], tmp_path: Path) -> None:
-    url, _ = server
-    broken = _run(
-        tmp_path,
-        "broken",
-        "--base-url",
-        f"{url}/broken",
-        "--model",
-        "m",
-        "--num-prompts",
-        "4",
-        "--max-tokens",
-        str(MAX_CHUNKS),
-    )
+def test_broken_stream_and_refused_connection(url: str, tmp_path: Path) -> None:
+    options = f"--model m --num-prompts 4 --max-tokens {MAX_CHUNKS}"
+    broken = _run(tmp_path, "broken", f"{url}/broken", *options.split())
     assert broken["failed"] == 4 and broken["failed_by_status"] == {"stream_error": 4}
-    refused = _run(
-        tmp_path,
-        "refused",
-        "--base-url",
-        f"http://127.0.0.1:{free_port()}",
-        "--model",
-        "m",
-        "--num-prompts",
-        "3",
-        "--timeout",
-        "5",
-    )
+    options = "--model m --num-prompts 3 --timeout 5"
+    refused = _run(tmp_path, "refused", f"http://127.0.0.1:{free_port()}", *options.split())
     assert refused["failed"] == 3 and refused["failed_by_status"] == {"connect_error": 3}
 
 
 def test_closed_loop_for_a_duration_on_completions(
-    server: tuple[str, FastAPI], tmp_path: Path
+    fresh: tuple[str, FastAPI], tmp_path: Path
 ) -> None:
-    url, app = server
-    app.state.seen.clear()
+    url, app = fresh
     result = _run(
         tmp_path,
         "closed",
-        "--base-url",
         url,
         "--endpoint",
         "completions",
@@ -249,23 +225,9 @@ def test_the_run_is_measured_with_the_heap_frozen(
     gc.unfreeze()  # whatever an earlier test in this process froze
     app.state.frozen = []
     try:
+        options = "--request-rate 200 --num-prompts 6 --random-input-len 20 --random-output-len 2"
         result = _run(
-            tmp_path,
-            "frozen",
-            "--base-url",
-            url,
-            "--model",
-            "m",
-            "--request-rate",
-            "200",
-            "--num-prompts",
-            "6",
-            "--dataset",
-            "random",
-            "--random-input-len",
-            "20",
-            "--random-output-len",
-            "2",
+            tmp_path, "frozen", url, "--model", "m", "--dataset", "random", *options.split()
         )
         frozen = list(app.state.frozen)
     finally:
@@ -275,16 +237,15 @@ def test_the_run_is_measured_with_the_heap_frozen(
     assert gc.get_freeze_count() == 0
 
 
-def test_a_callers_own_freeze_is_left_alone(server: tuple[str, FastAPI], tmp_path: Path) -> None:
-    url, _ = server
+def test_a_callers_own_freeze_is_left_alone(url: str, tmp_path: Path) -> None:
     gc.collect()
     gc.freeze()  # as a process that froze its heap once ready
     try:
         before = gc.get_freeze_count()
+        options = "--num-prompts 2 --random-input-len 20 --random-output-len 2"
         result = _run(
-            tmp_path, "caller", "--base-url", url, "--model", "m", "--num-prompts", "2",
-            "--dataset", "random", "--random-input-len", "20", "--random-output-len", "2",
-        )  # fmt: skip
+            tmp_path, "caller", url, "--model", "m", "--dataset", "random", *options.split()
+        )
         assert result["completed"] == 2
         # not unfrozen by loadgen (a few frozen objects may die meanwhile, freed as usual)
         assert gc.get_freeze_count() > before - 1000
@@ -292,16 +253,12 @@ def test_a_callers_own_freeze_is_left_alone(server: tuple[str, FastAPI], tmp_pat
         gc.unfreeze()
 
 
-def test_mmpp_mixed_workload_with_utility_table(
-    server: tuple[str, FastAPI], tmp_path: Path
-) -> None:
-    url, _ = server
+def test_mmpp_mixed_workload_with_utility_table(url: str, tmp_path: Path) -> None:
     table = tmp_path / "utility.json"
     table.write_text(json.dumps({"alpaca": {"fake-small": 0.5}, "*": {"fake-small": 1.0}}))
     result = _run(
         tmp_path,
         "mmpp",
-        "--base-url",
         url,
         "--arrival",
         "mmpp",

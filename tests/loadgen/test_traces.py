@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -73,15 +74,9 @@ def test_target_rate_picks_the_scale() -> None:
 
 
 def test_window_start_count_duration_and_caps() -> None:
-    window = TraceWindow(
-        start_s=2.0,
-        num_prompts=5,
-        duration_s=3.0,
-        time_scale=1.0,
-        max_input_tokens=450,
-        max_output_tokens=45,
-    )
-    rows, _ = select_rows(_rows(), window)
+    window = TraceWindow(start_s=2.0, num_prompts=5, duration_s=3.0, time_scale=1.0)
+    capped = dataclasses.replace(window, max_input_tokens=450, max_output_tokens=45)
+    rows, _ = select_rows(_rows(), capped)
     assert [r.offset_s for r in rows] == [0.0, 1.0, 2.0]  # rebased, cut at 3 s
     assert [r.input_tokens for r in rows] == [300, 400, 450]
     assert [r.output_tokens for r in rows] == [30, 40, 45]

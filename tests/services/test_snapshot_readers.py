@@ -27,20 +27,14 @@ from shared.config import ClusterConfig, parse_cluster
 from shared.messages.estimator import RouteRequest
 from shared.messages.peer import PeerRelease, PeerReq
 from shared.sampling import SamplingParams
-from shared.scheduling.scheduler import SchedulerConfig
 from shared.scheduling.snapshot import RequestCounters, WorkloadSnapshot
 from shared.scheduling.unshown import UnshownRequests
 from shared.store import Store
 from tests.services.estimator.test_policies import info
+from tests.shared.scheduling.builders import limits
 
 LIMITS: dict[str, Any] = {
-    "scheduler": SchedulerConfig(
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        block_size=16,
-        num_kv_blocks=64,
-        max_model_len=256,
-    ),
+    "scheduler": limits(seqs=8, budget=64, blocks=64, context=256),
     "num_free_blocks": 62,
 }
 

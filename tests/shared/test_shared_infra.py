@@ -6,6 +6,8 @@ import asyncio
 import re
 import socket
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import msgspec
 import pytest
@@ -20,8 +22,19 @@ from shared.messages.estimator import (
     RouteReply,
     RouteRequest,
 )
-from shared.messages.registry import WorkerInfo
 from shared.store import _WRITE_SNAPSHOT_SHA, Store
+from tests.support.builders import worker_info
+
+
+@asynccontextmanager
+async def connected_store(redis_url: str, namespace: str) -> AsyncIterator[Store]:
+    """A Store in `namespace`, connected for the block."""
+    store = Store(redis_url, namespace)
+    await store.connect()
+    try:
+        yield store
+    finally:
+        await store.close()
 
 
 def test_shipped_cluster_files_parse(repo_root) -> None:  # type: ignore[no-untyped-def]
@@ -58,49 +71,45 @@ def test_replica_ids_are_subject_tokens_and_never_shared() -> None:
         )
 
 
-def test_cluster_errors_are_clear() -> None:
-    with pytest.raises(ConfigError, match="unknown field `bogus`"):
-        parse_cluster("[gateway]\nbogus = 1\n", environ={})
-    with pytest.raises(ConfigError, match="unknown model 'nope'"):
-        parse_cluster('[models.a]\n[presets.p]\nmodels = ["nope"]\n', environ={})
-    with pytest.raises(ConfigError, match="BATON_PORT must be an integer"):
-        parse_cluster("", environ={"BATON_PORT": "eighty"})
-    with pytest.raises(ConfigError, match="Expected `int`"):
-        parse_cluster('[gateway]\nport = "x"\n', environ={})
-    with pytest.raises(ConfigError, match="origin_wait_s above it"):
-        parse_cluster("[relay]\npeer_timeout_s = 40.0\n", environ={})
-    with pytest.raises(ConfigError, match="guest_idle_s must be > 0"):
-        parse_cluster("[relay]\nguest_idle_s = 0\n", environ={})
-    with pytest.raises(ConfigError, match="unknown token_policy 'r2d2': use one of citer, "):
-        parse_cluster(
+A_INSTANCE = '[models.a]\n[[instances]]\nmodel = "a"\n'
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[gateway]\nbogus = 1\n", "unknown field `bogus`"),
+        ('[models.a]\n[presets.p]\nmodels = ["nope"]\n', "unknown model 'nope'"),
+        ('[gateway]\nport = "x"\n', "Expected `int`"),
+        ("[relay]\npeer_timeout_s = 40.0\n", "origin_wait_s above it"),
+        ("[relay]\nguest_idle_s = 0\n", "guest_idle_s must be > 0"),
+        (
             '[models.a]\n[models.b]\n[presets.p]\nmodels = ["a", "b"]\ntoken_policy = "r2d2"\n',
-            environ={},
-        )
-    with pytest.raises(ConfigError, match="policy 'routebalance' is not available"):
-        parse_cluster('[estimator]\npolicy = "routebalance"\n', environ={})
-    with pytest.raises(ConfigError, match="dtype"):
-        parse_cluster('[models.a]\ndtype = "fp8"\n', environ={})
-    with pytest.raises(ConfigError, match="weight_dtype"):
-        parse_cluster('[models.a]\nweight_dtype = "int4"\n', environ={})
-    # the engine's limits, checked when the file is read (not by each worker after loading)
-    small_kv = '[models.a]\n[[instances]]\nmodel = "a"\n[instances.scheduler]\nnum_kv_blocks = 8\n'
-    with pytest.raises(ConfigError, match="max_model_len=2048 needs more KV than num_kv_blocks=8"):
-        parse_cluster(small_kv, environ={})
-    with pytest.raises(ConfigError, match="scheduler limits must be positive, got max_num_seqs=0"):
-        parse_cluster(
-            '[models.a]\n[[instances]]\nmodel = "a"\n[instances.scheduler]\nmax_num_seqs = 0\n',
-            environ={},
-        )
-    with pytest.raises(ConfigError, match="threads must be >= 1"):
-        parse_cluster('[models.a]\n[[instances]]\nmodel = "a"\nthreads = 0\n', environ={})
-    # the limits live in [instances.scheduler]: flat ones and typos there are named
-    with pytest.raises(ConfigError, match=r"move max_num_seqs into \[instances.scheduler\]"):
-        parse_cluster('[models.a]\n[[instances]]\nmodel = "a"\nmax_num_seqs = 4\n', environ={})
-    with pytest.raises(ConfigError, match=r"unknown \[instances.scheduler\] key 'max_num_seq'"):
-        parse_cluster(
-            '[models.a]\n[[instances]]\nmodel = "a"\n[instances.scheduler]\nmax_num_seq = 4\n',
-            environ={},
-        )
+            "unknown token_policy 'r2d2': use one of citer, ",
+        ),
+        ('[estimator]\npolicy = "routebalance"\n', "policy 'routebalance' is not available"),
+        ('[models.a]\ndtype = "fp8"\n', "dtype"),
+        ('[models.a]\nweight_dtype = "int4"\n', "weight_dtype"),
+        # the engine's limits, checked when the file is read (not by each worker after loading)
+        (
+            A_INSTANCE + "[instances.scheduler]\nnum_kv_blocks = 8\n",
+            "max_model_len=2048 needs more KV than num_kv_blocks=8",
+        ),
+        (
+            A_INSTANCE + "[instances.scheduler]\nmax_num_seqs = 0\n",
+            "scheduler limits must be positive, got max_num_seqs=0",
+        ),
+        (A_INSTANCE + "threads = 0\n", "threads must be >= 1"),
+        # the limits live in [instances.scheduler]: flat ones and typos there are named
+        (A_INSTANCE + "max_num_seqs = 4\n", r"move max_num_seqs into \[instances.scheduler\]"),
+        (
+            A_INSTANCE + "[instances.scheduler]\nmax_num_seq = 4\n",
+            r"unknown \[instances.scheduler\] key 'max_num_seq'",
+        ),
+    ],
+)
+def test_cluster_errors_are_clear(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_cluster(text, environ={})
 
 
 @pytest.mark.parametrize(
@@ -169,13 +178,14 @@ def test_a_bad_entry_is_named(text: str, message: str) -> None:
             r"needs dtype float32 .*environment sets BATON_DTYPE, BATON_WEIGHT_DTYPE\)",
         ),
         ({"BATON_LOG_LEVEL": "loud"}, "BATON_LOG_LEVEL='loud': use debug, info"),
+        ({"BATON_PORT": "eighty"}, "BATON_PORT must be an integer"),
     ],
 )
 def test_a_bad_environment_value_is_named_by_its_variable(
     environ: dict[str, str], message: str
 ) -> None:
     with pytest.raises(ConfigError, match=message):
-        parse_cluster('[models.a]\n[[instances]]\nmodel = "a"\n', environ=environ)
+        parse_cluster(A_INSTANCE, environ=environ)
     ok = parse_cluster("", environ={"BATON_REDIS_URL": "unix:///tmp/r.sock?db=0"})
     assert ok.redis_url.startswith("unix://")
     for level in ("DEBUG", "warn", "critical"):  # what stdlib logging takes
@@ -216,9 +226,7 @@ def test_subjects_and_keys_are_namespaced() -> None:
 
 
 async def test_snapshot_write_is_atomic_and_staleness_is_visible(redis_url: str) -> None:
-    store = Store(redis_url, "infra")
-    await store.connect()
-    try:
+    async with connected_store(redis_url, "infra") as store:
         stop = asyncio.Event()
         torn = 0
 
@@ -253,8 +261,6 @@ async def test_snapshot_write_is_atomic_and_staleness_is_visible(redis_url: str)
         await store.write_snapshot("old", 2, b"x", ttl_s=5)
         again = (await store.read_snapshots(["old"]))["old"]
         assert again is not None and (again.version, again.data) == (2, b"x")
-    finally:
-        await store.close()
 
 
 async def test_snapshot_reads_survive_a_dropped_connection_and_a_cancelled_read(
@@ -263,9 +269,7 @@ async def test_snapshot_reads_survive_a_dropped_connection_and_a_cancelled_read(
     """The hot-read connection (redis_lane.Lane): a connection the server dropped is
     reopened for the same call; a read cancelled between its request and the reply
     closes the connection, so the next read never takes the stale reply."""
-    store = Store(redis_url, "hot")
-    await store.connect()
-    try:
+    async with connected_store(redis_url, "hot") as store:
         for iid, version in (("a", 1), ("b", 2)):
             await store.write_snapshot(iid, version, iid.encode(), ttl_s=30)
         blob = (await store.read_snapshots(["a"]))["a"]
@@ -301,16 +305,12 @@ async def test_snapshot_reads_survive_a_dropped_connection_and_a_cancelled_read(
         store.hot._timeout_s = 5.0  # this one waits out the rest of the pause
         both = await store.read_snapshots(["b", "a"])
         assert [(k, v.data if v else None) for k, v in both.items()] == [("b", b"b"), ("a", b"a")]
-    finally:
-        await store.close()
 
 
 async def test_an_error_reply_leaves_a_lane_in_step(redis_url: str) -> None:
     """redis_lane.Lane: an error reply read whole keeps the connection; one that leaves
     replies of its exchange unread closes it, so no later call reads them."""
-    store = Store(redis_url, "lane")
-    await store.connect()
-    try:
+    async with connected_store(redis_url, "lane") as store:
         lane = store.hot
         await store.redis.set("lane:str", b"v")
         with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
@@ -321,16 +321,12 @@ async def test_an_error_reply_leaves_a_lane_in_step(redis_url: str) -> None:
             await lane.execute(("mixed",), [("HGETALL", "lane:str"), ("GET", "lane:str")])
         assert not lane._conn.is_connected
         assert await lane.command("GET", "lane:str") == b"v"
-    finally:
-        await store.close()
 
 
 async def test_a_snapshot_write_appends_every_sample_in_order_and_survives_a_script_flush(
     redis_url: str,
 ) -> None:
-    store = Store(redis_url, "samples")
-    await store.connect()
-    try:
+    async with connected_store(redis_url, "samples") as store:
         many = [str(i).encode() for i in range(2_500)]  # over the script's RPUSH slice
         await store.write_snapshot("w", 1, b"a", ttl_s=5, samples=many, max_samples=10_000)
         assert await store.redis.lrange(keys.batch_samples("samples", "w"), 0, -1) == many
@@ -348,29 +344,15 @@ async def test_a_snapshot_write_appends_every_sample_in_order_and_survives_a_scr
         assert 0 < ttl_ms <= 5_000
         with pytest.raises(ValueError, match="max_samples"):
             await store.write_snapshot("w", 3, b"c", ttl_s=5, max_samples=0)
-    finally:
-        await store.close()
 
 
 async def test_registry_expires_without_heartbeat(redis_url: str) -> None:
-    store = Store(redis_url, "reg")
-    await store.connect()
-    try:
-        info = WorkerInfo(
-            instance_id="w",
-            model="m",
-            inbox="reg.worker.w.in",
-            max_model_len=1,
-            max_num_seqs=1,
-            started_at_s=0.0,
-            heartbeat_at_s=0.0,
-        )
+    async with connected_store(redis_url, "reg") as store:
+        info = worker_info("w", namespace="reg", max_model_len=1, max_num_seqs=1)
         await store.register(info, ttl_s=1.0)  # (room for a stalled loop before the read)
         assert [w.instance_id for w in await store.live_workers()] == ["w"]
         await asyncio.sleep(1.3)
         assert await store.live_workers() == []
-    finally:
-        await store.close()
 
 
 async def test_bus_request_reply_and_bad_messages(nats_url: str) -> None:
@@ -424,19 +406,9 @@ def test_retry_log_keeps_an_outage_to_a_few_lines() -> None:
 def test_registry_epoch_keeps_workers_only_after_the_store_lost_its_data() -> None:
     from shared.messages.registry import RegistryEpoch
 
-    def worker(iid: str) -> WorkerInfo:
-        return WorkerInfo(
-            instance_id=iid,
-            model="m",
-            inbox="x",
-            max_model_len=8,
-            max_num_seqs=1,
-            started_at_s=0.0,
-            heartbeat_at_s=0.0,  # the worker's clock: never compared with the reader's
-        )
-
     view = RegistryEpoch(ttl_s=3.0)
-    a, b = worker("a"), worker("b")
+    # (their heartbeat_at_s is the worker's clock: never compared with the reader's)
+    a, b = worker_info("a"), worker_info("b")
     live = view.carry({}, [a, b], "e1", 100.0)  # the first read: no epoch before it
     assert set(live) == {"a", "b"}
     # the same epoch: a worker the read lacks deregistered or expired, gone at once
@@ -498,9 +470,7 @@ def test_compose_healthcheck_finds_this_hosts_worker_by_its_default_id() -> None
 async def test_snapshot_writes_load_their_script_on_a_fresh_server(redis_url: str) -> None:
     """The write goes by EVALSHA; a server without the script (new or restarted) gets
     NOSCRIPT, and the write is made by EVAL, which caches it."""
-    store = Store(redis_url, "evalsha")
-    await store.connect()
-    try:
+    async with connected_store(redis_url, "evalsha") as store:
         await store.redis.script_flush()
         await store.write_snapshot("w", 7, b"snap", ttl_s=5, samples=[b"s1", b"s2"])
         assert await store.redis.script_exists(_WRITE_SNAPSHOT_SHA) == [True]
@@ -508,5 +478,3 @@ async def test_snapshot_writes_load_their_script_on_a_fresh_server(redis_url: st
         assert blob is not None and (blob.version, blob.data) == (7, b"snap")
         samples = await store.redis.lrange(keys.batch_samples("evalsha", "w"), 0, -1)
         assert samples == [b"s1", b"s2"]
-    finally:
-        await store.close()

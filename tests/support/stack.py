@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
@@ -29,9 +31,9 @@ from services.gateway.service import GatewayService
 from services.launcher.servers import free_port
 from services.worker.config import WorkerServiceConfig
 from services.worker.service import WorkerService
-from shared import subjects
 from shared.config import ClusterConfig
 from shared.messages.registry import WorkerInfo
+from tests.support.builders import worker_info
 
 TINY_CLUSTER = """
 namespace = "{namespace}"
@@ -74,17 +76,44 @@ policy = "round-robin"
 """
 
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
 def run_service_process(
     module: str, cluster_file: Path, timeout_s: float = 120.0
 ) -> subprocess.CompletedProcess[str]:
     """`python -m services.<module> --cluster FILE` run to its exit, output captured."""
     return subprocess.run(
         [sys.executable, "-m", f"services.{module}", "--cluster", str(cluster_file)],
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=timeout_s,
     )
+
+
+@contextlib.contextmanager
+def worker_process(
+    cluster_file: Path, instance_id: str, model: str = "random-tiny"
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A worker in a process (and session) of its own, for a test that kills it
+    (os.killpg); killed at the block's end if it still runs."""
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "services.worker", "--cluster", str(cluster_file)),
+            *("--model", model, "--instance-id", instance_id),
+        ],
+        cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def tiny_cluster_text(
@@ -125,12 +154,24 @@ class Stack:
     gateway: GatewayService
     estimator: EstimatorService
     workers: list[WorkerService]
-    _tasks: list[asyncio.Task] = field(default_factory=list)
-    _server: uvicorn.Server | None = None
+    worker_tasks: list[asyncio.Task]  # workers[i]'s run()
+    estimator_task: asyncio.Task
+    server: uvicorn.Server
+    server_task: asyncio.Task
+
+    def add_worker(self, worker: WorkerService, task: asyncio.Task) -> None:
+        """A worker the test started (start_worker): stopped with the rest."""
+        self.workers.append(worker)
+        self.worker_tasks.append(task)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The gateway's Prometheus sample `name` (as /metrics names it) with these
+        labels; 0 before the first observation."""
+        return self.gateway.metrics.registry.get_sample_value(name, labels) or 0.0
 
     def requests_counted(self, status: str, model: str = "random-tiny") -> float:
         """The gateway's `baton_requests_total` for `model` and `status` so far."""
-        return float(self.gateway.metrics.requests.labels(model, status)._value.get())
+        return self.metric("baton_requests_total", model=model, status=status)
 
     async def wait_idle(self) -> None:
         """Until every snapshot the estimator holds shows no request and its ledger is
@@ -145,12 +186,12 @@ class Stack:
         raise TimeoutError("the cluster did not go idle")
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
+        self.server.should_exit = True
         for w in self.workers:
             w.request_stop()
         self.estimator.request_stop()
-        _, pending = await asyncio.wait(self._tasks, timeout=30)
+        tasks = [*self.worker_tasks, self.estimator_task, self.server_task]
+        _, pending = await asyncio.wait(tasks, timeout=30)
         if pending:
             for t in asyncio.all_tasks():
                 print("TASK", t.get_name(), _await_chain(t.get_coro()))
@@ -193,36 +234,42 @@ async def start_worker(
 def hand_worker_info(namespace: str, instance_id: str) -> WorkerInfo:
     """The registration of a random-tiny worker that a test plays by hand (its inbox is
     the real subject; nothing reads it unless the test does)."""
-    now = time.time()
-    return WorkerInfo(
-        instance_id=instance_id,
-        model="random-tiny",
-        inbox=subjects.worker_inbox(namespace, instance_id),
+    return worker_info(
+        instance_id,
+        "random-tiny",
+        namespace=namespace,
         max_model_len=256,
         max_num_seqs=8,
-        started_at_s=now,
-        heartbeat_at_s=now,
-        is_draining=False,
+        at_s=time.time(),
     )
+
+
+@contextlib.asynccontextmanager
+async def running(
+    cluster: ClusterConfig, num_workers: int, models: list[str] | None = None
+) -> AsyncIterator[Stack]:
+    """start_stack's deployment, stopped when the block ends."""
+    stack = await start_stack(cluster, num_workers, models)
+    try:
+        yield stack
+    finally:
+        await stack.stop()
 
 
 async def start_stack(
     cluster: ClusterConfig, num_workers: int, models: list[str] | None = None
 ) -> Stack:
     """Workers w0.. (serving `models[i]`, default random-tiny), the estimator and the gateway."""
-    tasks: list[asyncio.Task] = []
     names = models or ["random-tiny"] * num_workers
     assert len(names) == num_workers
     started = await asyncio.gather(
         *(start_worker(cluster, f"w{i}", names[i]) for i in range(num_workers))
     )
-    workers = [w for w, _ in started]
-    tasks += [t for _, t in started]
     estimator = EstimatorService(cluster)
-    tasks.append(asyncio.create_task(estimator.run()))
+    estimator_task = asyncio.create_task(estimator.run())
     app = create_app(GatewayServiceConfig.from_cluster(cluster, "gw-test"))
     server = uvicorn.Server(server_config(app, cluster.gateway))
-    tasks.append(asyncio.create_task(server.serve()))
+    server_task = asyncio.create_task(server.serve())
     for _ in range(600):
         if server.started:
             break
@@ -234,9 +281,11 @@ async def start_stack(
         f"http://127.0.0.1:{cluster.gateway.port}",
         app.state.service,
         estimator,
-        workers,
-        tasks,
+        [w for w, _ in started],
+        [t for _, t in started],
+        estimator_task,
         server,
+        server_task,
     )
     for _ in range(200):  # wait until the gateway and estimator see every worker
         if len(stack.gateway.workers) == num_workers and len(estimator.workers) == num_workers:

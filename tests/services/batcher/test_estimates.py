@@ -2,31 +2,15 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
 from services.batcher.estimates import DecayedAffineFit, PresetEstimator, Thresholds, check_stats
 from shared.hold import may_step, wait_left_s
-from shared.messages.batcher import RoutingStats
+from tests.services.batcher.builders import duo_stats as stats
 
 NEED = Thresholds(min_tokens=500, min_handoffs=20, min_step_samples=20)
-
-
-def stats(
-    model_index: int, tokens: int, handoffs: int, steps: list[tuple[int, float]], **kw: object
-) -> RoutingStats:
-    return RoutingStats(
-        instance_id=f"w{model_index}",
-        preset="duo",
-        models=["small", "large"],
-        model_index=model_index,
-        window_s=1.0,
-        num_tokens=tokens,
-        num_handoffs=handoffs,
-        step_batch_sizes=[b for b, _ in steps],
-        step_seconds=[t for _, t in steps],
-        **kw,  # type: ignore[arg-type]
-    )
 
 
 def test_affine_fit_recovers_the_line_and_stays_positive() -> None:
@@ -70,38 +54,13 @@ def test_estimates_wait_for_samples_then_match_the_counts() -> None:
 def test_reports_from_outside_are_checked() -> None:
     assert check_stats(stats(0, 10, 1, [(1, 0.01)])) is None
     assert "outside models" in (check_stats(stats(2, 10, 1, [])) or "")
-    assert "differ in length" in (
-        check_stats(
-            RoutingStats(
-                instance_id="w",
-                preset="duo",
-                models=["a", "b"],
-                model_index=0,
-                window_s=1,
-                num_tokens=1,
-                num_handoffs=0,
-                step_batch_sizes=[1],
-            )
-        )
-        or ""
-    )
+    unequal = msgspec.structs.replace(stats(0, 1, 0, [(1, 0.01)]), step_seconds=[])
+    assert "differ in length" in (check_stats(unequal) or "")
     assert "exceeds" in (check_stats(stats(0, 10, 1, [], num_taken_back=2)) or "")
     assert "outside (0, 3600)" in (check_stats(stats(0, 10, 1, [(1, float("nan"))])) or "")
     assert "batch size" in (check_stats(stats(0, 10, 1, [(0, 0.01)])) or "")
-    assert "subject token" in (
-        check_stats(
-            stats(0, 10, 1, []).__class__(
-                instance_id="w",
-                preset="a.b",
-                models=["a"],
-                model_index=0,
-                window_s=1,
-                num_tokens=1,
-                num_handoffs=0,
-            )
-        )
-        or ""
-    )
+    not_a_token = msgspec.structs.replace(stats(0, 1, 0, []), preset="a.b")
+    assert "subject token" in (check_stats(not_a_token) or "")
 
 
 def test_hold_rule() -> None:

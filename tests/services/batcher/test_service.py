@@ -22,10 +22,13 @@ from shared import keys, subjects
 from shared.bus import Bus
 from shared.config import ClusterConfig, ConfigError, parse_cluster
 from shared.messages.batcher import BATCH_TABLES_DECODER, BatchTables, RoutingStats
+from tests.services.batcher.builders import duo_stats
+from tests.support.clusters import preset
 
 MAX_N = 6
 SMALL = AffineLatency(0.010, 0.001)  # s, the workers' "measured" steps below
 LARGE = AffineLatency(0.050, 0.0005)
+DUO = ["small", "large"]
 
 
 def cluster(nats_url: str, redis_url: str, namespace: str) -> ClusterConfig:
@@ -43,32 +46,16 @@ min_step_samples = 40
 hold_timeout_ms = 15.0
 [models.small]
 [models.large]
-[presets.duo]
-models = ["small", "large"]
-token_policy = "r2r"
-[presets.duo-eager]
-models = ["small", "large"]
-token_policy = "r2r"
-mode = "eager_async"
+{preset("duo", DUO, token_policy="r2r")}
+{preset("duo-eager", DUO, token_policy="r2r", mode="eager_async")}
 """,
         environ={},
     )
 
 
 def report(model_index: int, tokens: int, handoffs: int, latency: AffineLatency) -> RoutingStats:
-    sizes = [1 + i % MAX_N for i in range(60)]
-    return RoutingStats(
-        instance_id=f"w{model_index}",
-        preset="duo",
-        models=["small", "large"],
-        model_index=model_index,
-        window_s=1.0,
-        num_tokens=tokens,
-        num_handoffs=handoffs,
-        step_batch_sizes=sizes,
-        step_seconds=[latency(b) for b in sizes],
-        num_active=4,
-    )
+    steps = [(b, latency(b)) for b in (1 + i % MAX_N for i in range(60))]
+    return duo_stats(model_index, tokens, handoffs, steps, num_active=4)
 
 
 class Tables:

@@ -11,16 +11,17 @@ from bench.sfs_evaluation import estimate_from_now
 from services.estimator.instances import LatencyEstimator, TtftEstimate, create_instance_state
 from services.estimator.ledger import Ledger, LedgerEntry
 from services.estimator.policies import InstanceView, Scores, UtilityPolicy, create_policy
-from services.estimator.sfs.replay import OutputPolicy, Probe
+from services.estimator.sfs.output_policy import OutputPolicy
+from services.estimator.sfs.replay import Probe
 from services.estimator.sfs.utility import default_ttft_target_s
 from services.gateway.errors import GatewayError
 from services.gateway.request_checks import routing_headers
 from shared.config import ConfigError, EstimatorConfig, ModelConfig, parse_cluster
 from shared.messages.estimator import RouteRequest
-from shared.messages.registry import WorkerInfo
 from shared.scheduling.batch_time import SIX_TERM, BatchTimeModel
-from shared.scheduling.scheduler import SchedulerConfig
 from shared.scheduling.snapshot import RequestCounters, WorkloadSnapshot
+from tests.shared.scheduling.builders import limits
+from tests.support.builders import worker_info
 
 MODEL = BatchTimeModel(SIX_TERM, (0.01, 1e-4, 0.0, 1e-3, 0.0, 0.0))
 SETTINGS = EstimatorConfig(snapshot_max_age_s=1.0)
@@ -32,20 +33,8 @@ def req(target_ms: float | None = None, prompt: int = 100) -> RouteRequest:
     )
 
 
-def info(iid: str, model: str = "m") -> WorkerInfo:
-    return WorkerInfo(
-        instance_id=iid,
-        model=model,
-        inbox=f"ns.worker.{iid}.in",
-        max_model_len=4096,
-        max_num_seqs=4,
-        started_at_s=0.0,
-        heartbeat_at_s=0.0,
-    )
-
-
 def view(iid: str, acc: float, cost: float, ttft_s: float) -> InstanceView:
-    return InstanceView(info(iid), None, [], Scores(acc, cost, ttft_s, "sfs"))
+    return InstanceView(worker_info(iid), None, [], Scores(acc, cost, ttft_s, "sfs"))
 
 
 def snapshot(num_running: int, num_waiting: int = 0, wall_time_s: float = 0.0) -> WorkloadSnapshot:
@@ -61,34 +50,30 @@ def snapshot(num_running: int, num_waiting: int = 0, wall_time_s: float = 0.0) -
         waiting=waiting,
         batch_time_features=MODEL.feature_set,
         batch_time_coefs=list(MODEL.coefs),
-        scheduler=SchedulerConfig(
-            max_num_seqs=4,
-            max_num_batched_tokens=512,
-            block_size=16,
-            num_kv_blocks=1024,
-            max_model_len=4096,
-        ),
+        scheduler=limits(seqs=4, budget=512, blocks=1024, context=4096),
     )
 
 
 # ---- policies pick as the formulas say ------------------------------------------
 
 
+def pick(
+    name: str,
+    views: list[InstanceView],
+    lam: float = 0.0,
+    delta: float = 0.0,
+    target_ms: float | None = None,
+) -> str:
+    """The instance policy `name` (with `lam` and `delta`) picks for req(target_ms)."""
+    policy = UtilityPolicy(name, lam, delta, default_ttft_target_s)
+    return policy.choose(req(target_ms), views).instance_id
+
+
 def test_latency_agnostic_maximises_accuracy_minus_lambda_cost() -> None:
     accurate, cheap = view("a", 0.9, 10.0, 5.0), view("b", 0.5, 1.0, 0.01)
-    assert (
-        UtilityPolicy("latency-agnostic", 0.0, 0.0, default_ttft_target_s)
-        .choose(req(), [cheap, accurate])
-        .instance_id
-        == "a"
-    )
+    assert pick("latency-agnostic", [cheap, accurate]) == "a"
     # lambda = 0.1: 0.9 - 1.0 < 0.5 - 0.1
-    assert (
-        UtilityPolicy("latency-agnostic", 0.1, 0.0, default_ttft_target_s)
-        .choose(req(), [accurate, cheap])
-        .instance_id
-        == "b"
-    )
+    assert pick("latency-agnostic", [accurate, cheap], lam=0.1) == "b"
 
 
 def test_sfs_constraint_best_utility_among_feasible_else_fastest() -> None:
@@ -112,38 +97,23 @@ def test_utility_ties_go_to_the_replica_holding_fewer_requests() -> None:
     """Replicas of one model tie on utility: the less loaded one is asked first and,
     meeting the target, chosen (by id alone the first replica took every request while
     it met the target); equal loads fall back to the smallest id."""
-    busy = InstanceView(info("a"), snapshot(3, 2), [], Scores(0.9, 0, 0.10, "sfs"))
-    idle = InstanceView(info("b"), snapshot(0), [], Scores(0.9, 0, 0.02, "sfs"))
+    busy = InstanceView(worker_info("a"), snapshot(3, 2), [], Scores(0.9, 0, 0.10, "sfs"))
+    idle = InstanceView(worker_info("b"), snapshot(0), [], Scores(0.9, 0, 0.02, "sfs"))
     pending = [LedgerEntry("x", "c", 500, 64, 0.0, 64)]  # one dispatch, no snapshot yet
-    queued = InstanceView(info("c"), None, pending, Scores(0.9, 0, 0.02, "sfs"))
+    queued = InstanceView(worker_info("c"), None, pending, Scores(0.9, 0, 0.02, "sfs"))
     for name in ("latency-agnostic", "sfs-constraint", "sfs-lagrangian"):
         policy = UtilityPolicy(name, 0.0, 0.0, default_ttft_target_s)
         assert policy.choose(req(500), [busy, idle]).instance_id == "b", name
         assert policy.choose(req(500), [busy, queued]).instance_id == "c", name  # ledger counts
-    twin = InstanceView(info("d"), snapshot(0), [], Scores(0.9, 0, 0.02, "sfs"))
-    assert (
-        UtilityPolicy("sfs-constraint", 0.0, 0.0, default_ttft_target_s)
-        .choose(req(500), [twin, idle])
-        .instance_id
-        == "b"
-    )
+    twin = InstanceView(worker_info("d"), snapshot(0), [], Scores(0.9, 0, 0.02, "sfs"))
+    assert pick("sfs-constraint", [twin, idle], target_ms=500) == "b"
 
 
 def test_sfs_lagrangian_trades_utility_against_ttft() -> None:
     a, b = view("a", 0.9, 0, 1.0), view("b", 0.5, 0, 0.1)
     # delta = 0.1/s: 0.9 - 0.1 > 0.5 - 0.01; delta = 1/s: 0.9 - 1 < 0.5 - 0.1
-    assert (
-        UtilityPolicy("sfs-lagrangian", 0, 0.1, default_ttft_target_s)
-        .choose(req(), [a, b])
-        .instance_id
-        == "a"
-    )
-    assert (
-        UtilityPolicy("sfs-lagrangian", 0, 1.0, default_ttft_target_s)
-        .choose(req(), [a, b])
-        .instance_id
-        == "b"
-    )
+    assert pick("sfs-lagrangian", [a, b], delta=0.1) == "a"
+    assert pick("sfs-lagrangian", [a, b], delta=1.0) == "b"
 
 
 def test_a_policy_computes_only_the_ttfts_it_needs_and_each_once() -> None:
@@ -154,7 +124,7 @@ def test_a_policy_computes_only_the_ttfts_it_needs_and_each_once() -> None:
             calls.append(iid)
             return TtftEstimate(ttft_s, "sfs")
 
-        return InstanceView(info(iid), None, [], Scores(acc, 0.0, estimate=estimate))
+        return InstanceView(worker_info(iid), None, [], Scores(acc, 0.0, estimate=estimate))
 
     views = [lazy("a", 0.9, 0.1), lazy("b", 0.7, 0.05), lazy("c", 0.5, 0.01)]
     policy = UtilityPolicy("sfs-constraint", 0.0, 0.0, default_ttft_target_s)
@@ -200,7 +170,7 @@ def test_fresh_snapshot_is_replayed_stale_and_missing_use_the_queue_model() -> N
     latency = LatencyEstimator(SETTINGS)
     snap = snapshot(4, num_waiting=3)
     probe = Probe(100, 16, 64)
-    fresh = create_instance_state(info("a"), None, SETTINGS)
+    fresh = create_instance_state(worker_info("a"), None, SETTINGS)
     fresh.snapshot, fresh.snapshot_wall_time_s = snap, 100.0
     latency.prepare(fresh)
     est = latency.ttft(fresh, probe, [], now_wall_s=100.5, now_mono_s=0.0)
@@ -213,7 +183,7 @@ def test_fresh_snapshot_is_replayed_stale_and_missing_use_the_queue_model() -> N
     est_stale = latency.ttft(fresh, probe, [], now_wall_s=101.5, now_mono_s=0.0)
     assert est_stale.source == "lps" and math.isfinite(est_stale.ttft_s)
 
-    missing = create_instance_state(info("b"), None, SETTINGS)
+    missing = create_instance_state(worker_info("b"), None, SETTINGS)
     est_missing = latency.ttft(missing, probe, [], now_wall_s=0.0, now_mono_s=0.0)
     assert est_missing.source == "lps" and est_missing.ttft_s > 0
 
@@ -227,7 +197,7 @@ def test_the_snapshot_speed_scales_the_estimate_faded_with_the_wait() -> None:
 
     def estimate(snap: WorkloadSnapshot, settings: EstimatorConfig) -> float:
         latency = LatencyEstimator(settings)
-        state = create_instance_state(info("a"), ModelConfig(), settings)
+        state = create_instance_state(worker_info("a"), ModelConfig(), settings)
         state.config_model = MODEL
         state.snapshot, state.snapshot_wall_time_s = snap, 100.0
         est = latency.ttft(state, probe, [], now_wall_s=100.0, now_mono_s=0.0)
@@ -261,12 +231,12 @@ def test_queue_model_grows_with_the_arrival_rate() -> None:
     latency = LatencyEstimator(SETTINGS)
     probe = Probe(100, 64, 64)
     idle = create_instance_state(
-        info("a", "m"),
+        worker_info("a", "m"),
         ModelConfig(batch_time_features=SIX_TERM, batch_time_coefs=list(MODEL.coefs)),
         SETTINGS,
     )
     busy = create_instance_state(
-        info("b", "m"),
+        worker_info("b", "m"),
         ModelConfig(batch_time_features=SIX_TERM, batch_time_coefs=list(MODEL.coefs)),
         SETTINGS,
     )
@@ -284,7 +254,7 @@ def test_ledger_entries_are_counted_once() -> None:
     """A dispatch the snapshot already shows adds nothing; an unseen one waits in the replay."""
     latency = LatencyEstimator(SETTINGS)
     snap = snapshot(4, num_waiting=1)
-    state = create_instance_state(info("a"), None, SETTINGS)
+    state = create_instance_state(worker_info("a"), None, SETTINGS)
     state.snapshot, state.snapshot_wall_time_s = snap, 0.0
     latency.prepare(state)
     probe = Probe(100, 16, 64)
@@ -307,7 +277,7 @@ def test_ledger_entries_are_counted_once() -> None:
 
 def test_visible_ids_follow_the_snapshot_however_it_was_set() -> None:
     """`InstanceState.visible` is built on first use; it never outlives its snapshot."""
-    state = create_instance_state(info("a"), None, SETTINGS)
+    state = create_instance_state(worker_info("a"), None, SETTINGS)
     assert state.visible == frozenset()
     state.take_snapshot(snapshot(2), (1, 0.0))
     assert state.visible == {"r0", "r1"}
@@ -319,7 +289,7 @@ def test_visible_ids_follow_the_snapshot_however_it_was_set() -> None:
 
 def test_batch_time_model_prefers_the_snapshot_then_the_fit_then_the_config() -> None:
     cfg = ModelConfig(batch_time_features=SIX_TERM, batch_time_coefs=[1.0, 0, 0, 0, 0, 0])
-    state = create_instance_state(info("a"), cfg, SETTINGS)
+    state = create_instance_state(worker_info("a"), cfg, SETTINGS)
     assert state.batch_time_model() == BatchTimeModel(SIX_TERM, (1.0, 0, 0, 0, 0, 0))
     state.snapshot = msgspec.structs.replace(
         snapshot(1), batch_time_features="", batch_time_coefs=[]

@@ -6,22 +6,15 @@ from services.estimator.ledger import Ledger, LedgerEntry
 from services.estimator.policies import InstanceView, RoundRobin, ShortestQueue, create_policy
 from shared.messages.estimator import RouteRequest
 from shared.messages.registry import WorkerInfo
-from shared.scheduling.scheduler import SchedulerConfig
 from shared.scheduling.snapshot import RequestCounters, WorkloadSnapshot
+from tests.shared.scheduling.builders import limits
+from tests.support.builders import worker_info
 
 REQ = RouteRequest(request_id="r", model="m", num_prompt_tokens=10, max_tokens=10)
 
 
 def info(iid: str) -> WorkerInfo:
-    return WorkerInfo(
-        instance_id=iid,
-        model="m",
-        inbox=f"ns.worker.{iid}.in",
-        max_model_len=256,
-        max_num_seqs=8,
-        started_at_s=0.0,
-        heartbeat_at_s=0.0,
-    )
+    return worker_info(iid, max_model_len=256, max_num_seqs=8)
 
 
 def snapshot(num_running: int, free: int = 64) -> WorkloadSnapshot:
@@ -31,13 +24,7 @@ def snapshot(num_running: int, free: int = 64) -> WorkloadSnapshot:
         wall_time_s=0.0,
         num_free_blocks=free,
         running=running,
-        scheduler=SchedulerConfig(
-            max_num_seqs=8,
-            max_num_batched_tokens=256,
-            block_size=16,
-            num_kv_blocks=64,
-            max_model_len=256,
-        ),
+        scheduler=limits(seqs=8, budget=256, blocks=64, context=256),
     )
 
 

@@ -23,105 +23,59 @@ from services.launcher.servers import free_port
 from shared.config import parse_cluster
 from shared.messages.worker import CALIBRATION_DECODER
 from shared.scheduling.snapshot import WorkloadSnapshot
-from tests.support.stack import Stack, start_stack
+from tests.support.chat import sse_events, streamed
+from tests.support.clusters import decisions_head, instance, preset, sim_model
+from tests.support.stack import Stack, running, start_stack
 
-SIM_CLUSTER = """
-namespace = "{namespace}"
-nats_url = "{nats_url}"
-redis_url = "{redis_url}"
+# name, six-term batch-time coefficients, prices (input, output per Mtok), quality:
+# "big" takes 30 ms a step, "small" 2 ms
+SIM_MODELS = [
+    ("big", [0.03, 1e-5, 0.0, 1e-4, 0.0, 0.0], (1.0, 2.0), {"default": 0.9, "trivia": 0.2}),
+    ("small", [0.002, 1e-6, 0.0, 1e-5, 0.0, 0.0], (0.1, 0.2), {"default": 0.5, "trivia": 0.6}),
+]
 
-[gateway]
-port = {port}
-registry_refresh_s = 0.2
-event_timeout_s = 60.0
-# these tests check the estimator's decisions: a reply slowed by a loaded machine must
-# not turn one into the gateway's fallback
-route_timeout_s = 10.0
 
-[estimator]
-policy = "sfs-constraint"
-registry_refresh_s = 0.2
-snapshot_max_age_s = 2.0
-snapshot_refresh_s = 0.01
-fit_interval_s = 0.2
-fit_min_samples = 8
-fit_refit_every = 8
+def sim_cluster(nats_url: str, redis_url: str) -> str:
+    """One instance of each SIM_MODELS model, "big" taking one request at a time."""
+    limits = {"max_num_batched_tokens": 256, "num_kv_blocks": 256, "max_model_len": 1024}
+    return "".join(
+        [
+            decisions_head(
+                nats_url,
+                redis_url,
+                policy="sfs-constraint",
+                snapshot_max_age_s=2.0,
+                snapshot_refresh_s=0.01,
+                fit_interval_s=0.2,
+                fit_min_samples=8,
+                fit_refit_every=8,
+            ),
+            *(
+                sim_model(
+                    name,
+                    coefs,
+                    8.0,
+                    price_input_per_mtok=pin,
+                    price_output_per_mtok=pout,
+                    quality=quality,
+                )
+                for name, coefs, (pin, pout), quality in SIM_MODELS
+            ),
+            instance("big", {"max_num_seqs": 1, **limits}),
+            instance("small", {"max_num_seqs": 8, **limits}),
+            preset("constraint", ["big", "small"], policy="sfs-constraint"),
+            preset("agnostic", ["big", "small"], policy="latency-agnostic"),
+            preset("lagrangian", ["big", "small"], policy="sfs-lagrangian", delta=1.0),
+        ]
+    )
 
-[worker]
-heartbeat_interval_s = 0.2
-heartbeat_ttl_s = 2.0
-drain_timeout_s = 3.0
-
-[models.big]
-engine = "sim"
-tokenizer = "random-tiny"
-price_input_per_mtok = 1.0
-price_output_per_mtok = 2.0
-batch_time_features = "six-term"
-batch_time_coefs = [0.03, 1e-5, 0.0, 1e-4, 0.0, 0.0]
-quality = {{ default = 0.9, trivia = 0.2 }}
-
-[models.big.sim]
-clock = "wall"
-output_len_dist = "fixed"
-output_len_mean = 8.0
-
-[models.small]
-engine = "sim"
-tokenizer = "random-tiny"
-price_input_per_mtok = 0.1
-price_output_per_mtok = 0.2
-batch_time_features = "six-term"
-batch_time_coefs = [0.002, 1e-6, 0.0, 1e-5, 0.0, 0.0]
-quality = {{ default = 0.5, trivia = 0.6 }}
-
-[models.small.sim]
-clock = "wall"
-output_len_dist = "fixed"
-output_len_mean = 8.0
-
-[[instances]]
-model = "big"
-[instances.scheduler]
-max_num_seqs = 1
-max_num_batched_tokens = 256
-num_kv_blocks = 256
-max_model_len = 1024
-
-[[instances]]
-model = "small"
-[instances.scheduler]
-max_num_seqs = 8
-max_num_batched_tokens = 256
-num_kv_blocks = 256
-max_model_len = 1024
-
-[presets.constraint]
-models = ["big", "small"]
-policy = "sfs-constraint"
-
-[presets.agnostic]
-models = ["big", "small"]
-policy = "latency-agnostic"
-
-[presets.lagrangian]
-models = ["big", "small"]
-policy = "sfs-lagrangian"
-delta = 1.0
-"""
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def sim(nats_url: str, redis_url: str) -> AsyncIterator[Stack]:
-    text = SIM_CLUSTER.format(
-        namespace=f"t{uuid.uuid4().hex[:8]}",
-        nats_url=nats_url,
-        redis_url=redis_url,
-        port=free_port(),
-    )
-    s = await start_stack(parse_cluster(text), 2, models=["big", "small"])
+    s = await start_stack(parse_cluster(sim_cluster(nats_url, redis_url)), 2, ["big", "small"])
     yield s
     await s.stop()
 
@@ -250,12 +204,8 @@ async def test_streamed_usage_chunk_carries_baton(sim: Stack) -> None:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    async with (
-        httpx.AsyncClient(base_url=sim.base_url, timeout=60) as client,
-        client.stream("POST", "/v1/chat/completions", json=body) as resp,
-    ):
-        lines = [line async for line in resp.aiter_lines() if line.startswith("data: {")]
-    final = msgspec.json.decode(lines[-1][len("data: ") :])
+    resp, lines = await streamed(sim.base_url, body)
+    final = [e for e in sse_events(lines) if isinstance(e, dict)][-1]
     assert final["choices"] == [] and final["usage"]["completion_tokens"] >= 1
     assert final["baton"]["instance"] == resp.headers["x-instance-id"]
     assert final["baton"]["router_overhead_ms"] > 0
@@ -317,8 +267,7 @@ async def test_sim_cluster_files_start_and_serve(
     text = re.sub(r"^port = \d+$", f"port = {free_port()}", text, flags=re.M)
     cluster = parse_cluster(text)
     models = [i.model for i in cluster.instances for _ in range(i.replicas)]
-    stack = await start_stack(cluster, len(models), models=models)
-    try:
+    async with running(cluster, len(models), models=models) as stack:
         for preset in cluster.presets:
             resp = await chat(stack, preset, max_tokens=4)
             assert resp.status_code == 200, (preset, resp.text)
@@ -326,5 +275,3 @@ async def test_sim_cluster_files_start_and_serve(
         # latency-agnostic with lambda 0 takes the most accurate model
         resp = await chat(stack, "latency-agnostic", max_tokens=4)
         assert resp.json()["baton"]["model"] == most_accurate
-    finally:
-        await stack.stop()

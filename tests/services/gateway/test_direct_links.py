@@ -9,8 +9,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -35,7 +33,13 @@ from shared.messages.gateway import DeltaBatch
 from shared.messages.link import LinkHello
 from shared.messages.worker import AbortRequest, WorkerInbound
 from shared.scheduling.snapshot import WorkloadSnapshot
-from tests.support.stack import Stack, hand_worker_info, start_stack, tiny_cluster_text
+from tests.support.stack import (
+    Stack,
+    hand_worker_info,
+    running,
+    tiny_cluster_text,
+    worker_process,
+)
 
 CHAT: dict[str, object] = {
     "model": "random-tiny",
@@ -296,20 +300,18 @@ async def test_requests_and_tokens_cross_the_link(stack: Stack) -> None:
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 5
     assert sum(w.admission.num_link_requests for w in stack.workers) == before + 1
-    gauge = stack.gateway.metrics.registry.get_sample_value
     for _ in range(200):  # set at each registry refresh
-        if gauge("baton_worker_links") == 2:
+        if stack.metric("baton_worker_links") == 2:
             break
         await asyncio.sleep(0.02)
-    assert gauge("baton_worker_links") == 2
+    assert stack.metric("baton_worker_links") == 2
 
 
 async def test_a_lost_link_fails_its_stream_frees_the_kv_and_is_redialled(
     nats_url: str, redis_url: str
 ) -> None:
     cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
-    stack = await start_stack(cluster, num_workers=1)
-    try:
+    async with running(cluster, num_workers=1) as stack:
         await until_linked(stack, 1)
         body = {**CHAT, "stream": True, "max_tokens": 200, "ignore_eos": True}
         events: list[dict[str, object]] = []
@@ -345,14 +347,11 @@ async def test_a_lost_link_fails_its_stream_frees_the_kv_and_is_redialled(
             resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
         assert resp.status_code == 200, resp.text
         assert stack.workers[0].admission.num_link_requests == before + 1
-    finally:
-        await stack.stop()
 
 
 async def test_with_links_off_requests_go_over_nats(nats_url: str, redis_url: str) -> None:
     text = tiny_cluster_text(nats_url, redis_url).replace("[worker]\n", "[worker]\nlink = false\n")
-    stack = await start_stack(parse_cluster(text), num_workers=1)
-    try:
+    async with running(parse_cluster(text), num_workers=1) as stack:
         assert (
             stack.workers[0].registration.info().link_addr,
             stack.workers[0].registration.info().link_unix_name,
@@ -368,8 +367,6 @@ async def test_with_links_off_requests_go_over_nats(nats_url: str, redis_url: st
         assert '"finish_reason":"length"' in "".join(lines)  # all 6 tokens came
         assert stack.gateway.links.num_up == 0
         assert stack.workers[0].admission.num_link_requests == 0
-    finally:
-        await stack.stop()
 
 
 async def test_a_delta_batch_frame_reaches_the_stream() -> None:
@@ -411,7 +408,7 @@ async def test_a_connection_that_never_says_hello_is_closed() -> None:
 
 
 async def test_a_killed_worker_is_routed_around_before_the_registry_notices(
-    nats_url: str, redis_url: str, tmp_path: Path, repo_root: Path
+    nats_url: str, redis_url: str, tmp_path: Path
 ) -> None:
     """Its link closes and its port refuses: the gateway stops routing there at once,
     though its registration lives on for its TTL (10 s here)."""
@@ -419,48 +416,31 @@ async def test_a_killed_worker_is_routed_around_before_the_registry_notices(
         "heartbeat_ttl_s = 2.0", "heartbeat_ttl_s = 10.0"
     )
     (tmp_path / "cluster.toml").write_text(text)
-    victim = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "services.worker"),
-            *("--cluster", str(tmp_path / "cluster.toml")),
-            *("--model", "random-tiny", "--instance-id", "victim"),
-        ],
-        cwd=repo_root,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    stack = await start_stack(parse_cluster(text), num_workers=1)
-    try:
-        for _ in range(1200):  # the victim loads, registers, and both are linked
-            if stack.gateway.links.num_up == 2 and "victim" in stack.estimator.workers:
-                break
-            await asyncio.sleep(0.05)
-        assert stack.gateway.links.num_up == 2
-        victim_link = stack.gateway.links.get("victim")
-        assert victim_link is not None
-        assert victim_link.is_unix == ABSTRACT_UNIX  # (that refusal, too)
-        os.killpg(victim.pid, signal.SIGKILL)
-        victim.wait()
-        for _ in range(200):
-            if "victim" in stack.gateway.links.unreachable:
-                break
-            await asyncio.sleep(0.01)
-        assert "victim" in stack.gateway.links.unreachable
-        assert "victim" in stack.gateway.workers  # the registry still lists it
-        async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
-            health = (await client.get("/health")).json()
-            assert health["workers"] == ["w0"]
-            for _ in range(4):  # shortest-queue would pick the idle victim half the time
-                resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3})
-                assert resp.status_code == 200, resp.text
-                assert resp.headers["x-instance-id"] == "w0"
-    finally:
-        if victim.poll() is None:
+    with worker_process(tmp_path / "cluster.toml", "victim") as victim:
+        async with running(parse_cluster(text), num_workers=1) as stack:
+            for _ in range(1200):  # the victim loads, registers, and both are linked
+                if stack.gateway.links.num_up == 2 and "victim" in stack.estimator.workers:
+                    break
+                await asyncio.sleep(0.05)
+            assert stack.gateway.links.num_up == 2
+            victim_link = stack.gateway.links.get("victim")
+            assert victim_link is not None
+            assert victim_link.is_unix == ABSTRACT_UNIX  # (that refusal, too)
             os.killpg(victim.pid, signal.SIGKILL)
             victim.wait()
-        await stack.stop()
+            for _ in range(200):
+                if "victim" in stack.gateway.links.unreachable:
+                    break
+                await asyncio.sleep(0.01)
+            assert "victim" in stack.gateway.links.unreachable
+            assert "victim" in stack.gateway.workers  # the registry still lists it
+            async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
+                health = (await client.get("/health")).json()
+                assert health["workers"] == ["w0"]
+                for _ in range(4):  # shortest-queue would pick the idle victim half the time
+                    resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3})
+                    assert resp.status_code == 200, resp.text
+                    assert resp.headers["x-instance-id"] == "w0"
 
 
 async def test_a_peer_that_stops_reading_is_cut_and_reported_lost(

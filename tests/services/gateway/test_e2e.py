@@ -15,19 +15,11 @@ from openai import AsyncOpenAI, NotFoundError
 
 from shared.model_store import load_tokenizer
 from shared.scheduling.snapshot import WorkloadSnapshot
+from tests.support.chat import sse_events, streamed
 from tests.support.stack import Stack
 
 MESSAGES: list[dict[str, str]] = [{"role": "user", "content": "Say hello."}]
 CHAT: dict[str, object] = {"model": "random-tiny", "messages": MESSAGES}
-
-
-def sse_events(lines: list[str]) -> list[dict | str]:
-    events: list[dict | str] = []
-    for line in lines:
-        if line.startswith("data: "):
-            payload = line[len("data: ") :]
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
 
 
 async def test_chat_stream_with_httpx(stack: Stack) -> None:
@@ -38,13 +30,10 @@ async def test_chat_stream_with_httpx(stack: Stack) -> None:
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
     }
-    async with (
-        httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client,
-        client.stream("POST", "/v1/chat/completions", json=body) as resp,
-    ):
-        assert resp.status_code == 200
-        assert resp.headers["content-type"].startswith("text/event-stream")
-        events = sse_events([line async for line in resp.aiter_lines()])
+    resp, lines = await streamed(stack.base_url, body)
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(lines)
     assert events[-1] == "[DONE]"
     chunks = [e for e in events if isinstance(e, dict)]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
@@ -198,6 +187,20 @@ async def snapshot_of(stack: Stack, instance_id: str) -> WorkloadSnapshot:
     return msgspec.msgpack.decode(blob.data, type=WorkloadSnapshot)
 
 
+async def until_freed(stack: Stack, instance_id: str, request_id: str) -> None:
+    """Until the instance's snapshot shows `request_id` gone and every KV block back
+    in the pool (10 s at most)."""
+    ids: set[str] = {request_id}
+    for _ in range(200):
+        snap = await snapshot_of(stack, instance_id)
+        ids = set(snap.request_ids)
+        if request_id not in ids and snap.num_free_blocks == snap.scheduler.num_kv_blocks:
+            break
+        await asyncio.sleep(0.05)
+    assert request_id not in ids
+    assert snap.num_free_blocks == snap.scheduler.num_kv_blocks  # every KV block back in the pool
+
+
 async def test_client_disconnect_frees_kv(stack: Stack) -> None:
     body = {**CHAT, "stream": True, "max_tokens": 200, "ignore_eos": True}
     async with (
@@ -210,29 +213,13 @@ async def test_client_disconnect_frees_kv(stack: Stack) -> None:
             n += line.startswith("data: ")
             if n >= 3:
                 break  # leave mid-stream: closing the response drops the connection
-    ids: set[str] = {request_id}
-    for _ in range(200):
-        snap = await snapshot_of(stack, instance_id)
-        ids = set(snap.request_ids)
-        if request_id not in ids and snap.num_free_blocks == snap.scheduler.num_kv_blocks:
-            break
-        await asyncio.sleep(0.05)
-    assert request_id not in ids
-    assert snap.num_free_blocks == snap.scheduler.num_kv_blocks  # every KV block back in the pool
+    await until_freed(stack, instance_id, request_id)
     assert request_id not in stack.estimator.ledger
-
-
-def num_aborted_by_client(stack: Stack) -> float:
-    """Requests the gateway counted as 499 (client closed request) for random-tiny."""
-    value = stack.gateway.metrics.registry.get_sample_value(
-        "baton_requests_total", {"model": "random-tiny", "status": "499"}
-    )
-    return value or 0.0
 
 
 async def test_non_stream_client_disconnect_frees_kv(stack: Stack) -> None:
     body = {**CHAT, "max_tokens": 220, "ignore_eos": True}  # 33 prompt tokens: fits 256
-    before = num_aborted_by_client(stack)
+    before = stack.requests_counted("499")  # client closed request
     known = {s.request_id for s in stack.gateway.streams.open_streams()}
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
         post = asyncio.create_task(client.post("/v1/chat/completions", json=body))
@@ -250,17 +237,9 @@ async def test_non_stream_client_disconnect_frees_kv(stack: Stack) -> None:
         post.cancel()  # leave mid-generation: httpx drops the connection
         with contextlib.suppress(asyncio.CancelledError):
             await post
-    ids: set[str] = {request_id}
-    for _ in range(200):
-        snap = await snapshot_of(stack, instance_id)
-        ids = set(snap.request_ids)
-        if request_id not in ids and snap.num_free_blocks == snap.scheduler.num_kv_blocks:
-            break
-        await asyncio.sleep(0.05)
-    assert request_id not in ids
-    assert snap.num_free_blocks == snap.scheduler.num_kv_blocks  # every KV block back in the pool
+    await until_freed(stack, instance_id, request_id)
     # Aborted, not run to its 220th token: the gateway closed it as a client disconnect.
-    assert num_aborted_by_client(stack) == before + 1
+    assert stack.requests_counted("499") == before + 1
     assert request_id not in {s.request_id for s in stack.gateway.streams.open_streams()}
 
 
@@ -400,7 +379,7 @@ async def test_an_estimator_whose_registry_lags_is_routed_around(
     and got a 503 (a fresh clone's launcher test). The gateway routes such a request by
     its own view instead."""
     est = stack.estimator
-    fallbacks = stack.gateway.metrics.route_fallbacks._value.get()
+    fallbacks = stack.metric("baton_route_fallbacks_total")
     with monkeypatch.context() as patch:
         called = asyncio.Event()
 
@@ -416,7 +395,7 @@ async def test_an_estimator_whose_registry_lags_is_routed_around(
             resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
     assert resp.status_code == 200, resp.text
     assert resp.json()["baton"]["policy"] == "gateway-fallback"
-    assert stack.gateway.metrics.route_fallbacks._value.get() == fallbacks + 1
+    assert stack.metric("baton_route_fallbacks_total") == fallbacks + 1
 
 
 async def test_chat_logprobs_without_top_k_has_empty_top_lists(stack: Stack) -> None:
@@ -437,12 +416,9 @@ async def test_completion_stream_top_logprobs(stack: Stack) -> None:
         "logprobs": 2,
         "stream": True,
     }
-    async with (
-        httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client,
-        client.stream("POST", "/v1/completions", json=body) as resp,
-    ):
-        assert resp.status_code == 200
-        events = sse_events([line async for line in resp.aiter_lines()])
+    resp, lines = await streamed(stack.base_url, body, "/v1/completions")
+    assert resp.status_code == 200
+    events = sse_events(lines)
     chunks = [e["choices"][0] for e in events if isinstance(e, dict) and e["choices"]]
     lps = [c["logprobs"] for c in chunks if c["logprobs"]]
     tokens = [t for lp in lps for t in lp["tokens"]]
@@ -1151,11 +1127,7 @@ async def test_text_held_for_a_stop_string_makes_no_empty_chunks(stack: Stack) -
 
 async def test_chat_stream_with_logprobs(stack: Stack) -> None:
     body = {**CHAT, "stream": True, "max_tokens": 4, "ignore_eos": True, "logprobs": True}
-    async with (
-        httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client,
-        client.stream("POST", "/v1/chat/completions", json=body) as resp,
-    ):
-        events = sse_events([line async for line in resp.aiter_lines()])
+    events = sse_events((await streamed(stack.base_url, body))[1])
     entries = [
         item
         for e in events

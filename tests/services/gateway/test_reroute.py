@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 import httpx
 import pytest
@@ -26,7 +27,7 @@ from shared.messages.gateway import DeltaBatch, RequestFailed, TokenDelta
 from shared.messages.worker import WORKER_INBOUND_DECODER, SubmitRequest, WorkerInbound
 from shared.store import Store
 from tests.services.worker.test_lifecycle import wait_for
-from tests.support.stack import Stack, hand_worker_info, start_stack, tiny_cluster_text
+from tests.support.stack import Stack, hand_worker_info, running, tiny_cluster_text
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 DRAINING = "the worker is shutting down; retry"
@@ -88,13 +89,17 @@ async def hand(cluster: ClusterConfig, nats_url: str, redis_url: str) -> AsyncIt
         await worker.close()
 
 
-async def stack_with(cluster: ClusterConfig, num_workers: int, hand: HandWorker) -> Stack:
-    stack = await start_stack(cluster, num_workers=num_workers)
-    await hand.register()
-    await wait_for(
-        lambda: hand.iid in stack.gateway.workers and hand.iid in stack.estimator.workers
-    )
-    return stack
+@asynccontextmanager
+async def stack_with(
+    cluster: ClusterConfig, num_workers: int, hand: HandWorker
+) -> AsyncIterator[Stack]:
+    """A running stack of `num_workers` real workers that also knows the hand worker."""
+    async with running(cluster, num_workers) as stack:
+        await hand.register()
+        await wait_for(
+            lambda: hand.iid in stack.gateway.workers and hand.iid in stack.estimator.workers
+        )
+        yield stack
 
 
 def data_lines(lines: list[str]) -> list[str]:
@@ -112,8 +117,7 @@ async def test_a_streams_headers_come_before_its_first_token(
         await hand.send(msg, TokenDelta(msg.request_id, 0, [42, 43], None, "length", 5))
 
     hand.answer = answer_when_told
-    stack = await stack_with(cluster, 0, hand)
-    try:
+    async with stack_with(cluster, 0, hand) as stack:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
             body = {**CHAT, "model": "random-tiny", "stream": True, "max_tokens": 2}
             async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
@@ -129,11 +133,8 @@ async def test_a_streams_headers_come_before_its_first_token(
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert stack.gateway.num_in_flight == 0
         # the first token's metrics, counted after its chunk went out
-        m = stack.gateway.metrics
-        assert m.ttft_s.labels("random-tiny")._sum.get() > 0
-        assert m.queued._value.get() == 0
-    finally:
-        await stack.stop()
+        assert stack.metric("baton_ttft_seconds_sum", model="random-tiny") > 0
+        assert stack.metric("baton_queued_requests") == 0
 
 
 async def test_a_draining_workers_503_sends_the_request_elsewhere_unseen(
@@ -142,8 +143,7 @@ async def test_a_draining_workers_503_sends_the_request_elsewhere_unseen(
     """Round robin (the `auto` preset) alternates the refusing hand worker and a real
     one: every request, streamed or not, is answered by the real one, and those the hand
     worker refused were rerouted once each, under their request id."""
-    stack = await stack_with(cluster, 1, hand)
-    try:
+    async with stack_with(cluster, 1, hand) as stack:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
             for i in range(6):
                 body = {**CHAT, "model": "auto", "stream": i % 2 == 0}
@@ -161,11 +161,9 @@ async def test_a_draining_workers_503_sends_the_request_elsewhere_unseen(
                     baton = resp.json()["baton"]
                 assert baton["instance"] == "w0"
         assert hand.submits, "round robin sent nothing to the hand worker"
-        assert stack.gateway.metrics.reroutes._value.get() == len(hand.submits)
+        assert stack.metric("baton_reroutes_total") == len(hand.submits)
         assert len({m.request_id for m in hand.submits}) == len(hand.submits)
         assert stack.gateway.num_in_flight == 0
-    finally:
-        await stack.stop()
 
 
 async def test_the_503_stands_when_no_other_instance_serves(
@@ -181,8 +179,7 @@ async def test_the_503_stands_when_no_other_instance_serves(
     await hand.bus.subscribe(
         subjects.estimator_events(cluster.namespace), REQUEST_DONE_DECODER, on_done
     )
-    stack = await stack_with(cluster, 0, hand)
-    try:
+    async with stack_with(cluster, 0, hand) as stack:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
             body = {**CHAT, "model": "random-tiny"}
             resp = await client.post("/v1/chat/completions", json=body)
@@ -196,13 +193,11 @@ async def test_the_503_stands_when_no_other_instance_serves(
         error = json.loads(lines[-2])["error"]
         assert DRAINING in error["message"] and error["type"] == "service_unavailable"
         assert len(hand.submits) == 2
-        assert stack.gateway.metrics.reroutes._value.get() == 0
+        assert stack.metric("baton_reroutes_total") == 0
         await wait_for(lambda: len(done) >= 2)
         await asyncio.sleep(0.2)  # a second done event would have come by now
         assert sorted(done) == sorted(m.request_id for m in hand.submits)
         assert stack.gateway.num_in_flight == 0
-    finally:
-        await stack.stop()
 
 
 async def test_what_a_worker_would_refuse_is_a_status_before_a_stream_starts(
@@ -210,16 +205,13 @@ async def test_what_a_worker_would_refuse_is_a_status_before_a_stream_starts(
 ) -> None:
     """Checked at the gateway, since a stream's status goes out before the worker
     answers: prompt token ids outside the vocabulary."""
-    stack = await stack_with(cluster, 0, hand)
-    try:
+    async with stack_with(cluster, 0, hand) as stack:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
             body = {"model": "random-tiny", "prompt": [1, 10**9], "stream": True}
             resp = await client.post("/v1/completions", json=body)
         assert resp.status_code == 400
         assert resp.json()["error"]["message"].startswith("prompt token ids must be in [0, ")
         assert not hand.submits
-    finally:
-        await stack.stop()
 
 
 async def test_a_client_that_leaves_during_a_reroute_is_seen_on_the_new_stream(

@@ -10,7 +10,7 @@ import pytest
 from services.gateway.protocol import CHAT_DECODER
 from services.gateway.request_checks import sampling_params
 from shared.config import ConfigError, parse_cluster
-from tests.support.stack import start_stack, tiny_cluster_text
+from tests.support.stack import running, tiny_cluster_text
 
 MODELS = """
 [models.a]
@@ -111,21 +111,20 @@ async def test_a_request_without_temperature_samples_at_the_models_default(
     )
     cluster = parse_cluster(text)
     assert cluster.sampling_defaults("random-tiny") == (0.0, 1.0)
-    stack = await start_stack(cluster, num_workers=1)
-    try:
-        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
+    async with (
+        running(cluster, num_workers=1) as stack,
+        httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client,
+    ):
 
-            async def answer(extra: dict[str, float]) -> list[float]:
-                return (await answered(client, "random-tiny", extra))[1]
+        async def answer(extra: dict[str, float]) -> list[float]:
+            return (await answered(client, "random-tiny", extra))[1]
 
-            greedy = await answer({"temperature": 0.0})
-            assert await answer({}) == greedy
-            assert await answer({}) == greedy
-            # at 1.0 a random-tiny model (a near-uniform distribution) leaves the greedy path
-            sampled = [await answer({"temperature": 1.0, "seed": s}) for s in range(3)]
-            assert any(s != greedy for s in sampled)
-    finally:
-        await stack.stop()
+        greedy = await answer({"temperature": 0.0})
+        assert await answer({}) == greedy
+        assert await answer({}) == greedy
+        # at 1.0 a random-tiny model (a near-uniform distribution) leaves the greedy path
+        sampled = [await answer({"temperature": 1.0, "seed": s}) for s in range(3)]
+        assert any(s != greedy for s in sampled)
 
 
 async def test_a_preset_request_samples_at_the_routed_models_defaults(
@@ -145,20 +144,19 @@ async def test_a_preset_request_samples_at_the_routed_models_defaults(
     text += '[presets.mixed]\nmodels = ["random-tiny-b", "random-tiny"]\npolicy = "round-robin"\n'
     cluster = parse_cluster(text)
     assert cluster.sampling_defaults("mixed") == (1.0, 1.0)  # before routing: the first's
-    stack = await start_stack(cluster, num_workers=2, models=["random-tiny", "random-tiny-b"])
-    try:
-        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
-            greedy = {
-                m: (await answered(client, m, {"temperature": 0.0}))[1]
-                for m in ("random-tiny", "random-tiny-b")
-            }
-            answers = [await answered(client, "mixed", {"seed": s}) for s in range(6)]
-            by_tiny = [lps for model, lps in answers if model == "random-tiny"]
-            by_b = [lps for model, lps in answers if model == "random-tiny-b"]
-            assert len(by_tiny) == len(by_b) == 3  # round-robin: every other request
-            # random-tiny's default 0: greedy (at the placeholder 1.0 it would leave the
-            # greedy path, a near-uniform distribution); random-tiny-b's 1.0 samples
-            assert all(lps == greedy["random-tiny"] for lps in by_tiny)
-            assert any(lps != greedy["random-tiny-b"] for lps in by_b)
-    finally:
-        await stack.stop()
+    async with (
+        running(cluster, num_workers=2, models=["random-tiny", "random-tiny-b"]) as stack,
+        httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client,
+    ):
+        greedy = {
+            m: (await answered(client, m, {"temperature": 0.0}))[1]
+            for m in ("random-tiny", "random-tiny-b")
+        }
+        answers = [await answered(client, "mixed", {"seed": s}) for s in range(6)]
+        by_tiny = [lps for model, lps in answers if model == "random-tiny"]
+        by_b = [lps for model, lps in answers if model == "random-tiny-b"]
+        assert len(by_tiny) == len(by_b) == 3  # round-robin: every other request
+        # random-tiny's default 0: greedy (at the placeholder 1.0 it would leave the
+        # greedy path, a near-uniform distribution); random-tiny-b's 1.0 samples
+        assert all(lps == greedy["random-tiny"] for lps in by_tiny)
+        assert any(lps != greedy["random-tiny-b"] for lps in by_b)

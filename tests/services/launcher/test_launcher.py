@@ -21,8 +21,8 @@ import httpx
 import pytest
 
 from services.launcher.servers import MAX_UNIX_PATH, free_port, start_redis, stop_process_group
-from shared.messages.registry import WorkerInfo
 from shared.store import Store
+from tests.support.builders import worker_info
 from tests.support.stack import tiny_cluster_text
 
 
@@ -375,14 +375,8 @@ def test_launcher_with_no_restarts_stops_at_the_first_death(
 
 def register_worker(redis_url: str, namespace: str, instance_id: str, *, ttl_s: float) -> None:
     """Register a worker as a deployment's would (nothing behind it), for ttl_s."""
-    info = WorkerInfo(
-        instance_id=instance_id,
-        model="random-tiny",
-        inbox="x",
-        max_model_len=256,
-        max_num_seqs=4,
-        started_at_s=time.time(),
-        heartbeat_at_s=time.time(),
+    info = worker_info(
+        instance_id, "random-tiny", namespace=namespace, max_model_len=256, at_s=time.time()
     )
 
     async def register() -> None:

@@ -27,37 +27,31 @@ from shared.model_store import load_tokenizer
 from shared.sampling import SamplingParams
 from shared.scheduling.scheduler import SchedulerConfig
 from tests.services.worker.routing.test_runtime import EveryThird, big_writes
+from tests.support.clusters import instance, preset, table
 from tests.support.stack import Stack, kill, start_stack, tiny_cluster_text
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-PAIR = """
-[models.random-tiny-big]
-dtype = "float32"
-
-[[instances]]
-model = "random-tiny-big"
-replicas = 1
-seed = 7
-[instances.scheduler]
-max_num_seqs = 8
-max_num_batched_tokens = 256
-num_kv_blocks = 64
-max_model_len = 256
-
-[presets.pair]
-models = ["random-tiny", "random-tiny-big"]
-token_policy = "every-third"
-
-[presets.pair-barrier]
-models = ["random-tiny", "random-tiny-big"]
-token_policy = "every-third"
-mode = "barrier"
-
-[relay]
-peer_timeout_s = 2.0
-registry_refresh_s = 0.2
-"""
+PAIR_MODELS = ["random-tiny", "random-tiny-big"]
+PAIR = "".join(
+    [
+        table("models.random-tiny-big", dtype="float32"),
+        instance(
+            "random-tiny-big",
+            {
+                "max_num_seqs": 8,
+                "max_num_batched_tokens": 256,
+                "num_kv_blocks": 64,
+                "max_model_len": 256,
+            },
+            replicas=1,
+            seed=7,
+        ),
+        preset("pair", PAIR_MODELS, token_policy="every-third"),
+        preset("pair-barrier", PAIR_MODELS, token_policy="every-third", mode="barrier"),
+        table("relay", peer_timeout_s=2.0, registry_refresh_s=0.2),
+    ]
+)
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -336,7 +330,7 @@ async def test_dead_peer_never_loses_a_request(routed: tuple[Stack, RelayService
     async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
         pending = [asyncio.create_task(post(i, client)) for i in range(4)]
         await asyncio.sleep(0.3)  # hand-offs are under way
-        big_task = stack._tasks[1]  # the large worker's loop: crash it
+        big_task = stack.worker_tasks[1]  # the large worker's loop: crash it
         await kill(big_task)
         resps = await asyncio.gather(*pending)
         late = await post(99, client)  # no large worker at all: served by the small one

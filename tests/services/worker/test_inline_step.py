@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -21,15 +20,9 @@ import pytest
 
 from services.worker.config import WorkerServiceConfig, create_engine
 from services.worker.service import WorkerService
-from shared import subjects
-from shared.bus import Bus
 from shared.config import ConfigError, parse_cluster
-from shared.messages.gateway import DELTA_BATCH_DECODER, DeltaBatch, TokenDelta
-from shared.messages.worker import SubmitRequest
-from shared.sampling import SamplingParams
+from tests.services.worker.hand_gateway import MAX_TOKENS, Client, serving
 from tests.support.stack import tiny_cluster_text
-
-MAX_TOKENS = 4
 
 
 class StepThreads:
@@ -79,51 +72,6 @@ class SlowHandBack(StepThreads):
         return engine
 
 
-class Client:
-    """Plays the gateway: submits over the bus and collects each request's deltas."""
-
-    def __init__(self, bus: Bus, namespace: str) -> None:
-        self.bus = bus
-        self.inbox = subjects.gateway_inbox(namespace, f"gw{uuid.uuid4().hex[:6]}")
-        self.finished: dict[str, asyncio.Event] = {}
-
-    async def start(self) -> None:
-        await self.bus.subscribe(self.inbox, DELTA_BATCH_DECODER, self._on_batch)
-        await self.bus.flush()
-
-    async def _on_batch(self, batch: DeltaBatch) -> None:
-        for event in batch.events:
-            assert isinstance(event, TokenDelta), event
-            if event.finish_reason is not None:
-                self.finished[event.request_id].set()
-
-    def _track(self, request_id: str) -> None:
-        """A request about to be submitted (subclasses keep more of it)."""
-        self.finished[request_id] = asyncio.Event()
-
-    async def submit(
-        self, worker: WorkerService, num_prompt_tokens: int = 8, max_tokens: int = MAX_TOKENS
-    ) -> str:
-        """Send the worker a greedy request; return its id."""
-        request_id = uuid.uuid4().hex
-        self._track(request_id)
-        msg = SubmitRequest(
-            request_id=request_id,
-            prompt_token_ids=list(range(1, num_prompt_tokens + 1)),
-            params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-            reply_to=self.inbox,
-            arrival_time_s=0.0,
-        )
-        await self.bus.publish(worker.inbox_subject, msg)
-        return request_id
-
-    async def generate(
-        self, worker: WorkerService, num_prompt_tokens: int, max_tokens: int = MAX_TOKENS
-    ) -> None:
-        request_id = await self.submit(worker, num_prompt_tokens, max_tokens)
-        await asyncio.wait_for(self.finished[request_id].wait(), 30)
-
-
 @asynccontextmanager
 async def running_worker(
     nats_url: str,
@@ -144,19 +92,9 @@ async def running_worker(
         **settings,
     )
     threads = StepThreads() if threads is None else threads
-    worker = WorkerService(cfg, engine_factory=threads)
-    task = asyncio.create_task(worker.run())
-    await asyncio.wait_for(worker.ready.wait(), 120)
-    bus = Bus(nats_url, name="test-client")
-    await bus.connect()
-    client = Client(bus, cluster.namespace)
-    await client.start()
-    try:
+    async with serving(nats_url, cfg, threads, Client) as (worker, task, client):
         yield worker, threads, client
-    finally:
-        await client.bus.close()
-        worker.request_stop()
-        await asyncio.wait_for(task, 10)
+    task.result()  # a run() that failed fails the test
 
 
 async def test_first_step_after_idle_runs_inline_the_rest_in_a_thread(

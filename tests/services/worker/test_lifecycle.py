@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,14 @@ from shared.config import parse_cluster
 from shared.messages.registry import WorkerInfo
 from shared.messages.worker import AbortRequest, SubmitRequest
 from shared.sampling import SamplingParams
-from tests.support.stack import kill, start_stack, start_worker, tiny_cluster_text
+from tests.support.clusters import instance, sim_model
+from tests.support.stack import (
+    kill,
+    running,
+    start_worker,
+    tiny_cluster_text,
+    worker_process,
+)
 
 CHAT = {"model": "random-tiny", "messages": [{"role": "user", "content": "Tell me a story."}]}
 
@@ -32,64 +37,42 @@ async def wait_for(predicate, timeout_s: float = 10.0) -> None:  # type: ignore[
 
 
 async def test_killed_worker_is_noticed_by_health_and_routing(
-    nats_url: str, redis_url: str, tmp_path: Path, repo_root: Path
+    nats_url: str, redis_url: str, tmp_path: Path
 ) -> None:
     text = tiny_cluster_text(nats_url, redis_url)
     (tmp_path / "cluster.toml").write_text(text)
     cluster = parse_cluster(text)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    victim = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.worker",
-            "--cluster",
-            str(tmp_path / "cluster.toml"),
-            "--model",
-            "random-tiny",
-            "--instance-id",
-            "victim",
-        ],
-        cwd=repo_root,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    stack = await start_stack(cluster, num_workers=0)
-    try:
-        await wait_for(
-            lambda: "victim" in stack.gateway.workers and "victim" in stack.estimator.workers, 90
-        )
-        async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
-            assert (await client.get("/health")).status_code == 200
-            body = {**CHAT, "stream": True, "max_tokens": 200, "ignore_eos": True}
-            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-                assert resp.status_code == 200
-                lines = resp.aiter_lines()
-                for _ in range(3):  # streaming has begun
-                    await anext(lines)
-                os.killpg(victim.pid, signal.SIGKILL)  # no drain, no deregistration
-                rest = [line async for line in lines]
-            # the open stream is told in-band that its worker went away: at once by its
-            # direct link closing (or by the registry, for a request sent over NATS)
-            told = ("lost the connection to worker victim", "went away")
-            assert any(t in line for line in rest for t in told), rest[-3:]
-            assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
+    with worker_process(tmp_path / "cluster.toml", "victim") as victim:
+        async with running(cluster, num_workers=0) as stack:
+            await wait_for(
+                lambda: "victim" in stack.gateway.workers and "victim" in stack.estimator.workers,
+                90,
+            )
+            async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
+                assert (await client.get("/health")).status_code == 200
+                body = {**CHAT, "stream": True, "max_tokens": 200, "ignore_eos": True}
+                async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                    assert resp.status_code == 200
+                    lines = resp.aiter_lines()
+                    for _ in range(3):  # streaming has begun
+                        await anext(lines)
+                    os.killpg(victim.pid, signal.SIGKILL)  # no drain, no deregistration
+                    rest = [line async for line in lines]
+                # the open stream is told in-band that its worker went away: at once by its
+                # direct link closing (or by the registry, for a request sent over NATS)
+                told = ("lost the connection to worker victim", "went away")
+                assert any(t in line for line in rest for t in told), rest[-3:]
+                assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
 
-            # the registry notices within its TTL (the link told the stream sooner)
-            await wait_for(lambda: not stack.gateway.is_ready, 10)
-            health = await client.get("/health")
-            assert health.status_code == 503 and health.json()["workers"] == []
-            resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
-            assert resp.status_code == 503
-            assert resp.headers["retry-after"] == "1"
-            assert "no live worker" in resp.json()["error"]["message"]
-        await wait_for(lambda: not stack.estimator.workers, 5)
-    finally:
-        if victim.poll() is None:
-            os.killpg(victim.pid, signal.SIGKILL)
-        victim.wait()
-        await stack.stop()
+                # the registry notices within its TTL (the link told the stream sooner)
+                await wait_for(lambda: not stack.gateway.is_ready, 10)
+                health = await client.get("/health")
+                assert health.status_code == 503 and health.json()["workers"] == []
+                resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+                assert resp.status_code == 503
+                assert resp.headers["retry-after"] == "1"
+                assert "no live worker" in resp.json()["error"]["message"]
+            await wait_for(lambda: not stack.estimator.workers, 5)
 
 
 async def test_health_is_degraded_while_a_model_has_no_worker(
@@ -105,111 +88,90 @@ async def test_health_is_degraded_while_a_model_has_no_worker(
         "[instances.scheduler]\nnum_kv_blocks = 64\nmax_model_len = 256\n",
         1,
     )
-    stack = await start_stack(parse_cluster(text), num_workers=1)
-    try:
-        async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
-            health = await client.get("/health")
-            assert health.status_code == 200
-            assert health.json()["status"] == "degraded"
-            assert health.json()["models"] == {"random-tiny": 1, "random-tiny-b": 0}
-            resp = await client.post(
-                "/v1/chat/completions", json={**CHAT, "model": "random-tiny-b", "max_tokens": 2}
-            )
-            assert resp.status_code == 503 and "no live worker" in resp.json()["error"]["message"]
-    finally:
-        await stack.stop()
+    async with (
+        running(parse_cluster(text), num_workers=1) as stack,
+        httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client,
+    ):
+        health = await client.get("/health")
+        assert health.status_code == 200
+        assert health.json()["status"] == "degraded"
+        assert health.json()["models"] == {"random-tiny": 1, "random-tiny-b": 0}
+        resp = await client.post(
+            "/v1/chat/completions", json={**CHAT, "model": "random-tiny-b", "max_tokens": 2}
+        )
+        assert resp.status_code == 503 and "no live worker" in resp.json()["error"]["message"]
+
+
+async def stopped_mid_stream(
+    client: httpx.AsyncClient, worker: WorkerService, max_tokens: int
+) -> list[str]:
+    """Stream a request; once its first line came, the worker is told to stop (what
+    SIGTERM does). The rest of the stream."""
+    body = {**CHAT, "stream": True, "max_tokens": max_tokens, "ignore_eos": True}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        lines = resp.aiter_lines()
+        await anext(lines)
+        worker.request_stop()
+        return [line async for line in lines]
 
 
 async def test_sigterm_drains_in_flight_requests(nats_url: str, redis_url: str) -> None:
     cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
-    stack = await start_stack(cluster, num_workers=1)
-    try:
-        worker, task = stack.workers[0], stack._tasks[0]
+    async with running(cluster, num_workers=1) as stack:
+        worker, task = stack.workers[0], stack.worker_tasks[0]
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
-            body = {**CHAT, "stream": True, "max_tokens": 40, "ignore_eos": True}
-            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-                lines = resp.aiter_lines()
-                await anext(lines)
-                worker.request_stop()  # what SIGTERM does
-                rest = [line async for line in lines]
+            rest = await stopped_mid_stream(client, worker, max_tokens=40)
             assert '"finish_reason":"length"' in "".join(rest)  # the request finished, not aborted
             await asyncio.wait_for(task, 10)  # then the worker exits
             await wait_for(lambda: not stack.gateway.workers, 5)  # and deregistered at once
             assert (await client.get("/health")).status_code == 503
-    finally:
-        await stack.stop()
 
 
 async def test_worker_replaced_under_same_cluster_serves_again(
     nats_url: str, redis_url: str
 ) -> None:
     cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
-    stack = await start_stack(cluster, num_workers=0)
-    try:
-        async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
-            assert (await client.get("/health")).status_code == 503
-            worker, task = await start_worker(cluster, "late")
-            stack.workers.append(worker)
-            stack._tasks.append(task)
-            await wait_for(
-                lambda: "late" in stack.gateway.workers and "late" in stack.estimator.workers, 10
-            )
-            assert (await client.get("/health")).status_code == 200
-            resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3})
-            assert resp.status_code == 200 and resp.headers["x-instance-id"] == "late"
-    finally:
-        await stack.stop()
+    async with (
+        running(cluster, num_workers=0) as stack,
+        httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client,
+    ):
+        assert (await client.get("/health")).status_code == 503
+        worker, task = await start_worker(cluster, "late")
+        stack.add_worker(worker, task)
+        await wait_for(
+            lambda: "late" in stack.gateway.workers and "late" in stack.estimator.workers, 10
+        )
+        assert (await client.get("/health")).status_code == 200
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3})
+        assert resp.status_code == 200 and resp.headers["x-instance-id"] == "late"
 
 
 async def test_drain_timeout_fails_what_still_runs(nats_url: str, redis_url: str) -> None:
     text = tiny_cluster_text(nats_url, redis_url).replace(
         "drain_timeout_s = 3.0", "drain_timeout_s = 0.0"
     )
-    stack = await start_stack(parse_cluster(text), num_workers=1)
-    try:
-        worker, task = stack.workers[0], stack._tasks[0]
+    async with running(parse_cluster(text), num_workers=1) as stack:
+        worker, task = stack.workers[0], stack.worker_tasks[0]
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
-            body = {**CHAT, "stream": True, "max_tokens": 200, "ignore_eos": True}
-            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-                lines = resp.aiter_lines()
-                await anext(lines)
-                worker.request_stop()
-                rest = [line async for line in lines]
+            rest = await stopped_mid_stream(client, worker, max_tokens=200)
             assert any("shut down before the request finished" in line for line in rest)
             assert rest[-1] == "" or rest[-1] == "data: [DONE]"
             await asyncio.wait_for(task, 10)
             assert (
                 await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
             ).status_code == 503
-    finally:
-        await stack.stop()
 
 
-SIM_MODEL = """
-[models.sim-a]
-engine = "sim"
-tokenizer = "smollm2-135m"
-batch_time_features = "six-term"
-batch_time_coefs = [2.0e-3, 1.0e-6, 0.0, 1.0e-5, 0.0, 0.0]
-
-[models.sim-a.sim]
-clock = "wall"
-output_len_dist = "fixed"
-output_len_mean = 7.0
-
-[[instances]]
-model = "sim-a"
-replicas = 1
-"""
+SIM_MODEL = sim_model(
+    "sim-a", [2.0e-3, 1.0e-6, 0.0, 1.0e-5, 0.0, 0.0], 7.0, tokenizer="smollm2-135m"
+) + instance("sim-a", replicas=1)
 
 
 async def test_sim_engine_worker_serves_through_the_gateway(nats_url: str, redis_url: str) -> None:
     cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url) + SIM_MODEL)
-    stack = await start_stack(cluster, num_workers=0)
-    try:
+    async with running(cluster, num_workers=0) as stack:
         worker, task = await start_worker(cluster, "sim0", model="sim-a")
-        stack.workers.append(worker)
-        stack._tasks.append(task)
+        stack.add_worker(worker, task)
         await wait_for(lambda: "sim0" in stack.gateway.workers, 10)
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
             resp = await client.post(
@@ -219,8 +181,6 @@ async def test_sim_engine_worker_serves_through_the_gateway(nats_url: str, redis
         out = resp.json()
         assert out["usage"]["completion_tokens"] == 7  # the sim's fixed output length
         assert out["choices"][0]["finish_reason"] == "stop"
-    finally:
-        await stack.stop()
 
 
 async def test_a_store_that_loses_its_data_fails_no_stream(nats_url: str, redis_url: str) -> None:
@@ -228,9 +188,8 @@ async def test_a_store_that_loses_its_data_fails_no_stream(nats_url: str, redis_
     workers register again at their next heartbeat, and meanwhile the gateway keeps them
     (the registry epoch changed), so the open stream finishes and routing never stops."""
     cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
-    stack = await start_stack(cluster, num_workers=2)
-    gateway, store = stack.gateway, stack.gateway.store
-    try:
+    async with running(cluster, num_workers=2) as stack:
+        gateway, store = stack.gateway, stack.gateway.store
         await wait_for(lambda: len(gateway.workers) == 2 and len(stack.estimator.workers) == 2)
         reads: list[int] = []  # workers in each of the gateway's registry reads
         read_registry = store.read_registry
@@ -264,8 +223,6 @@ async def test_a_store_that_loses_its_data_fails_no_stream(nats_url: str, redis_
             assert resp.status_code == 200, resp.text
             await wait_for(lambda: reads[-1] == 2, 5)  # both registered again
         assert len(stack.estimator.workers) == 2
-    finally:
-        await stack.stop()
 
 
 async def test_a_worker_writes_its_snapshots_again_after_redis_drops_its_connections(
@@ -274,9 +231,8 @@ async def test_a_worker_writes_its_snapshots_again_after_redis_drops_its_connect
     """The snapshot writes' own connection (Store's write lane) is dropped by Redis:
     the next write connects again, so the snapshots go on advancing."""
     cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
-    stack = await start_stack(cluster, num_workers=1)
-    store = stack.gateway.store
-    try:
+    async with running(cluster, num_workers=1) as stack:
+        store = stack.gateway.store
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
             resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
             assert resp.status_code == 200, resp.text
@@ -297,8 +253,6 @@ async def test_a_worker_writes_its_snapshots_again_after_redis_drops_its_connect
                 assert time.monotonic() < deadline, "no snapshot written after the drop"
                 await asyncio.sleep(0.05)
             assert await lane.command("CLIENT", "ID") != lane_id  # a new connection
-    finally:
-        await stack.stop()
 
 
 async def test_without_an_estimator_the_gateway_routes_by_itself(
@@ -307,10 +261,9 @@ async def test_without_an_estimator_the_gateway_routes_by_itself(
     """The estimator stops (a crash, a restart): requests are still answered, routed by
     the gateway to the instance with the fewest requests, and counted in /metrics."""
     cluster = parse_cluster(tiny_cluster_text(nats_url, redis_url))
-    stack = await start_stack(cluster, num_workers=2)
-    try:
+    async with running(cluster, num_workers=2) as stack:
         stack.estimator.request_stop()
-        await asyncio.wait_for(stack._tasks[2], 10)  # the estimator's task: gone
+        await asyncio.wait_for(stack.estimator_task, 10)  # gone
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
             body = {**CHAT, "max_tokens": 2}
             resps = await asyncio.gather(
@@ -322,30 +275,17 @@ async def test_without_an_estimator_the_gateway_routes_by_itself(
             assert {p["instance"] for p in picked} == {"w0", "w1"}  # the load is spread
             metrics = (await client.get("/metrics")).text
             assert "baton_route_fallbacks_total 4.0" in metrics
-    finally:
-        await stack.stop()
 
 
-SLOW_SIM = """
-[models.slow]
-engine = "sim"
-tokenizer = "random-tiny"
-batch_time_features = "six-term"
-batch_time_coefs = [0.02, 0.0, 0.0, 0.0, 0.0, 0.0]
-
-[models.slow.sim]
-clock = "wall"
-output_len_dist = "fixed"
-output_len_mean = 1000.0
-
-[[instances]]
-model = "slow"
-[instances.scheduler]
-max_num_seqs = 4
-max_num_batched_tokens = 256
-num_kv_blocks = 256
-max_model_len = 1024
-"""
+SLOW_LIMITS = {
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 256,
+    "num_kv_blocks": 256,
+    "max_model_len": 1024,
+}
+SLOW_SIM = sim_model("slow", [0.02, 0.0, 0.0, 0.0, 0.0, 0.0], 1000.0) + instance(
+    "slow", SLOW_LIMITS
+)
 
 
 def submit_to(worker: WorkerService, request_id: str, owner: str) -> SubmitRequest:
@@ -365,9 +305,8 @@ async def test_the_requests_of_a_dead_gateway_are_aborted(nats_url: str, redis_u
     grace has passed, and its KV freed; the live gateway's request runs on."""
     text = tiny_cluster_text(nats_url, redis_url).replace("replicas = 2", "replicas = 0")
     cluster = parse_cluster(text + SLOW_SIM)
-    stack = await start_stack(cluster, 1, ["slow"])  # 20 ms a step: 1000 tokens take 20 s
-    worker = stack.workers[0]
-    try:
+    async with running(cluster, 1, ["slow"]) as stack:  # 20 ms a step: 1000 tokens take 20 s
+        worker = stack.workers[0]
         for rid, owner in (("mine", stack.gateway.owner_token), ("orphan", "gw-dead")):
             await stack.gateway.bus.publish(worker.inbox_subject, submit_to(worker, rid, owner))
         await wait_for(lambda: {"mine", "orphan"} <= set(worker.answers.owners), 5)
@@ -381,8 +320,6 @@ async def test_the_requests_of_a_dead_gateway_are_aborted(nats_url: str, redis_u
         assert [r.request_id for r in sched.running] == ["mine"]
         held = sched.config.num_kv_blocks - sched.blocks.num_free_blocks
         assert held == len(sched.running[0].block_ids)  # the orphan's KV is free
-    finally:
-        await stack.stop()
 
 
 async def test_an_owner_seen_gone_once_gets_the_whole_grace_again(
@@ -393,10 +330,9 @@ async def test_an_owner_seen_gone_once_gets_the_whole_grace_again(
     again is not aborted before a whole grace."""
     text = tiny_cluster_text(nats_url, redis_url).replace("replicas = 2", "replicas = 0")
     cluster = parse_cluster(text + SLOW_SIM)
-    stack = await start_stack(cluster, 1, ["slow"])
-    worker = stack.workers[0]
-    store = stack.gateway.store
-    try:
+    async with running(cluster, 1, ["slow"]) as stack:
+        worker = stack.workers[0]
+        store = stack.gateway.store
         assert worker.heartbeat_task is not None
         await kill(worker.heartbeat_task)  # only the calls below check owners
         await store.register_gateway("gw-a", ttl_s=60)
@@ -421,8 +357,6 @@ async def test_an_owner_seen_gone_once_gets_the_whole_grace_again(
         )  # gw-b absent again: the grace starts now
         await asyncio.sleep(0.1)
         assert {"r2", "r3"} <= set(worker.answers.owners)
-    finally:
-        await stack.stop()
 
 
 async def test_a_hung_estimator_costs_one_timeout_per_window(nats_url: str, redis_url: str) -> None:
@@ -434,11 +368,10 @@ async def test_a_hung_estimator_costs_one_timeout_per_window(nats_url: str, redi
         "[gateway]\n", "[gateway]\nroute_timeout_s = 2.0\n", 1
     )
     cluster = parse_cluster(text)
-    stack = await start_stack(cluster, num_workers=2)
-    asked: list[bytes] = []
-    try:
+    async with running(cluster, num_workers=2) as stack:
+        asked: list[bytes] = []
         stack.estimator.request_stop()
-        await asyncio.wait_for(stack._tasks[2], 10)
+        await asyncio.wait_for(stack.estimator_task, 10)
 
         async def hung(msg: Any) -> None:  # takes the request, answers nothing
             asked.append(msg.data)
@@ -462,8 +395,6 @@ async def test_a_hung_estimator_costs_one_timeout_per_window(nats_url: str, redi
             await asyncio.sleep(cluster.gateway.route_timeout_s)
             assert await three() == ["gateway-fallback"] * 3
             assert len(asked) == 2  # after it: one probe, not three
-    finally:
-        await stack.stop()
 
 
 def test_the_warm_up_request_leaves_no_trace_in_the_engine() -> None:

@@ -13,7 +13,8 @@ from services.worker.config import WorkerServiceConfig
 from shared.bus import Bus
 from shared.config import ConfigError, parse_cluster
 from shared.messages.gateway import DeltaBatch, TokenDelta
-from tests.services.worker.test_inline_step import Client, running_worker
+from tests.services.worker.hand_gateway import Client
+from tests.services.worker.test_inline_step import running_worker
 from tests.support.stack import tiny_cluster_text
 
 MAX_TOKENS = 6
@@ -26,9 +27,9 @@ class BatchRecorder(Client):
         super().__init__(bus, namespace)
         self.batches: list[DeltaBatch] = []
 
-    async def _on_batch(self, batch: DeltaBatch) -> None:
+    async def on_batch(self, batch: DeltaBatch) -> None:
         self.batches.append(batch)
-        await super()._on_batch(batch)
+        await super().on_batch(batch)
 
 
 async def run_requests(

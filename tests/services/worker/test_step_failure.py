@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 
 from services.worker.config import WorkerServiceConfig, create_engine
-from services.worker.service import MAX_CONSECUTIVE_STEP_FAILURES, WorkerService
+from services.worker.service import MAX_CONSECUTIVE_STEP_FAILURES
 from shared.bus import Bus
 from shared.config import parse_cluster
 from shared.messages.gateway import DeltaBatch, RequestFailed, TokenDelta
-from tests.services.worker.test_inline_step import Client
-from tests.support.stack import kill, tiny_cluster_text
+from tests.services.worker.hand_gateway import Client, serving
+from tests.support.stack import tiny_cluster_text
 
 
 class FailingSteps:
@@ -60,14 +60,14 @@ class Gateway(Client):
         self.events: dict[str, list[TokenDelta | RequestFailed]] = {}
         self.done: dict[str, asyncio.Event] = {}
 
-    async def _on_batch(self, batch: DeltaBatch) -> None:
+    async def on_batch(self, batch: DeltaBatch) -> None:
         for event in batch.events:
             assert isinstance(event, TokenDelta | RequestFailed), event
             self.events[event.request_id].append(event)
             if isinstance(event, RequestFailed) or event.finish_reason is not None:
                 self.done[event.request_id].set()
 
-    def _track(self, request_id: str) -> None:
+    def track(self, request_id: str) -> None:
         self.events[request_id], self.done[request_id] = [], asyncio.Event()
 
     async def outcome(self, request_id: str) -> TokenDelta | RequestFailed:
@@ -82,23 +82,8 @@ async def failing_worker(nats_url: str, redis_url: str):  # type: ignore[no-unty
     # every step in the thread but the first after an idle wait (as by default)
     cfg = dataclasses.replace(cfg, max_inline_step_ms=0.0)
     steps = FailingSteps()
-    worker = WorkerService(cfg, engine_factory=steps)
-    task = asyncio.create_task(worker.run())
-    await asyncio.wait_for(worker.ready.wait(), 120)
-    bus = Bus(nats_url, name="test-gateway")
-    await bus.connect()
-    gateway = Gateway(bus, cluster.namespace)
-    await gateway.start()
-    try:
+    async with serving(nats_url, cfg, steps, Gateway) as (worker, task, gateway):
         yield worker, task, steps, gateway
-    finally:
-        await bus.close()
-        if not task.done():
-            worker.request_stop()
-            try:
-                await asyncio.wait_for(asyncio.shield(task), 10)
-            except TimeoutError:
-                await kill(task)
 
 
 async def test_a_failed_step_fails_its_requests_with_500_and_serving_goes_on(

@@ -10,7 +10,13 @@ import pytest
 from shared.scheduling.request import RequestStatus
 from shared.scheduling.scheduler import SchedulerConfig
 from shared.scheduling.snapshot import restore_scheduler, take_snapshot
-from tests.shared.scheduling.builders import chunk_sizes, make_scheduler, run_until_idle, step
+from tests.shared.scheduling.builders import (
+    chunk_sizes,
+    drain_and_free_all,
+    make_scheduler,
+    run_until_idle,
+    step,
+)
 
 
 def test_budget_is_respected_every_step() -> None:
@@ -51,8 +57,7 @@ def test_admission_waits_for_kv() -> None:
     batch = step(s)
     assert chunk_sizes(batch) == {"a": 20}
     assert s.requests["b"].status is RequestStatus.WAITING
-    run_until_idle(s)
-    assert s.blocks.num_free_blocks == 8
+    drain_and_free_all(s)
 
 
 def test_preemption_drops_newest_and_recomputes() -> None:
@@ -70,8 +75,7 @@ def test_preemption_drops_newest_and_recomputes() -> None:
             assert s.waiting[0].request_id == "new"
             break
     assert preempted_at is not None
-    run_until_idle(s)
-    assert not s.has_unfinished and s.blocks.num_free_blocks == 6
+    drain_and_free_all(s)
 
 
 def test_recompute_prefills_prompt_and_outputs() -> None:
@@ -103,8 +107,7 @@ def test_abort_frees_kv() -> None:
     assert s.blocks.num_free_blocks > held
     assert "a" not in s.requests
     assert s.abort("a") is None  # idempotent
-    run_until_idle(s)
-    assert s.blocks.num_free_blocks == 64
+    drain_and_free_all(s)
 
 
 def test_fifo_head_is_never_overtaken() -> None:
@@ -170,8 +173,7 @@ def test_priority_request_goes_before_long_prompts() -> None:
     assert chunk_sizes(batch) == {"peer": 6, "long0": 10}
     assert s.requests["peer"].num_output_tokens == 1
     assert chunk_sizes(step(s))["peer"] == 1  # and decodes first while it runs
-    run_until_idle(s)
-    assert s.blocks.num_free_blocks == 24
+    drain_and_free_all(s)
 
 
 def test_priority_requests_keep_their_order_and_preempt_plain_ones_first() -> None:
@@ -192,8 +194,7 @@ def test_priority_requests_keep_their_order_and_preempt_plain_ones_first() -> No
             break
     else:
         raise AssertionError("no preemption")
-    run_until_idle(s)
-    assert not s.has_unfinished and s.blocks.num_free_blocks == 6
+    drain_and_free_all(s)
 
 
 def test_plain_prefill_chunks_shrink_while_a_priority_request_is_here() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from functools import partial
 
+from services.estimator.sfs.replay import PendingRequest
 from services.worker.engine.sim import SimEngine, SimEngineConfig
 from shared.sampling import SamplingParams
 from shared.scheduling.batch_time import SIX_TERM, BatchTimeModel
@@ -18,16 +19,21 @@ MODEL = BatchTimeModel(SIX_TERM, (1e-2, 2e-4, 3e-6, 5e-4, 2e-5, 1e-7))
 # A small SimEngine on a virtual clock and its batch-time model (tests that run an
 # engine on after its snapshot and compare the estimate with the TTFT it gives).
 SIM_MODEL = BatchTimeModel(SIX_TERM, (0.01, 1e-3, 0.0, 2e-3, 0.0, 0.0))
-SIM_CFG = SimEngineConfig(
-    clock="virtual",
-    scheduler=SchedulerConfig(
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        block_size=4,
-        num_kv_blocks=256,
-        max_model_len=256,
-    ),
-)
+SIM_LIMITS = {
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 64,
+    "block_size": 4,
+    "num_kv_blocks": 256,
+    "max_model_len": 256,
+}
+
+
+def on_virtual_clock(**limits: int) -> SimEngineConfig:
+    """A SimEngine's config on a virtual clock, under SIM_LIMITS but for `limits`."""
+    return SimEngineConfig(clock="virtual", scheduler=SchedulerConfig(**{**SIM_LIMITS, **limits}))
+
+
+SIM_CFG = on_virtual_clock()
 LONG = SamplingParams(max_tokens=40, ignore_eos=True)
 
 
@@ -80,6 +86,22 @@ def step(s: Scheduler) -> ScheduledBatch:
 
 def as_pairs(batch: ScheduledBatch) -> list[tuple[str, int]]:
     return [(c.request.request_id, c.num_new_tokens) for c in batch]
+
+
+def random_pending(
+    rng: random.Random, prefix: str, most: int, prompt: int, max_tokens: int, predicted: int
+) -> list[PendingRequest]:
+    """0 to `most` dispatched requests f"{prefix}{k}", each length drawn from 1 to its
+    bound: prompt, max_tokens and predicted output tokens."""
+    return [
+        PendingRequest(
+            f"{prefix}{k}",
+            rng.randint(1, prompt),
+            rng.randint(1, max_tokens),
+            rng.randint(1, predicted),
+        )
+        for k in range(rng.randint(0, most))
+    ]
 
 
 def random_live(rng: random.Random, *, predicted: bool, peer: bool = False) -> Scheduler:

@@ -11,14 +11,14 @@ import pytest
 
 from bench.cluster_sim import Arrival, WorkloadSimEngine, sfs_errors_on_sim
 from bench.sfs_evaluation import signed_relative_errors
-from services.estimator.sfs.replay import OutputPolicy, kernel_state
-from services.worker.engine.sim import SimEngineConfig
+from services.estimator.sfs.output_policy import OutputPolicy
+from services.estimator.sfs.replay import kernel_state
 from shared.sampling import SamplingParams
 from shared.scheduling.batch_time import SEVEN_TERM, BatchTimeModel
 from shared.scheduling.lengths import LengthRatios
-from shared.scheduling.scheduler import SchedulerConfig
 from shared.scheduling.snapshot import RequestCounters, WorkloadSnapshot, take_snapshot
-from tests.services.estimator.sfs.builders import make_scheduler
+from tests.services.estimator.sfs.builders import make_scheduler, on_virtual_clock
+from tests.shared.scheduling.builders import limits
 
 
 def test_ratios_wait_for_enough_samples_and_keep_capped_predictions_apart() -> None:
@@ -122,16 +122,8 @@ def test_a_request_predicted_past_its_cap_draws_from_capped_requests_ratios() ->
 
 # bench_sfs part 1's engine limits and a seven-term fit of smollm2-small, on a virtual clock
 PART1_MODEL = BatchTimeModel(SEVEN_TERM, (0.0187, 2.9e-4, 7.8e-8, 4.6e-4, 0.0, 1.5e-8, 3.5e-5))
-PART1_CFG = SimEngineConfig(
-    clock="virtual",
-    scheduler=SchedulerConfig(
-        max_num_seqs=32,
-        max_num_batched_tokens=256,
-        block_size=64,
-        num_kv_blocks=512,
-        max_model_len=1024,
-    ),
-)
+PART1_LIMITS = {"max_num_seqs": 32, "max_num_batched_tokens": 256, "num_kv_blocks": 512}
+PART1_CFG = on_virtual_clock(**PART1_LIMITS, block_size=64, max_model_len=1024)
 
 
 def _signed_errors(*, measured: bool, seed: int) -> list[float]:
@@ -173,13 +165,7 @@ def _queued(rows: list[tuple[int | None, int, int, str]]) -> WorkloadSnapshot:
             RequestCounters(rid, i, 10, out, 0, cap, pred)
             for i, (pred, cap, out, rid) in enumerate(rows)
         ],
-        scheduler=SchedulerConfig(
-            max_num_seqs=8,
-            max_num_batched_tokens=64,
-            block_size=16,
-            num_kv_blocks=1024,
-            max_model_len=4096,
-        ),
+        scheduler=limits(seqs=8, budget=64, blocks=1024, context=4096),
     )
 
 
@@ -217,17 +203,9 @@ def test_parsed_targets_equal_the_scalar_rule(kernel_impl: str) -> None:
 def test_an_engine_records_finished_requests_but_not_aborted_ones() -> None:
     """Through a (simulated) engine: two requests run to their true lengths, one is
     aborted half-way; the snapshot's quantiles hold the two finished ones only."""
-    cfg = SimEngineConfig(
-        clock="virtual",
-        scheduler=SchedulerConfig(
-            max_num_seqs=4,
-            max_num_batched_tokens=64,
-            block_size=4,
-            num_kv_blocks=512,
-            max_model_len=256,
-        ),
+    engine = WorkloadSimEngine(
+        on_virtual_clock(num_kv_blocks=512), BatchTimeModel(SEVEN_TERM, (0.01, 0, 0, 0, 0, 0, 0))
     )
-    engine = WorkloadSimEngine(cfg, BatchTimeModel(SEVEN_TERM, (0.01, 0, 0, 0, 0, 0, 0)))
     engine.scheduler.length_ratios = LengthRatios(min_samples=2, num_quantiles=2)
     for rid, true in (("long", 20), ("short", 5), ("gone", 30)):
         engine.expect(rid, true)

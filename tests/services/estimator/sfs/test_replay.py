@@ -27,10 +27,42 @@ from shared.scheduling.batch_time import (
     SIX_TERM,
     BatchTimeModel,
 )
-from shared.scheduling.snapshot import take_snapshot
-from tests.services.estimator.sfs.builders import MODEL, as_pairs, make_scheduler, random_live, step
+from shared.scheduling.snapshot import WorkloadSnapshot, take_snapshot
+from tests.services.estimator.sfs.builders import (
+    MODEL,
+    as_pairs,
+    make_scheduler,
+    random_live,
+    random_pending,
+    step,
+)
 
 RUN_TO_MAX = OutputPolicy(default_output_tokens=10**6)  # no prediction: run to max_tokens
+
+
+def kernel_batches(
+    snap: WorkloadSnapshot,
+    model: BatchTimeModel,
+    probe: Probe,
+    ledger: list[PendingRequest],
+    policy: OutputPolicy,
+    group: bool = True,
+) -> list[list[tuple[str, int]]]:
+    """The batches the kernel runs (run_on_state's trace) up to the probe's end."""
+    trace: list[list[tuple[str, int]]] = []
+    entries, _ = admissible_pending(ledger, snap)
+    run_on_state(
+        kernel_state(snap, policy, group=group),
+        entries,
+        probe,
+        model.raw,
+        policy,
+        max_model_len=snap.scheduler.max_model_len,
+        want_e2e=True,
+        max_steps=10**6,
+        trace=trace,
+    )
+    return trace
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -40,10 +72,7 @@ def test_replay_equals_live_scheduler(seed: int, kernel_impl: str) -> None:
     rng = random.Random(seed)
     live = random_live(rng, predicted=True)
     snap = take_snapshot(live, 7, 0.0)
-    ledger = [
-        PendingRequest(f"L{k}", rng.randint(1, 50), rng.randint(1, 60), rng.randint(1, 30))
-        for k in range(rng.randint(0, 3))
-    ]
+    ledger = random_pending(rng, "L", 3, prompt=50, max_tokens=60, predicted=30)
     probe = Probe(rng.randint(1, 60), rng.randint(1, 20), 64)
 
     for e in ledger:  # the live engine receives them in dispatch order, then the probe
@@ -61,20 +90,7 @@ def test_replay_equals_live_scheduler(seed: int, kernel_impl: str) -> None:
     assert exact.batches == live_batches
     assert exact.estimate.e2e_s == pytest.approx(sum(exact.batch_times_s))
 
-    trace: list[list[tuple[str, int]]] = []
-    entries, _ = admissible_pending(ledger, snap)
-    run_on_state(
-        kernel_state(snap, RUN_TO_MAX),
-        entries,
-        probe,
-        MODEL.raw,
-        RUN_TO_MAX,
-        max_model_len=snap.scheduler.max_model_len,
-        want_e2e=True,
-        max_steps=10**6,
-        trace=trace,
-    )
-    assert trace == live_batches
+    assert kernel_batches(snap, MODEL, probe, ledger, RUN_TO_MAX) == live_batches
 
 
 MODEL_PER_SET = {
@@ -108,19 +124,7 @@ def test_fast_kernel_equals_scheduler_on_random_workloads(
         probe = Probe(rng.randint(1, 70), rng.randint(1, 30), 50)
         exact = replay_exact(snap, model, probe, ledger, want_e2e=True, policy=policy)
 
-        trace: list[list[tuple[str, int]]] = []
-        entries, _ = admissible_pending(ledger, snap)
-        run_on_state(
-            kernel_state(snap, policy, group=trial % 3 != 0),
-            entries,
-            probe,
-            model.raw,
-            policy,
-            max_model_len=snap.scheduler.max_model_len,
-            want_e2e=True,
-            max_steps=10**6,
-            trace=trace,
-        )
+        trace = kernel_batches(snap, model, probe, ledger, policy, group=trial % 3 != 0)
         assert trace == exact.batches, trial
 
         fast = estimate(snap, model, probe, ledger, want_e2e=True, policy=policy)

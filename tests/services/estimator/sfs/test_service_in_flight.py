@@ -10,10 +10,10 @@ import pytest
 from bench.sfs_evaluation import estimate_from_now
 from services.estimator.instances import LatencyEstimator, create_instance_state
 from services.estimator.ledger import LedgerEntry
-from services.estimator.sfs.replay import OutputPolicy, Probe, estimate
+from services.estimator.sfs.output_policy import OutputPolicy
+from services.estimator.sfs.replay import Probe, estimate
 from services.worker.engine.sim import SimEngine
 from shared.config import EstimatorConfig, ModelConfig
-from shared.messages.registry import WorkerInfo
 from shared.scheduling.batch_time import SIX_TERM, BatchTimeModel
 from shared.scheduling.snapshot import WorkloadSnapshot, take_snapshot
 from tests.services.estimator.sfs.builders import (
@@ -26,17 +26,10 @@ from tests.services.estimator.sfs.builders import (
     three_decodes_s,
     three_decoding,
 )
+from tests.support.builders import worker_info
 
 SETTINGS = EstimatorConfig(snapshot_max_age_s=5.0, default_output_tokens=32)
-INFO = WorkerInfo(
-    instance_id="a",
-    model="m",
-    inbox="ns.worker.a.in",
-    max_model_len=4096,
-    max_num_seqs=4,
-    started_at_s=0.0,
-    heartbeat_at_s=0.0,
-)
+INFO = worker_info("a")
 CONFIG = ModelConfig(batch_time_features=SIX_TERM, batch_time_coefs=list(MODEL.coefs))
 
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,22 +24,18 @@ torch.set_num_threads(1)
 
 from services.worker.engine import engine as engine_module  # noqa: E402
 from services.worker.engine.attention import rope_inv_freq  # noqa: E402
-from services.worker.engine.config import EngineConfig  # noqa: E402
 from services.worker.engine.engine import LLMEngine, RequestError  # noqa: E402
-from services.worker.engine.loader import (  # noqa: E402
-    _unpermute_rope,
-    build_model,
-    random_config,
-    random_state_dict,
-)
+from services.worker.engine.loader import _unpermute_rope, random_config  # noqa: E402
+from services.worker.engine.model import CausalLM  # noqa: E402
 from services.worker.engine.model_config import ModelConfig  # noqa: E402
 from services.worker.engine.sampler import SampleResult, SamplingState, _sample_row, sample  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 from shared.scheduling.blocks import blocks_for  # noqa: E402
 from shared.scheduling.request import RequestStatus  # noqa: E402
-from shared.scheduling.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from shared.scheduling.scheduler import ScheduledBatch, Scheduler, SchedulerConfig  # noqa: E402
 from shared.scheduling.snapshot import restore_scheduler, take_snapshot  # noqa: E402
-from tests.shared.scheduling.builders import make_scheduler, step  # noqa: E402
+from tests.services.worker.engine.builders import engine_config, random_model  # noqa: E402
+from tests.shared.scheduling.builders import commit, make_scheduler, step  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -45,24 +44,18 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # ---- builders --------------------------------------------------------------------
 
 
-_TINY: dict[str, object] = {}
+_TINY: dict[str, CausalLM] = {}
 
 
-def tiny_model(device: str = "cpu"):  # type: ignore[no-untyped-def]
+def tiny_model(device: str = "cpu") -> CausalLM:
     """A 2-layer random model (fp32), built once per device."""
     if device not in _TINY:
-        cfg = random_config(num_hidden_layers=2)
-        state = random_state_dict(cfg, seed=3)
-        _TINY[device] = build_model(cfg, state, torch.float32, torch.device(device))
+        _TINY[device] = random_model(3, device)
     return _TINY[device]
 
 
-def tiny_engine(device: str = "cpu", **limits) -> LLMEngine:  # type: ignore[no-untyped-def]
-    limits.setdefault("num_kv_blocks", 64)
-    limits.setdefault("max_model_len", 256)
-    scheduler = SchedulerConfig(**limits)
-    cfg = EngineConfig(model="random-tiny", dtype="float32", device=device, scheduler=scheduler)
-    return LLMEngine(cfg, tiny_model(device))  # type: ignore[arg-type]
+def tiny_engine(device: str = "cpu", **limits: int) -> LLMEngine:
+    return LLMEngine(engine_config(device, **limits), tiny_model(device))
 
 
 def drain(engine: LLMEngine, max_steps: int = 2000) -> dict[str, list]:  # type: ignore[type-arg]
@@ -131,11 +124,7 @@ def test_random_load_keeps_block_accounting_exact() -> None:
             assert batch.num_tokens <= cfg.max_num_batched_tokens
             for c in batch:
                 assert len(c.request.block_ids) >= blocks_for(c.end, cfg.block_size)
-            s.commit(batch)
-            for c in batch:
-                r = c.request
-                if not r.is_finished and r.num_output_tokens >= r.max_tokens:
-                    s.finish(r)
+            commit(s, batch)
             assert_block_invariants(s)
 
 
@@ -208,11 +197,7 @@ def test_preemption_victims_are_never_already_scheduled() -> None:
         batch = s.schedule()
         scheduled = {c.request.request_id for c in batch}
         assert not scheduled & {r.request_id for r in batch.preempted}
-        s.commit(batch)
-        for c in batch:
-            r = c.request
-            if not r.is_finished and r.num_output_tokens >= r.max_tokens:
-                s.finish(r)
+        commit(s, batch)
         assert_block_invariants(s)
 
 
@@ -283,13 +268,14 @@ def test_preemption_and_recompute_keep_greedy_tokens() -> None:
     ref = tiny_engine(num_kv_blocks=64, max_model_len=64).generate(prompts, p)
     eng = tiny_engine(block_size=4, num_kv_blocks=16, max_model_len=64, max_num_batched_tokens=16)
     count = [0]
-    real = eng.scheduler._preempt
+    real = eng.scheduler.schedule
 
-    def counting(req):  # type: ignore[no-untyped-def]
-        count[0] += 1
-        real(req)
+    def counting() -> ScheduledBatch:
+        batch = real()
+        count[0] += len(batch.preempted)  # every preemption is listed in its batch
+        return batch
 
-    eng.scheduler._preempt = counting  # type: ignore[method-assign]
+    eng.scheduler.schedule = counting  # type: ignore[method-assign]
     got = eng.generate(prompts, p)
     assert count[0] > 0
     assert got == ref
@@ -299,16 +285,8 @@ def test_preemption_and_recompute_keep_greedy_tokens() -> None:
 def test_full_context_request_runs_at_max_position() -> None:
     """prompt + max_tokens == max_model_len == max_position_embeddings is accepted
     and runs; one more token is a clear error."""
-    cfg = random_config(num_hidden_layers=1, max_position_embeddings=64)
-    model = build_model(cfg, random_state_dict(cfg, seed=1), torch.float32, torch.device("cpu"))
-    eng = LLMEngine(
-        EngineConfig(
-            model="random-tiny",
-            dtype="float32",
-            scheduler=SchedulerConfig(num_kv_blocks=16, block_size=4, max_model_len=64),
-        ),
-        model,
-    )
+    model = random_model(1, num_hidden_layers=1, max_position_embeddings=64)
+    eng = LLMEngine(engine_config(num_kv_blocks=16, block_size=4, max_model_len=64), model)
     eng.add_request(
         "x", list(range(3, 63)), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     )
@@ -442,32 +420,31 @@ LLAMA3 = {
 }
 
 
-def hf_llama3_inv_freq() -> torch.Tensor:
-    from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    hf = LlamaConfig(
+def llama3_attention() -> dict[str, Any]:
+    """A Llama-3.x attention shape and RoPE: keywords of HF's LlamaConfig and of
+    random_config (a fresh rope_scaling each call: HF may edit it in place)."""
+    return dict(
         hidden_size=256,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=128,
         rope_theta=500000.0,
         rope_scaling=dict(LLAMA3),
-        max_position_embeddings=131072,
     )
+
+
+def hf_llama3_inv_freq() -> torch.Tensor:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = LlamaConfig(max_position_embeddings=131072, **llama3_attention())
     inv, scale = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
     assert scale == 1.0
     return inv
 
 
 def test_llama3_rope_formula_matches_hf() -> None:
-    cfg = random_config(
-        head_dim=128,
-        num_attention_heads=2,
-        hidden_size=256,
-        rope_theta=500000.0,
-        rope_scaling=dict(LLAMA3),
-    )
+    cfg = random_config(**llama3_attention())
     torch.testing.assert_close(rope_inv_freq(cfg), hf_llama3_inv_freq(), rtol=1e-6, atol=0)
 
 
@@ -481,15 +458,10 @@ def test_from_hf_reads_rope_parameters_written_by_transformers_v5() -> None:
 
     hf = LlamaConfig(
         vocab_size=100,
-        hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=128,
-        rope_theta=500000.0,
-        rope_scaling=dict(LLAMA3),
         max_position_embeddings=131072,
+        **llama3_attention(),
     )
     on_disk = json.loads(hf.to_json_string())
     assert (
@@ -509,6 +481,27 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+def write_layerless_gguf(path: Path, extra: Callable[[Any], None]) -> Path:
+    """A Llama GGUF with no layers (what load_gguf reads of its settings), and what
+    `extra` adds to the writer."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(0)
+    w.add_context_length(256)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_tensor("token_embd.weight", np.zeros((10, 32), dtype=np.float32))
+    extra(w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 @pytest.mark.parametrize("heads,head_dim", [(4, 16), (2, 8), (3, 64)])
 def test_gguf_unpermute_inverts_llama_cpp_permute(heads: int, head_dim: int) -> None:
     w = np.random.default_rng(0).standard_normal((heads * head_dim, 24)).astype(np.float32)
@@ -521,29 +514,18 @@ def test_gguf_rope_freqs_tensor_is_not_silently_dropped(tmp_path) -> None:  # ty
     """llama.cpp stores Llama-3.1+ RoPE scaling as a `rope_freqs` tensor (per
     frequency divisors): load_gguf applies it (cfg.rope_scaling / factors) or refuses
     the checkpoint with a clear ValueError, never loads it with plain RoPE."""
-    import gguf
-
     from services.worker.engine.loader import load_gguf
 
-    path = tmp_path / "tiny-llama31.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(0)
-    w.add_context_length(256)
-    w.add_embedding_length(32)
-    w.add_feed_forward_length(64)
-    w.add_head_count(2)
-    w.add_head_count_kv(1)
-    w.add_rope_freq_base(500000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_tensor("token_embd.weight", np.zeros((10, 32), dtype=np.float32))
-    w.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
     factors = np.ones(8, dtype=np.float32)
     factors[4:] = 8.0
-    w.add_tensor("rope_freqs.weight", factors)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+
+    def llama31(w: Any) -> None:
+        w.add_rope_freq_base(500000.0)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
+        w.add_tensor("rope_freqs.weight", factors)
+
+    path = write_layerless_gguf(tmp_path / "tiny-llama31.gguf", llama31)
     try:
         cfg, _ = load_gguf(path)
     except ValueError:
@@ -559,25 +541,13 @@ def test_gguf_end_of_turn_token_stops_generation(tmp_path) -> None:  # type: ign
     """Llama-3-style GGUFs carry the chat end-of-turn token separately
     (tokenizer.ggml.eot_token_id, e.g. <|eot_id|> 128009, next to eos 128001):
     load_gguf stops on it too, so chat answers end with the turn."""
-    import gguf
-
     from services.worker.engine.loader import load_gguf
 
-    path = tmp_path / "tiny-eot.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(0)
-    w.add_context_length(256)
-    w.add_embedding_length(32)
-    w.add_feed_forward_length(64)
-    w.add_head_count(2)
-    w.add_head_count_kv(1)
-    w.add_eos_token_id(1)
-    w.add_eot_token_id(3)
-    w.add_tensor("token_embd.weight", np.zeros((10, 32), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    def llama3_chat(w: Any) -> None:
+        w.add_eos_token_id(1)
+        w.add_eot_token_id(3)
+
+    path = write_layerless_gguf(tmp_path / "tiny-eot.gguf", llama3_chat)
     cfg, _ = load_gguf(path)
     assert set(cfg.eos_token_ids) >= {1, 3}
 

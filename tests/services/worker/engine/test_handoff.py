@@ -4,28 +4,12 @@ answer equals what one process computing the same routing decisions produces."""
 
 from __future__ import annotations
 
-import torch
-
-from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.loader import build_model, random_config, random_state_dict
 from services.worker.engine.outputs import StepOutputs
 from shared.sampling import SamplingParams
-from shared.scheduling.scheduler import SchedulerConfig
+from tests.services.worker.engine.builders import random_engine
 
 NEW_TOKENS = 24
-
-
-def tiny_engine(seed: int) -> LLMEngine:
-    cfg = random_config(num_hidden_layers=2)
-    model = build_model(cfg, random_state_dict(cfg, seed=seed), torch.float32, torch.device("cpu"))
-    return LLMEngine(
-        EngineConfig(
-            dtype="float32",
-            scheduler=SchedulerConfig(num_kv_blocks=64, max_model_len=256),
-        ),
-        model,
-    )
 
 
 def greedy_next(engine: LLMEngine, seq: list[int]) -> int:
@@ -48,8 +32,8 @@ class OriginHook:
     def __call__(self, out: StepOutputs) -> list[int]:
         dests = []
         for rid in out.request_ids:
-            seq = self.engine._seqs[rid]
-            position = seq.sched.num_output_tokens  # index of the token just sampled
+            # index of the token just sampled (the hook runs before the step commits)
+            position = self.engine.scheduler.requests[rid].num_output_tokens
             dests.append(-1 if big_writes(position) else 0)
         return dests
 
@@ -106,11 +90,11 @@ def run_routed(prompts: list[list[int]], origin: LLMEngine, peer: LLMEngine) -> 
 
 
 def test_routed_answer_equals_single_process_reference() -> None:
-    origin, peer = tiny_engine(1), tiny_engine(2)
+    origin, peer = random_engine(1), random_engine(2)
     prompts = [[5, 9, 14, 200], list(range(30, 70)), [7]]
     routed = run_routed(prompts, origin, peer)
 
-    ref_small, ref_big = tiny_engine(1), tiny_engine(2)
+    ref_small, ref_big = random_engine(1), random_engine(2)
     for prompt, answer in zip(prompts, routed, strict=True):
         seq, expected = list(prompt), []
         for pos in range(NEW_TOKENS):
@@ -125,7 +109,7 @@ def test_routed_answer_equals_single_process_reference() -> None:
 
 
 def test_parked_request_keeps_kv_and_is_skipped() -> None:
-    engine = tiny_engine(3)
+    engine = random_engine(3)
     engine.hook = lambda out: [2] * len(out.request_ids)
     engine.add_request(
         "a", [4, 5, 6], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -146,26 +130,24 @@ def test_parked_request_keeps_kv_and_is_skipped() -> None:
     assert engine.scheduler.blocks.num_free_blocks == 64
 
 
-def test_a_request_past_the_cap_stalls_until_a_parked_one_comes_back() -> None:
-    """max_num_seqs 1: while "a" is parked, "b" waits for its slot and a step computes
-    nothing; `can_progress` says so until the inbox or the parked KV changes."""
-    cfg = random_config(num_hidden_layers=2)
-    model = build_model(cfg, random_state_dict(cfg, seed=6), torch.float32, torch.device("cpu"))
-    engine = LLMEngine(
-        EngineConfig(
-            dtype="float32",
-            scheduler=SchedulerConfig(num_kv_blocks=64, max_model_len=256, max_num_seqs=1),
-        ),
-        model,
-    )
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    engine.hook = lambda out: [1] * len(out.request_ids)
+def handed_off_after_one_token(engine: LLMEngine, max_tokens: int) -> LLMEngine:
+    """`engine` with request "a" (prompt [4, 5], greedy) parked after its first token,
+    handed to peer 1."""
+    engine.hook = back_after_one
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     engine.add_request("a", [4, 5], params)
     engine.step()
     engine.pop_handoffs()
+    return engine
+
+
+def test_a_request_past_the_cap_stalls_until_a_parked_one_comes_back() -> None:
+    """max_num_seqs 1: while "a" is parked, "b" waits for its slot and a step computes
+    nothing; `can_progress` says so until the inbox or the parked KV changes."""
+    engine = handed_off_after_one_token(random_engine(6, max_num_seqs=1), max_tokens=4)
     assert not engine.can_progress()  # "a" alone, parked: nothing to compute
     engine.hook = None
-    engine.add_request("b", [6, 7], params)
+    engine.add_request("b", [6, 7], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert engine.can_progress()  # "b" is queued: the next step takes it
     assert engine.step() == [] and [r.request_id for r in engine.scheduler.waiting] == ["b"]
     assert not engine.can_progress()
@@ -181,11 +163,7 @@ def test_a_request_past_the_cap_stalls_until_a_parked_one_comes_back() -> None:
 
 
 def test_peer_finishing_ends_the_request_on_the_origin() -> None:
-    engine = tiny_engine(4)
-    engine.hook = lambda out: [1] * len(out.request_ids)
-    engine.add_request("a", [4, 5], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
-    engine.step()
-    engine.pop_handoffs()
+    engine = handed_off_after_one_token(random_engine(4), max_tokens=10)
     engine.resume_request("a", [7, 8, 9], finish_reason="stop")
     (out,) = engine.step()
     assert out.finished and out.finish_reason == "stop" and out.new_token_ids == [7, 8, 9]
@@ -193,11 +171,7 @@ def test_peer_finishing_ends_the_request_on_the_origin() -> None:
 
 
 def test_resume_never_exceeds_max_tokens() -> None:
-    engine = tiny_engine(5)
-    engine.hook = lambda out: [1] * len(out.request_ids)
-    engine.add_request("a", [4, 5], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    engine.step()
-    engine.pop_handoffs()
+    engine = handed_off_after_one_token(random_engine(5), max_tokens=4)
     engine.resume_request("a", [7, 8, 9, 10, 11])
     (out,) = engine.step()
     assert out.finished and out.finish_reason == "length" and out.num_output_tokens == 4

@@ -14,9 +14,7 @@ import msgspec
 import pytest
 import torch
 
-from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
-from services.worker.engine.loader import build_model, random_config, random_state_dict
 from services.worker.engine.outputs import StepOutputs
 from services.worker.routing.api import STAY, RouteBatch, TokenPolicy, hand_after, hand_rewrite
 from services.worker.routing.chars import CharBoundaries
@@ -27,7 +25,7 @@ from services.worker.routing.tracked import Outbox, draw_key
 from shared.config import PresetConfig, TokenMode
 from shared.messages.peer import PeerRelease, PeerReq
 from shared.sampling import SamplingParams
-from shared.scheduling.scheduler import SchedulerConfig
+from tests.services.worker.engine.builders import random_engine
 
 NEW_TOKENS = 20
 BLOCKS = 64
@@ -66,15 +64,7 @@ def make_policy(
 
 
 def tiny_engine(seed: int) -> LLMEngine:
-    cfg = random_config(num_hidden_layers=2)
-    model = build_model(cfg, random_state_dict(cfg, seed=seed), torch.float32, torch.device("cpu"))
-    return LLMEngine(
-        EngineConfig(
-            dtype="float32",
-            scheduler=SchedulerConfig(num_kv_blocks=BLOCKS, max_model_len=256),
-        ),
-        model,
-    )
+    return random_engine(seed, num_kv_blocks=BLOCKS)
 
 
 def presets(mode: TokenMode) -> dict[str, PresetConfig]:
