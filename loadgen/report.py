@@ -38,6 +38,34 @@ def _rule(out: TextIO, title: str, fill: str = "-") -> None:
     out.write(f"{f' {title} ':{fill}^{WIDTH}}\n")
 
 
+def _rows(out: TextIO, result: dict[str, Any], rows: Sequence[tuple[str, str]]) -> None:
+    """One row per (label, result key)."""
+    for label, key in rows:
+        _row(out, label, result[key])
+
+
+_THROUGHPUT_ROWS = (
+    ("Output token throughput (tok/s):", "output_throughput"),
+    ("Peak output token throughput (tok/s):", "max_output_tokens_per_s"),
+    ("Peak concurrent requests:", "max_concurrent_requests"),
+    ("Total Token throughput (tok/s):", "total_token_throughput"),
+)
+_RATE_ROWS = (
+    ("Requested rate (req/s):", "requested_rate"),
+    ("Scheduled rate (req/s):", "scheduled_rate"),
+    ("Achieved rate (req/s):", "achieved_rate"),
+    ("Mean schedule lag (ms):", "mean_schedule_lag_ms"),
+    ("P99 schedule lag (ms):", "p99_schedule_lag_ms"),
+)
+_SLO_ROWS = (
+    ("Requests with a TTFT target:", "num_with_slo"),
+    ("Mean TTFT target (ms):", "mean_slo_ttft_ms"),
+    ("TTFT SLO attainment:", "slo_attainment"),
+    ("OnTimeUtility:", "ontime_utility"),
+    ("Mean utility (on time or not):", "mean_utility"),
+)
+
+
 def print_summary(result: dict[str, Any], out: TextIO) -> None:
     """vLLM-style summary table plus rate, SLO, utility and routing sections."""
     _rule(out, "Serving Benchmark Result", "=")
@@ -52,22 +80,21 @@ def print_summary(result: dict[str, Any], out: TextIO) -> None:
             out.write(f"  e.g. {sample[: WIDTH + 10]}\n")
     if result.get("max_concurrency") is not None:
         _row(out, "Maximum request concurrency:", result["max_concurrency"])
-    _row(out, "Benchmark duration (s):", result["duration"])
-    _row(out, "Total input tokens:", result["total_input_tokens"])
-    _row(out, "Total generated tokens:", result["total_output_tokens"])
-    _row(out, "Request throughput (req/s):", result["request_throughput"])
+    _rows(
+        out,
+        result,
+        (
+            ("Benchmark duration (s):", "duration"),
+            ("Total input tokens:", "total_input_tokens"),
+            ("Total generated tokens:", "total_output_tokens"),
+            ("Request throughput (req/s):", "request_throughput"),
+        ),
+    )
     if result.get("request_goodput") is not None:
         _row(out, "Request goodput (req/s):", result["request_goodput"])
-    _row(out, "Output token throughput (tok/s):", result["output_throughput"])
-    _row(out, "Peak output token throughput (tok/s):", result["max_output_tokens_per_s"])
-    _row(out, "Peak concurrent requests:", result["max_concurrent_requests"])
-    _row(out, "Total Token throughput (tok/s):", result["total_token_throughput"])
+    _rows(out, result, _THROUGHPUT_ROWS)
     _rule(out, "Arrival rate")
-    _row(out, "Requested rate (req/s):", result["requested_rate"])
-    _row(out, "Scheduled rate (req/s):", result["scheduled_rate"])
-    _row(out, "Achieved rate (req/s):", result["achieved_rate"])
-    _row(out, "Mean schedule lag (ms):", result["mean_schedule_lag_ms"])
-    _row(out, "P99 schedule lag (ms):", result["p99_schedule_lag_ms"])
+    _rows(out, result, _RATE_ROWS)
     if result.get("max_concurrency") is not None:
         _row(out, "Mean queue time for a slot (ms):", result["mean_queue_ms"])
     if not result["kept_up"]:
@@ -89,11 +116,7 @@ def print_summary(result: dict[str, Any], out: TextIO) -> None:
             if key in result:
                 _row(out, f"P{percentile_key(p)} {label} (ms):", result[key])
     _rule(out, "SLO and utility")
-    _row(out, "Requests with a TTFT target:", result["num_with_slo"])
-    _row(out, "Mean TTFT target (ms):", result["mean_slo_ttft_ms"])
-    _row(out, "TTFT SLO attainment:", result["slo_attainment"])
-    _row(out, "OnTimeUtility:", result["ontime_utility"])
-    _row(out, "Mean utility (on time or not):", result["mean_utility"])
+    _rows(out, result, _SLO_ROWS)
     if result["served_model_counts"] or result["instance_counts"] or result["tokens_per_model"]:
         _rule(out, "Routing (server-reported)")
         for model, count in sorted(result["served_model_counts"].items()):

@@ -21,12 +21,9 @@ def build(cluster: ClusterConfig) -> StoppableService:
     return BatcherService(cluster)
 
 
-DESCRIPTION = "Estimate routing statistics and publish deadlock-free B* tables."
-
-
-def main(argv: list[str] | None = None) -> int:
-    return cluster_service_main("batcher", DESCRIPTION, build, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(
+        cluster_service_main(
+            "batcher", "Estimate routing statistics and publish deadlock-free B* tables.", build
+        )
+    )

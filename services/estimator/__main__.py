@@ -14,12 +14,5 @@ def build(cluster: ClusterConfig) -> StoppableService:
     return EstimatorService(cluster)
 
 
-DESCRIPTION = "Answer routing requests."
-
-
-def main(argv: list[str] | None = None) -> int:
-    return cluster_service_main("estimator", DESCRIPTION, build, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cluster_service_main("estimator", "Answer routing requests.", build))

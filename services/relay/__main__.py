@@ -19,10 +19,5 @@ DESCRIPTION = (
     "origin when a peer dies or times out."
 )
 
-
-def main(argv: list[str] | None = None) -> int:
-    return cluster_service_main("relay", DESCRIPTION, build, argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cluster_service_main("relay", DESCRIPTION, build))
