@@ -20,7 +20,7 @@ import json
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -242,16 +242,10 @@ def _read_chunk(record: RequestRecord, chunk: dict[str, Any]) -> str:
 
 
 def _read_usage(record: RequestRecord, usage: dict[str, Any]) -> None:
-    if usage.get("prompt_tokens") is not None:
-        record.prompt_tokens = int(usage["prompt_tokens"])
-    if usage.get("completion_tokens") is not None:
-        record.completion_tokens = int(usage["completion_tokens"])
-    if isinstance(usage.get("tokens_per_model"), dict):
-        record.tokens_per_model = {str(k): int(v) for k, v in usage["tokens_per_model"].items()}
+    _read_fields(record, usage, _USAGE_FIELDS)
     if isinstance(usage.get("baton"), dict):
-        _read_baton(record, usage["baton"])
-    if usage.get("cost") is not None:
-        record.cost = float(usage["cost"])
+        _read_baton(record, usage["baton"])  # its token split wins over the usage's
+    _read_fields(record, usage, (_COST,))  # the usage's cost wins over baton's
 
 
 def _read_baton(record: RequestRecord, baton: dict[str, Any]) -> None:
@@ -259,18 +253,38 @@ def _read_baton(record: RequestRecord, baton: dict[str, Any]) -> None:
     record.has_baton = True
     if baton.get("model"):
         record.served_model = str(baton["model"])  # wins over the echoed `model`
-    if baton.get("instance") is not None:
-        record.instance = str(baton["instance"])
     if baton.get("policy"):
         record.policy = str(baton["policy"])
-    if baton.get("router_overhead_ms") is not None:
-        record.router_overhead_ms = float(baton["router_overhead_ms"])
-    if baton.get("predicted_ttft_ms") is not None:
-        record.predicted_ttft_ms = float(baton["predicted_ttft_ms"])
-    if baton.get("cost") is not None:
-        record.cost = float(baton["cost"])
-    if isinstance(baton.get("tokens_per_model"), dict):
-        record.tokens_per_model = {str(k): int(v) for k, v in baton["tokens_per_model"].items()}
+    _read_fields(record, baton, _BATON_FIELDS)
+
+
+# (response key, record attribute, conversion) of the optional numbers and names
+_Field = tuple[str, str, Callable[[Any], Any]]
+_TOKENS_PER_MODEL: _Field = (
+    "tokens_per_model",
+    "tokens_per_model",
+    lambda v: {str(k): int(n) for k, n in v.items()} if isinstance(v, dict) else None,
+)
+_COST: _Field = ("cost", "cost", float)
+_USAGE_FIELDS: tuple[_Field, ...] = (
+    ("prompt_tokens", "prompt_tokens", int),
+    ("completion_tokens", "completion_tokens", int),
+    _TOKENS_PER_MODEL,
+)
+_BATON_FIELDS: tuple[_Field, ...] = (
+    ("instance", "instance", str),
+    ("router_overhead_ms", "router_overhead_ms", float),
+    ("predicted_ttft_ms", "predicted_ttft_ms", float),
+    _COST,
+    _TOKENS_PER_MODEL,
+)
+
+
+def _read_fields(record: RequestRecord, obj: dict[str, Any], fields: Sequence[_Field]) -> None:
+    """Each field the response carries (not null), converted onto the record."""
+    for key, attr, convert in fields:
+        if obj.get(key) is not None and (value := convert(obj[key])) is not None:
+            setattr(record, attr, value)
 
 
 def _fail(record: RequestRecord, status: Status, error: str) -> None:
