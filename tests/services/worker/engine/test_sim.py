@@ -18,6 +18,7 @@ from shared.sampling import SamplingParams
 from shared.scheduling.batch_time import FOUR_TERM, SFS_H100_QWEN3, SIX_TERM, BatchTimeModel
 from shared.scheduling.scheduler import Scheduler, SchedulerConfig
 from shared.scheduling.snapshot import BatchSample, describe_batch
+from tests.shared.scheduling.builders import limits as scheduler_limits
 
 # b0 = 1 ms per batch, 10 us per prefill token, 0.1 ms per decode token.
 TOY = BatchTimeModel(SIX_TERM, (1e-3, 1e-5, 0.0, 1e-4, 0.0, 0.0))
@@ -72,13 +73,7 @@ ARRIVALS: dict[int, list[tuple[str, int, int, int]]] = {
 
 def test_same_batches_as_a_live_scheduler() -> None:
     # Small KV and budget: chunked prefill, head-of-line blocking and preemption all occur.
-    limits = SchedulerConfig(
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        block_size=16,
-        num_kv_blocks=24,
-        max_model_len=384,
-    )
+    limits = scheduler_limits(seqs=4, budget=64, blocks=24, context=384)
     cfg = SimEngineConfig(clock="virtual", scheduler=limits)
     sim = SimEngine.create(cfg, TOY)
     ref = Scheduler(cfg.scheduler)
@@ -316,13 +311,7 @@ def test_requests_from_another_thread() -> None:
 
 
 def test_like_copies_the_engine_limits() -> None:
-    limits = SchedulerConfig(
-        max_num_seqs=5,
-        max_num_batched_tokens=96,
-        block_size=8,
-        num_kv_blocks=300,
-        max_model_len=1024,
-    )
+    limits = scheduler_limits(seqs=5, budget=96, blocks=300, context=1024, block_size=8)
     eng = EngineConfig(num_batch_samples=7, scheduler=limits)
     cfg = SimEngineConfig.like(eng, clock="virtual", seed=3)
     assert cfg.scheduler == eng.scheduler
