@@ -26,16 +26,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from services.estimator.sfs import replay
 from services.estimator.sfs.output_policy import OutputPolicy
-from services.estimator.sfs.replay import (
-    PendingLike,
-    Probe,
-    admissible_pending,
-    in_dispatch_order,
-    kernel_state,
-    run_in_flight,
-    run_on_state,
-)
 from shared.scheduling.batch_time import BatchTimeModel
 from shared.scheduling.snapshot import WorkloadSnapshot
 
@@ -117,11 +109,11 @@ class FromNowEstimate:
 def estimate_from_now(
     snapshot: WorkloadSnapshot,
     model: BatchTimeModel,
-    probe: Probe,
-    pending: Iterable[PendingLike],
+    probe: replay.Probe,
+    pending: Iterable[replay.PendingLike],
     age_s: float,
     *,
-    joined: Iterable[PendingLike] = (),
+    joined: Iterable[replay.PendingLike] = (),
     pending_offsets_s: Sequence[float] | None = None,
     policy: OutputPolicy | None = None,
     max_steps: int = 200_000,
@@ -138,7 +130,7 @@ def estimate_from_now(
     iteration in flight, so they queue behind it, ahead of the probe).
     """
     policy = (policy or OutputPolicy()).for_snapshot(snapshot)
-    st = kernel_state(snapshot, policy)
+    st = replay.kernel_state(snapshot, policy)
     coefs = model.raw
     joined, pending = list(joined), list(pending)
     offsets = [age_s] * len(pending) if pending_offsets_s is None else list(pending_offsets_s)
@@ -146,10 +138,10 @@ def estimate_from_now(
         raise ValueError("one offset per pending entry")
     offset = {e.request_id: t for e, t in zip(pending, offsets, strict=True)}
     offset.update((e.request_id, -math.inf) for e in joined)  # in the first iteration
-    entries, _ = admissible_pending([*joined, *pending], snapshot)
-    unseen = in_dispatch_order(entries, offset)
-    in_flight, later = run_in_flight(st, coefs, age_s, max_steps, policy, unseen)
-    r = run_on_state(
+    entries, _ = replay.admissible_pending([*joined, *pending], snapshot)
+    unseen = replay.in_dispatch_order(entries, offset)
+    in_flight, later = replay.run_in_flight(st, coefs, age_s, max_steps, policy, unseen)
+    r = replay.run_on_state(
         st,
         later,
         probe,

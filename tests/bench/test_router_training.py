@@ -6,22 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.router_training import (
-    Features,
-    FitConfig,
-    fit_router,
-    roc_auc,
-    serving_probabilities,
-    threshold_for_recall,
-    threshold_for_share,
-    youden_threshold,
-)
+from bench import router_training as rt
 from services.worker.routing.policies.routers import RouterNet, RouterSpec
 
 VOCAB, HIDDEN = 40, 12
 
 
-def synthetic(n: int, seed: int) -> Features:
+def synthetic(n: int, seed: int) -> rt.Features:
     """The small model diverges when hidden[0] > 0; the large model explains the
     reference better when hidden[1] > 0."""
     g = torch.Generator().manual_seed(seed)
@@ -31,10 +22,12 @@ def synthetic(n: int, seed: int) -> Features:
     better = hidden[:, 1] > 0
     logp_small = torch.where(better, torch.tensor(-6.0), torch.tensor(-1.0))
     logp_large = torch.where(better, torch.tensor(-0.5), torch.tensor(-4.0))
-    return Features(hidden.to(torch.bfloat16), ids, topk, hidden[:, 0] > 0, logp_small, logp_large)
+    return rt.Features(
+        hidden.to(torch.bfloat16), ids, topk, hidden[:, 0] > 0, logp_small, logp_large
+    )
 
 
-CFG = FitConfig(epochs=4, batch_size=128, lr=3e-3, seed=0)
+CFG = rt.FitConfig(epochs=4, batch_size=128, lr=3e-3, seed=0)
 
 
 def test_r2r_router_learns_divergence_and_fills_its_token_table() -> None:
@@ -45,10 +38,10 @@ def test_r2r_router_learns_divergence_and_fills_its_token_table() -> None:
     )
     net = RouterNet(spec)
     embedding = torch.randn(VOCAB, 6)
-    result = fit_router(net, "diverges", train, val, CFG, embedding)
+    result = rt.fit_router(net, "diverges", train, val, CFG, embedding)
     assert 0 <= result.best_epoch < CFG.epochs
-    probs = serving_probabilities(net, val)  # through the table, as served
-    assert roc_auc(probs, val.diverges) > 0.97
+    probs = rt.serving_probabilities(net, val)  # through the table, as served
+    assert rt.roc_auc(probs, val.diverges) > 0.97
     assert net.token_table is not None
     assert float(net.token_table.weight.detach().abs().sum()) > 0
 
@@ -57,18 +50,18 @@ def test_citer_router_learns_acceptability() -> None:
     train, val = synthetic(3000, 2), synthetic(800, 3)
     torch.manual_seed(0)
     net = RouterNet(RouterSpec(("hidden",), HIDDEN, (32,)))
-    fit_router(net, "acceptable", train, val, CFG)
-    assert roc_auc(serving_probabilities(net, val), ~val.diverges) > 0.97
+    rt.fit_router(net, "acceptable", train, val, CFG)
+    assert rt.roc_auc(rt.serving_probabilities(net, val), ~val.diverges) > 0.97
 
 
 def test_co_llm_deferral_learns_where_the_large_model_is_better() -> None:
     train, val = synthetic(3000, 4), synthetic(800, 5)
     torch.manual_seed(0)
     net = RouterNet(RouterSpec(("hidden",), HIDDEN, ()))
-    fit_router(net, "deferral", train, val, FitConfig(epochs=6, batch_size=128, lr=3e-2))
-    d = serving_probabilities(net, val)
+    rt.fit_router(net, "deferral", train, val, rt.FitConfig(epochs=6, batch_size=128, lr=3e-2))
+    d = rt.serving_probabilities(net, val)
     better = val.logp_large > val.logp_small
-    assert roc_auc(d, better) > 0.97
+    assert rt.roc_auc(d, better) > 0.97
     assert float(d[better].mean()) > 0.7 > 0.3 > float(d[~better].mean())
 
 
@@ -78,8 +71,8 @@ def test_training_is_seeded() -> None:
     for _ in range(2):
         torch.manual_seed(0)
         net = RouterNet(RouterSpec(("hidden",), HIDDEN, (8,)))
-        fit_router(net, "acceptable", train, val, FitConfig(epochs=2, seed=3))
-        outs.append(serving_probabilities(net, val))
+        rt.fit_router(net, "acceptable", train, val, rt.FitConfig(epochs=2, seed=3))
+        outs.append(rt.serving_probabilities(net, val))
     assert torch.equal(outs[0], outs[1])
 
 
@@ -87,23 +80,23 @@ def test_unknown_objective_and_missing_embedding() -> None:
     train = synthetic(10, 8)
     net = RouterNet(RouterSpec(("hidden",), HIDDEN, ()))
     with pytest.raises(ValueError, match="unknown objective"):
-        fit_router(net, "nope", train, train, CFG)
+        rt.fit_router(net, "nope", train, train, CFG)
     spec = RouterSpec(("hidden", "token"), HIDDEN, (), vocab_size=VOCAB, token_dim=2)
     with pytest.raises(ValueError, match="embedding"):
-        fit_router(RouterNet(spec), "diverges", train, train, CFG)
+        rt.fit_router(RouterNet(spec), "diverges", train, train, CFG)
 
 
 def test_roc_auc_with_ties() -> None:
     scores = torch.tensor([0.1, 0.4, 0.35, 0.8])
-    assert roc_auc(scores, torch.tensor([0, 0, 1, 1])) == pytest.approx(0.75)
-    assert roc_auc(torch.tensor([0.5, 0.5]), torch.tensor([0, 1])) == pytest.approx(0.5)
+    assert rt.roc_auc(scores, torch.tensor([0, 0, 1, 1])) == pytest.approx(0.75)
+    assert rt.roc_auc(torch.tensor([0.5, 0.5]), torch.tensor([0, 1])) == pytest.approx(0.5)
 
 
 def test_threshold_for_recall_is_the_largest_that_keeps_the_recall() -> None:
     g = torch.Generator().manual_seed(0)
     scores = torch.rand(1000, generator=g)
     positives = torch.rand(1000, generator=g) < 0.4
-    t = threshold_for_recall(scores, positives, 0.95)
+    t = rt.threshold_for_recall(scores, positives, 0.95)
     recall = float((scores > t)[positives].float().mean())
     assert recall >= 0.95
     above = scores[positives][scores[positives] > t].min()
@@ -112,14 +105,14 @@ def test_threshold_for_recall_is_the_largest_that_keeps_the_recall() -> None:
 
 def test_threshold_for_share_both_directions() -> None:
     scores = torch.arange(100, dtype=torch.float32) / 100
-    below = threshold_for_share(scores, 0.3, route_below=True)
+    below = rt.threshold_for_share(scores, 0.3, route_below=True)
     assert float((scores < below).float().mean()) == pytest.approx(0.3)
-    above = threshold_for_share(scores, 0.3, route_below=False)
+    above = rt.threshold_for_share(scores, 0.3, route_below=False)
     assert float((scores > above).float().mean()) == pytest.approx(0.3)
 
 
 def test_youden_threshold_splits_a_separable_set() -> None:
     scores = torch.tensor([0.1, 0.2, 0.3, 0.7, 0.8, 0.9])
     positives = torch.tensor([0, 0, 0, 1, 1, 1]).bool()
-    t = youden_threshold(scores, positives)
+    t = rt.youden_threshold(scores, positives)
     assert torch.equal(scores > t, positives)
