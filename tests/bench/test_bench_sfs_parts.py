@@ -48,6 +48,7 @@ from tests.services.estimator.sfs.builders import (
     three_decodes_s,
     three_decoding,
 )
+from tests.support.clusters import instance, preset, table
 
 # ---- metrics --------------------------------------------------------------------------
 
@@ -247,48 +248,35 @@ def test_workload_engine_runs_to_the_true_length_not_the_prediction() -> None:
 
 # ---- routed cluster simulation ----------------------------------------------------------
 
-TINY = """
-[estimator]
-snapshot_max_age_s = 2.0
-snapshot_refresh_s = 0.02
+LIMITS = {
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 256,
+    "block_size": 16,
+    "num_kv_blocks": 128,
+    "max_model_len": 512,
+}
 
-[models.small]
-engine = "sim"
-price_input_per_mtok = 1.0
-price_output_per_mtok = 1.0
-batch_time_features = "six-term"
-batch_time_coefs = [0.01, 1e-4, 0.0, 1e-3, 0.0, 0.0]
-quality = { default = 0.3 }
 
-[models.big]
-engine = "sim"
-price_input_per_mtok = 2.0
-price_output_per_mtok = 2.0
-batch_time_features = "six-term"
-batch_time_coefs = [0.05, 2e-3, 0.0, 5e-3, 0.0, 0.0]
-quality = { default = 0.9, hard = 0.95 }
+def _sim_model(name: str, price: float, coefs: list[float], **quality: float) -> str:
+    return table(
+        f"models.{name}",
+        engine="sim",
+        price_input_per_mtok=price,
+        price_output_per_mtok=price,
+        batch_time_features="six-term",
+        batch_time_coefs=coefs,
+        quality=quality,
+    )
 
-[[instances]]
-model = "small"
-[instances.scheduler]
-max_num_seqs = 8
-max_num_batched_tokens = 256
-block_size = 16
-num_kv_blocks = 128
-max_model_len = 512
 
-[[instances]]
-model = "big"
-[instances.scheduler]
-max_num_seqs = 8
-max_num_batched_tokens = 256
-block_size = 16
-num_kv_blocks = 128
-max_model_len = 512
-
-[presets.auto]
-models = ["small", "big"]
-"""
+TINY = (
+    table("estimator", snapshot_max_age_s=2.0, snapshot_refresh_s=0.02)
+    + _sim_model("small", 1.0, [0.01, 1e-4, 0.0, 1e-3, 0.0, 0.0], default=0.3)
+    + _sim_model("big", 2.0, [0.05, 2e-3, 0.0, 5e-3, 0.0, 0.0], default=0.9, hard=0.95)
+    + instance("small", LIMITS)
+    + instance("big", LIMITS)
+    + preset("auto", ["small", "big"])
+)
 
 
 def _requests(n: int, gap_s: float, prompt: int = 100, target_s: float = 0.3) -> list[SimRequest]:
