@@ -344,23 +344,18 @@ def test_the_ledger_makes_a_burst_visible_before_any_snapshot_does() -> None:
 def test_make_requests() -> None:
     tasks = {"a": [(10, 50)], "b": [(5000, 40)]}
     offsets = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]
-    r1 = make_requests(
-        offsets,
-        tasks,
-        random.Random(3),
-        max_model_len=1000,
-        ttft_target_s=default_ttft_target_s,
-        length_error=0.3,
+    r1, r2 = (
+        make_requests(
+            offsets,
+            tasks,
+            random.Random(3),
+            max_model_len=1000,
+            ttft_target_s=default_ttft_target_s,
+            length_error=0.3,
+        )
+        for _ in range(2)
     )
-    r2 = make_requests(
-        offsets,
-        tasks,
-        random.Random(3),
-        max_model_len=1000,
-        ttft_target_s=default_ttft_target_s,
-        length_error=0.3,
-    )
-    assert r1 == r2
+    assert r1 == r2  # the same seed, the same requests
     for r in r1:
         assert r.num_prompt_tokens + r.max_tokens <= 1000
         assert r.num_output_tokens <= r.max_tokens
