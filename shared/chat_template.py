@@ -245,9 +245,9 @@ class ChatTemplate:
     def __init__(self, source: str, tokenizer: Any) -> None:
         """`tokenizer`: the model's `tokenizers.Tokenizer`."""
         self._tok = tokenizer
-        self._content_tok = content_tokenizer(tokenizer)
+        self.content_tokenizer = content_tokenizer(tokenizer)
         self._jinja = JinjaChat(source)
-        self.form = detect_chatml(source, self._jinja, tokenizer, self._content_tok)
+        self.form = detect_chatml(source, self._jinja, tokenizer, self.content_tokenizer)
         added = tokenizer.get_added_tokens_decoder().values()
         self._specials = tuple(sorted({a.content for a in added if a.special and a.content}))
 
@@ -257,7 +257,7 @@ class ChatTemplate:
     def ids(self, messages: Messages) -> list[int]:
         """The chat's token ids, ending with the assistant's generation prompt."""
         if self.form is not None:
-            return self.form.ids(messages, self._content_tok)
+            return self.form.ids(messages, self.content_tokenizer)
         for i, m in enumerate(messages):  # (the form needs no check: it reads them as text)
             for token in self._specials:
                 if token in m["content"]:

@@ -114,7 +114,7 @@ class Tokenizer:
         from tokenizers.decoders import ByteLevel
 
         self.name = name  # its source (a model name, a path)
-        self._tok = tokenizer
+        self.backend = tokenizer
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
         self._chat: ChatTemplate | None = None  # compiled (and its form found) on first use
@@ -131,28 +131,28 @@ class Tokenizer:
         if self._max_token_chars is None:
             self._max_token_chars = 0
             if self._is_byte_level:
-                vocab = self._tok.get_vocab(with_added_tokens=True)
+                vocab = self.backend.get_vocab(with_added_tokens=True)
                 self._max_token_chars = max(len(piece) for piece in vocab)
         return self._max_token_chars or None
 
     @property
     def vocab_size(self) -> int:
-        return int(self._tok.get_vocab_size())
+        return int(self.backend.get_vocab_size())
 
     def encode(self, text: str) -> list[int]:
         """A completion prompt's ids. Special tokens' text in it is read as those tokens,
         as vLLM and llama.cpp read a raw prompt (a chat's content never is: ChatTemplate)."""
-        return encode_ids(self._tok, text)
+        return encode_ids(self.backend, text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+        return str(self.backend.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def token_bytes(self, token_id: int) -> bytes:
         """The token's own bytes (OpenAI's logprobs `bytes`): for a byte-level BPE
         vocabulary a piece of a multi-byte character is its raw bytes, not the U+FFFD
         its lone decode gives. Other vocabularies, and added tokens (text): the UTF-8 of
         its decode."""
-        piece = self._tok.id_to_token(token_id)
+        piece = self.backend.id_to_token(token_id)
         table = byte_level_decoder()
         if (
             not self._is_byte_level
@@ -192,13 +192,18 @@ class Tokenizer:
         while the text would end inside a multi-byte character."""
         from tokenizers.decoders import DecodeStream
 
-        stream, tok = DecodeStream(skip_special_tokens=skip_special_tokens), self._tok
+        stream, tok = DecodeStream(skip_special_tokens=skip_special_tokens), self.backend
         return lambda token_id: stream.step(tok, token_id)
+
+    @property
+    def is_chat_built(self) -> bool:
+        """Whether the chat template is compiled (on first use, or by `warm`)."""
+        return self._chat is not None
 
     @property
     def chat(self) -> ChatTemplate:
         if self._chat is None:
-            self._chat = ChatTemplate(self.chat_template, self._tok)
+            self._chat = ChatTemplate(self.chat_template, self.backend)
         return self._chat
 
     def render_chat(

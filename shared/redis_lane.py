@@ -37,11 +37,15 @@ class Lane:
         # context; one deadline (the pool's socket timeout) over each attempt's
         # exchange bounds it the same (13 snapshots: ~30 us of ~200 us).
         kwargs = pool.connection_kwargs
-        self._timeout_s: float | None = kwargs.get("socket_timeout")
+        self.timeout_s: float | None = kwargs.get("socket_timeout")
         self._conn = pool.connection_class(**{**kwargs, "socket_timeout": None})
         self._lock = asyncio.Lock()  # one request-reply exchange at a time
         self._packed: dict[tuple[str, ...], list[bytes]] = {}
         self._closed = False  # close() was called: no call reconnects
+
+    @property
+    def is_connected(self) -> bool:
+        return bool(self._conn.is_connected)
 
     async def execute(
         self, cache_key: tuple[str, ...], commands: list[tuple[str, ...]]
@@ -66,7 +70,7 @@ class Lane:
                     raise redis.ConnectionError("the store is closed")
                 replies: list[Any] = []
                 try:
-                    async with asyncio.timeout(self._timeout_s):
+                    async with asyncio.timeout(self.timeout_s):
                         await self._conn.send_packed_command(packed, check_health=False)
                         while len(replies) < num_replies:
                             replies.append(await self._conn.read_response())
@@ -84,7 +88,7 @@ class Lane:
                 except TimeoutError:  # the deadline: as redis-py's own timeout says it
                     await self._conn.disconnect(nowait=True)
                     raise redis.TimeoutError(
-                        f"no reply from Redis within {self._timeout_s} s"
+                        f"no reply from Redis within {self.timeout_s} s"
                     ) from None
                 except BaseException:
                     await self._conn.disconnect(nowait=True)

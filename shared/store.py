@@ -126,6 +126,12 @@ class Store:
         assert self._hot is not None, "Store.connect() not called"
         return self._hot
 
+    @property
+    def writes(self) -> Lane:
+        """The snapshot writes' own connection."""
+        assert self._writes is not None, "Store.connect() not called"
+        return self._writes
+
     # -- snapshots and samples (written by a worker) -------------------------
 
     async def write_snapshot(

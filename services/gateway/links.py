@@ -126,7 +126,7 @@ class WorkerLinks:
         logged_up_at = -math.inf  # (a link that keeps dropping is logged once per 10 s)
         while not self._closing:
             try:
-                link = await self._dial(info, was_unix=was_unix)
+                link = await self.dial(info, was_unix=was_unix)
             except (OSError, TimeoutError, LinkError, ValueError) as exc:
                 now = time.monotonic()
                 failing_since = now if failing_since is None else failing_since
@@ -172,7 +172,7 @@ class WorkerLinks:
             await asyncio.sleep(RETRY_S[min(attempt, len(RETRY_S) - 1)])
             attempt += 1
 
-    async def _dial(self, info: WorkerInfo, *, was_unix: bool = False) -> FrameLink:
+    async def dial(self, info: WorkerInfo, *, was_unix: bool = False) -> FrameLink:
         """Connect, say hello, check the worker's answer; the link, up. Over the
         worker's Unix socket when it answers here (a worker on another host, or in
         another container, has none in this network namespace: refused at once), else
@@ -210,7 +210,7 @@ class WorkerLinks:
         def on_hello(link: FrameLink, frame: bytes | memoryview) -> None:
             if not hello.done():
                 hello.set_result(LINK_HELLO_DECODER.decode(frame))
-            link.on_frame = self._on_frame
+            link.on_frame = self.on_frame_from
 
         def on_lost(link: FrameLink) -> None:
             if not hello.done():
@@ -238,7 +238,7 @@ class WorkerLinks:
             )
         return link
 
-    def _on_frame(self, link: FrameLink, frame: bytes | memoryview) -> None:
+    def on_frame_from(self, link: FrameLink, frame: bytes | memoryview) -> None:
         self._on_batch(DELTA_BATCH_DECODER.decode(frame))
 
 

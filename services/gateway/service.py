@@ -65,10 +65,10 @@ class GatewayService:
             name: self.cluster.sampling_defaults(name)
             for name in (*self.cluster.models, *self.cluster.presets)
         }
-        self._refresh_task: asyncio.Task[None] | None = None
+        self.refresh_task: asyncio.Task[None] | None = None
         self._silence_task: asyncio.Task[None] | None = None
         self._bus_task: asyncio.Task[None] | None = None
-        self._closing = False  # close() began: the background loops end
+        self.is_closing = False  # close() began: the background loops end
         self._background: set[asyncio.Task[Any]] = set()
         # This process's name in SubmitRequest.owner and its liveness key: the gateway id
         # plus a tag, so a restart under a fixed id does not adopt the dead one's requests.
@@ -107,21 +107,21 @@ class GatewayService:
             except GatewayError as exc:  # e.g. a model not built yet: its requests get 503
                 log.warning("tokenizer_unavailable", model=model, error=exc.message)
         await self.directory.refresh()
-        self._refresh_task = asyncio.create_task(self._refresh_loop(), name="registry-refresh")
+        self.refresh_task = asyncio.create_task(self._refresh_loop(), name="registry-refresh")
         self._silence_task = asyncio.create_task(self._watch_silence(), name="silence-watch")
         self._bus_task = asyncio.create_task(
-            self.bus_watch.run(lambda: self._closing), name="bus-watch"
+            self.bus_watch.run(lambda: self.is_closing), name="bus-watch"
         )
         log.info("gateway_ready", gateway_id=self.cfg.gateway_id, live_workers=len(self.workers))
 
     async def close(self) -> None:
-        self._closing = True
+        self.is_closing = True
         for task in (self._silence_task, self._bus_task):
             if task is not None:
                 task.cancel()
-        if self._refresh_task is not None:
-            self._refresh_task.cancel()
-            await asyncio.wait([self._refresh_task], timeout=2.0)
+        if self.refresh_task is not None:
+            self.refresh_task.cancel()
+            await asyncio.wait([self.refresh_task], timeout=2.0)
         if self._background:
             await asyncio.wait(self._background, timeout=2.0)
         await self.links.close()
@@ -185,13 +185,13 @@ class GatewayService:
         return self.bus_watch.relay_state
 
     async def _refresh_loop(self) -> None:
-        # Also ends on `_closing`: on Python 3.11 a cancellation that lands as one of
+        # Also ends on `is_closing`: on Python 3.11 a cancellation that lands as one of
         # redis-py's sends completes is lost (`asyncio.wait_for`), and the loop would
         # run on after close().
         failures = RetryLog(log, "registry_refresh_failed")
-        while not self._closing:
+        while not self.is_closing:
             await asyncio.sleep(self.settings.registry_refresh_s)
-            if self._closing:
+            if self.is_closing:
                 return
             await failures.attempt(self.directory.refresh)
 
@@ -201,7 +201,7 @@ class GatewayService:
         of the timeout (or 1 s) late."""
         timeout_s = self.settings.event_timeout_s
         period_s = min(1.0, max(0.01, timeout_s / 4))  # never a spin, however built
-        while not self._closing:
+        while not self.is_closing:
             await asyncio.sleep(period_s)
             self.streams.mark_silent(timeout_s, time.monotonic())
 

@@ -83,7 +83,7 @@ class Launcher:
         try:
             if not self.start():
                 return 1
-            self._print_banner()
+            self.print_banner()
             return self._supervise(self._child_env())
         except KeyboardInterrupt:
             self.say("stopping")
@@ -252,7 +252,7 @@ class Launcher:
         host = "127.0.0.1" if gw.host in ("0.0.0.0", "") else gw.host
         return f"http://{host}:{gw.port}"
 
-    def _print_banner(self) -> None:
+    def print_banner(self) -> None:
         base = self._base_url()
         model = next(iter(self.cluster.models), "auto")
         self.say(f"serving the OpenAI API at {base}/v1   (Ctrl-C stops everything)")

@@ -110,9 +110,9 @@ class RelayService:
 
     async def _refresh_or_keep(self) -> None:
         """Refresh the view; on a Redis hiccup keep the last one (logged)."""
-        await self._refresh_failures.attempt(self._refresh)
+        await self._refresh_failures.attempt(self.refresh)
 
-    async def _refresh(self) -> None:
+    async def refresh(self) -> None:
         self.workers = await self.store.read_live_workers(self.workers, self._registry_epoch)
         self._snapshots.keep_only(self.workers)
         blobs = await self.store.read_snapshots(list(self.workers))
@@ -128,7 +128,7 @@ class RelayService:
     async def _query(self, query: PeerQuery) -> PeerQueryReply:
         return PeerQueryReply(pending=self.books.pending(query.request_ids))
 
-    async def _health(self, probe: HealthProbe) -> HealthReply:
+    async def health(self, probe: HealthProbe) -> HealthReply:
         return HealthReply(service="relay", detail=f"{len(self.books.routes)} requests routed")
 
     # -- the loop ------------------------------------------------------------------
@@ -146,7 +146,7 @@ class RelayService:
                 # the request back, at most once per RETRY_REFRESH_S.
                 await self._refresh_soon()
             sends = self.books.on_peer(msg, time.monotonic())
-        await self._send(sends)
+        await self.send(sends)
 
     async def _refresh_soon(self) -> None:
         now = time.monotonic()
@@ -155,7 +155,7 @@ class RelayService:
         self._last_retry_s = now
         await self._refresh_or_keep()
 
-    async def _send(self, sends: list[Send]) -> None:
+    async def send(self, sends: list[Send]) -> None:
         ns = self.cluster.namespace
         for instance_id, msg in sends:
             if isinstance(msg, PeerReq) and msg.failed is not None:
@@ -171,7 +171,7 @@ class RelayService:
         await self.bus.connect()
         await self.store.connect()
         try:
-            await self._refresh()
+            await self.refresh()
             await self.bus.subscribe(
                 subjects.relay_inbox(self.cluster.namespace),
                 PEER_MESSAGE_DECODER,
@@ -184,7 +184,7 @@ class RelayService:
             await self.bus.serve(
                 subjects.health(self.cluster.namespace, "relay"),
                 HEALTH_PROBE_DECODER,
-                self._health,
+                self.health,
             )
             # Workers with requests away ask about them now: this relay knows none of
             # the hand-offs a predecessor held (they come back to their origins).
@@ -203,7 +203,7 @@ class RelayService:
                 if now >= next_refresh:
                     next_refresh = now + self.settings.registry_refresh_s
                     await self._refresh_or_keep()
-                await self._send(self.books.check(now))
+                await self.send(self.books.check(now))
         finally:
             c = self.books.counters
             log.info(

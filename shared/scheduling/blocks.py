@@ -29,6 +29,10 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
+    @property
+    def free_block_ids(self) -> frozenset[int]:
+        return frozenset(self._free)
+
     def num_missing_blocks(self, req: SchedRequest, num_tokens: int) -> int:
         """Blocks req must still get to hold num_tokens tokens."""
         return max(0, blocks_for(num_tokens, self.block_size) - len(req.block_ids))

@@ -136,12 +136,12 @@ async def test_relay_reads_an_undecodable_snapshot_as_missing(redis_url: str) ->
     await relay.store.connect()
     try:
         await publish(relay.store, {"old": old_layout(1), "odd": unequal_columns(1), "ok": good(1)})
-        await relay._refresh()
+        await relay.refresh()
         assert relay.load == {"ok": 3}
         assert set(relay.workers) == {"old", "odd", "ok"}
         # One that stops decoding loses its load figure instead of keeping a stale one.
         await publish(relay.store, {"ok": old_layout(2)})
-        await relay._refresh()
+        await relay.refresh()
         assert relay.load == {}
     finally:
         await relay.store.close()
@@ -256,7 +256,7 @@ async def test_relay_counts_a_placed_copy_until_a_snapshot_shows_it(redis_url: s
 
     async def seen(snapshots: dict[str, bytes]) -> None:
         await publish(relay.store, snapshots)
-        await relay._refresh()
+        await relay.refresh()
 
     try:
         await seen({"a": holding(1, []), "b": holding(1, ["y"])})
@@ -283,12 +283,12 @@ async def test_gateway_refresh_loop_ends_on_close_without_its_cancellation(
     cl = cluster(redis_url, f'nats_url = "{nats_url}"\n[gateway]\nregistry_refresh_s = 0.05\n')
     gw = GatewayService(GatewayServiceConfig.from_cluster(cl, "t"))
     await gw.start()
-    task = gw._refresh_task
+    task = gw.refresh_task
     assert task is not None
     try:
         await asyncio.sleep(0.12)
         assert not task.done()
-        gw._closing = True  # as close() sets it, without the cancel that may be lost
+        gw.is_closing = True  # as close() sets it, without the cancel that may be lost
         await asyncio.wait_for(asyncio.shield(task), 2.0)
     finally:
         await gw.close()

@@ -286,7 +286,7 @@ async def test_snapshot_reads_survive_a_dropped_connection_and_a_cancelled_read(
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert not store.hot._conn.is_connected  # cancelled mid-exchange: closed
+        assert not store.hot.is_connected  # cancelled mid-exchange: closed
         both = await store.read_snapshots(["b", "a"])
         assert [(k, v.data if v else None) for k, v in both.items()] == [("b", b"b"), ("a", b"a")]
         # the combined read: snapshots and ledger hashes (RESP2 pairs made a dict)
@@ -297,12 +297,12 @@ async def test_snapshot_reads_survive_a_dropped_connection_and_a_cancelled_read(
         # a server that does not answer within the store's socket timeout (one deadline
         # over the exchange here): the read fails and closes the connection; the next
         # one, after the pause, gets its own reply
-        store.hot._timeout_s = 0.1
+        store.hot.timeout_s = 0.1
         await store.redis.execute_command("CLIENT", "PAUSE", "400", "ALL")
         with pytest.raises(redis.TimeoutError, match="no reply from Redis"):
             await store.read_snapshots(["a"])
-        assert not store.hot._conn.is_connected
-        store.hot._timeout_s = 5.0  # this one waits out the rest of the pause
+        assert not store.hot.is_connected
+        store.hot.timeout_s = 5.0  # this one waits out the rest of the pause
         both = await store.read_snapshots(["b", "a"])
         assert [(k, v.data if v else None) for k, v in both.items()] == [("b", b"b"), ("a", b"a")]
 
@@ -315,11 +315,11 @@ async def test_an_error_reply_leaves_a_lane_in_step(redis_url: str) -> None:
         await store.redis.set("lane:str", b"v")
         with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
             await lane.command("HGETALL", "lane:str")
-        assert lane._conn.is_connected
+        assert lane.is_connected
         assert await lane.command("GET", "lane:str") == b"v"
         with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
             await lane.execute(("mixed",), [("HGETALL", "lane:str"), ("GET", "lane:str")])
-        assert not lane._conn.is_connected
+        assert not lane.is_connected
         assert await lane.command("GET", "lane:str") == b"v"
 
 

@@ -68,6 +68,10 @@ class TtftCorrection:
             return 0.0
         return self._log_f.get(instance_id, 0.0)
 
+    def is_noted(self, request_id: str) -> bool:
+        """Whether a decision's factor waits for its feedback."""
+        return request_id in self._noted
+
     def note(self, request_id: str, instance_id: str) -> None:
         """A decision sent `request_id` to the instance with an estimate corrected by
         the factor in force now: kept for its feedback (at most `max_noted`, oldest

@@ -61,6 +61,11 @@ class StepLogits:
         self.vocab_size = vocab_size
         self._full: torch.Tensor | None = rows if keep is None else None
 
+    @property
+    def is_spread(self) -> bool:
+        """Whether the [N, vocab] rows exist (a full head, or `full()` was called)."""
+        return self._full is not None
+
     def full(self) -> torch.Tensor:
         """[N, vocab] fp32 (computed once)."""
         if self._full is None:

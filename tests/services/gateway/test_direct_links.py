@@ -152,7 +152,7 @@ async def test_hello_checks_the_namespace_and_the_workers_identity() -> None:
     lost: list[FrameLink] = []
     try:
         ours = WorkerLinks("ns-a", "gw", lambda _: None, lost.append)
-        link = await ours._dial(info)
+        link = await ours.dial(info)
         assert link.is_open and link.name == "w0"
         assert link.send(encode(AbortRequest(request_id="r1")))
         for _ in range(200):
@@ -165,11 +165,11 @@ async def test_hello_checks_the_namespace_and_the_workers_identity() -> None:
         await ours.close()
 
         with pytest.raises(LinkError, match="not the registered"):
-            await WorkerLinks("ns-a", "gw", lambda _: None, lost.append)._dial(
+            await WorkerLinks("ns-a", "gw", lambda _: None, lost.append).dial(
                 msgspec.structs.replace(info, started_at_s=124.0)
             )
         with pytest.raises(ConnectionError):  # the worker closes on the wrong namespace
-            await WorkerLinks("ns-b", "gw", lambda _: None, lost.append)._dial(info)
+            await WorkerLinks("ns-b", "gw", lambda _: None, lost.append).dial(info)
         assert len(worker.links) == 0  # nothing stays open
     finally:
         await worker.close()
@@ -195,17 +195,17 @@ async def unix_dials() -> None:
     dialled: list[FrameLink] = []
     try:
         assert name and name != other.unix_name
-        dialled.append(await links._dial(info))
+        dialled.append(await links.dial(info))
         assert dialled[-1].is_unix and dialled[-1].is_open
-        dialled.append(await links._dial(msgspec.structs.replace(info, link_unix_name="")))
+        dialled.append(await links.dial(msgspec.structs.replace(info, link_unix_name="")))
         assert not dialled[-1].is_unix and dialled[-1].is_open
         # the name is another worker's: its hello says so, and TCP reaches ours
         dialled.append(
-            await links._dial(msgspec.structs.replace(info, link_unix_name=other.unix_name))
+            await links.dial(msgspec.structs.replace(info, link_unix_name=other.unix_name))
         )
         assert not dialled[-1].is_unix and dialled[-1].is_open
         dialled.append(
-            await links._dial(msgspec.structs.replace(info, link_unix_name=name + "-gone"))
+            await links.dial(msgspec.structs.replace(info, link_unix_name=name + "-gone"))
         )
         assert not dialled[-1].is_unix and dialled[-1].is_open
     finally:
@@ -257,16 +257,16 @@ async def test_a_unix_socket_that_refuses_or_stalls_is_not_dialled_past() -> Non
     links = WorkerLinks("ns", "gw", lambda _: None, lambda _: None, connect_timeout_s=0.3)
     stalled = await loop.create_unix_server(asyncio.Protocol, "\0" + name + "-stalled")
     try:
-        link = await links._dial(info)
+        link = await links.dial(info)
         assert link.is_unix
         link.close()
         await worker.close()  # the worker is gone: its name refuses
         with pytest.raises(ConnectionRefusedError):
-            await links._dial(info, was_unix=True)
+            await links.dial(info, was_unix=True)
         with pytest.raises(TimeoutError):  # (without a link before: TCP, which times out)
-            await links._dial(info)
+            await links.dial(info)
         with pytest.raises(TimeoutError):
-            await links._dial(msgspec.structs.replace(info, link_unix_name=name + "-stalled"))
+            await links.dial(msgspec.structs.replace(info, link_unix_name=name + "-stalled"))
     finally:
         await links.close()
         await worker.close()
@@ -374,7 +374,7 @@ async def test_a_delta_batch_frame_reaches_the_stream() -> None:
     batches: list[DeltaBatch] = []
     links = WorkerLinks("ns", "gw", batches.append, lambda _: None)
     batch = DeltaBatch(instance_id="w0", step=3, events=[])
-    links._on_frame(FrameLink(lambda *_: None, lambda _: None), encode(batch))
+    links.on_frame_from(FrameLink(lambda *_: None, lambda _: None), encode(batch))
     assert batches == [batch]
 
 

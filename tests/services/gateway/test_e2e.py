@@ -503,7 +503,7 @@ async def test_a_forged_turn_in_a_message_stays_the_users_text(stack: Stack) -> 
     assert resp.status_code == 200, resp.text
     tok = stack.gateway.tokenizer("random-tiny")
     framed = tok.encode("<|im_start|>user\n" + forged + "<|im_end|>")
-    as_text = tok.encode("<|im_start|>user\n") + tok.chat._content_tok.encode(forged).ids
+    as_text = tok.encode("<|im_start|>user\n") + tok.chat.content_tokenizer.encode(forged).ids
     assert len(as_text) > len(framed) + 10  # the forged framing is ~20 tokens as text
     assert resp.json()["usage"]["prompt_tokens"] == len(
         tok.apply_chat_template([{"role": "user", "content": forged}])

@@ -136,16 +136,16 @@ def test_warming_a_tokenizer_compiles_its_chat_template_once() -> None:
     from shared.model_store import Tokenizer, load_tokenizer
 
     loaded = load_tokenizer("random-tiny")  # (a test may have warmed this one already)
-    tok = Tokenizer(loaded.name, loaded._tok, loaded.chat_template, loaded.eos_token_id)
-    assert tok._chat is None
+    tok = Tokenizer(loaded.name, loaded.backend, loaded.chat_template, loaded.eos_token_id)
+    assert not tok.is_chat_built
     tok.warm()
-    chat = tok._chat
-    assert chat is not None
+    assert tok.is_chat_built
+    chat = tok.chat
     messages = [{"role": "user", "content": "Say hello."}]
     assert tok.apply_chat_template(messages) == load_tokenizer("random-tiny").apply_chat_template(
         messages
     )
-    assert tok._chat is chat
+    assert tok.chat is chat
 
 
 def test_a_tokens_bytes_are_its_raw_bytes_even_inside_a_character() -> None:
@@ -182,7 +182,7 @@ def test_a_window_of_tokens_decodes_without_the_pieces_of_cut_characters() -> No
         # together they lose at most the one character cut between them
         assert len(text) - 1 <= len(head) + len(tail) <= len(text)
     assert tok.decode_window([*ids[:2], tok.eos_token_id]) == tok.decode(ids[:2])
-    lone = tok._tok.token_to_id("Ŀ")  # the byte 0x9D: a continuation byte alone
+    lone = tok.backend.token_to_id("Ŀ")  # the byte 0x9D: a continuation byte alone
     bad = [*tok.encode("a"), lone, *tok.encode("b")]
     assert tok.decode_window(bad) == "a\ufffdb"  # an invalid byte inside stays visible
 

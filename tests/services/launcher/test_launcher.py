@@ -630,7 +630,7 @@ def test_the_printed_curl_sends_a_key_when_the_gateway_wants_one(
         monkeypatch.delenv("BATON_API_KEY", raising=False)
     else:
         monkeypatch.setenv("BATON_API_KEY", env_key)
-    Launcher(cluster, tmp_path / "cluster.toml", tmp_path)._print_banner()
+    Launcher(cluster, tmp_path / "cluster.toml", tmp_path).print_banner()
     out = capsys.readouterr().out
     assert "curl http://127.0.0.1:8000/v1/chat/completions" in out
     if header is None:

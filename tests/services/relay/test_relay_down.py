@@ -173,7 +173,7 @@ async def test_health_tells_a_hung_or_missing_relay(nats_url: str, redis_url: st
         await asyncio.sleep(3600)
         raise AssertionError("unreachable")
 
-    hung._health = never  # type: ignore[method-assign]
+    hung.health = never  # type: ignore[method-assign]
     hung_task = asyncio.create_task(hung.run())
     stack = await start_stack(cluster, 2, ["random-tiny", "random-tiny-big"])
     new_task: asyncio.Task[None] | None = None

@@ -41,7 +41,7 @@ async def test_a_relay_older_than_the_workers_forwards_their_first_hand_offs(
     stack = await start_stack(cluster, 2, ["random-tiny", "random-tiny-big"])
     # As if a registry read had just found nothing (the relay's read at start, when the
     # workers come up within RETRY_REFRESH_S of it): the hand-off's re-read must still run.
-    await relay._refresh()
+    await relay.refresh()
     relay.workers = {}
     try:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:

@@ -251,7 +251,7 @@ async def test_tokens_held_when_a_request_parks_at_a_peer_go_out_while_it_waits(
     it holds before it waits (WorkerService._idle), not when the request comes back."""
     stack, relay = routed
     origin = stack.workers[0]  # random-tiny: the pair preset's entry model
-    relayed = relay._send
+    relayed = relay.send
 
     async def slow_relay(sends: Any) -> None:  # each hop of a hand-off takes 0.3 s more
         await asyncio.sleep(HOP_DELAY_S)
@@ -267,13 +267,13 @@ async def test_tokens_held_when_a_request_parks_at_a_peer_go_out_while_it_waits(
         await send(batches, step)
 
     interval_s = origin.answers.pacer.interval_s
-    relay._send, origin.answers.send = slow_relay, recording_send  # type: ignore[method-assign]
+    relay.send, origin.answers.send = slow_relay, recording_send  # type: ignore[method-assign]
     origin.answers.pacer.interval_s = 30.0  # hold whatever may be held
     try:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
             resp = await post_pair(client, "parked at the peer", 4)
     finally:
-        relay._send, origin.answers.send = relayed, send  # type: ignore[method-assign]
+        relay.send, origin.answers.send = relayed, send  # type: ignore[method-assign]
         origin.answers.pacer.interval_s = interval_s
     assert resp.status_code == 200, resp.text
     when = {position: t for t, position in sent}
@@ -293,7 +293,7 @@ async def test_requests_past_the_running_cap_wait_without_empty_steps(
     a request comes back."""
     stack, relay = routed
     origin = stack.workers[0]
-    relayed = relay._send
+    relayed = relay.send
 
     async def slow_relay(sends: Any) -> None:  # parked requests stay parked longer
         await asyncio.sleep(HOP_DELAY_S)
@@ -301,14 +301,14 @@ async def test_requests_past_the_running_cap_wait_without_empty_steps(
 
     n, max_tokens = 12, 6  # the peer rewrites positions 2 and 5 of each
     steps = origin.num_steps
-    relay._send = slow_relay  # type: ignore[method-assign]
+    relay.send = slow_relay  # type: ignore[method-assign]
     try:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client:
             resps = await asyncio.gather(
                 *(post_pair(client, f"past the cap {i}", max_tokens) for i in range(n))
             )
     finally:
-        relay._send = relayed  # type: ignore[method-assign]
+        relay.send = relayed  # type: ignore[method-assign]
     for resp in resps:
         assert resp.status_code == 200, resp.text
     # Each step that ran computed something: a prefill, or a token of a request (two

@@ -236,7 +236,7 @@ async def test_a_worker_writes_its_snapshots_again_after_redis_drops_its_connect
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
             resp = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
             assert resp.status_code == 200, resp.text
-            lane = stack.workers[0].store._writes
+            lane = stack.workers[0].store.writes
             assert lane is not None
             before = (await store.read_snapshots(["w0"]))["w0"]
             assert before is not None

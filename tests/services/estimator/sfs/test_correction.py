@@ -99,11 +99,11 @@ def test_notes_are_bounded_and_used_once() -> None:
     corr.note("z", "a")  # "x" dropped: at most two kept
     corr.observe("a", 1.0, 1.0, request_id="y")  # its estimate carried 2: bare 0.5 -> 2x
     assert corr.factor("a") == pytest.approx(2.0)
-    assert "y" not in corr._noted and "x" not in corr._noted
+    assert not corr.is_noted("y") and not corr.is_noted("x")
     corr.observe("a", 2.0, 2.0, request_id="x")  # not noted (dropped): the factor in force
     assert corr.factor("a") == pytest.approx(2.0)
     corr.note("w", "a")
     corr.observe("a", math.nan, math.nan, request_id="w")  # no TTFT (failed): note dropped
-    assert "w" not in corr._noted and corr.factor("a") == pytest.approx(2.0)
+    assert not corr.is_noted("w") and corr.factor("a") == pytest.approx(2.0)
     with pytest.raises(ValueError):
         TtftCorrection(max_noted=-1)

@@ -79,7 +79,7 @@ def held_blocks(s: Scheduler) -> int:
 def assert_block_invariants(s: Scheduler) -> None:
     held = [b for r in s.requests.values() for b in r.block_ids]
     assert len(held) == len(set(held)), "a block is held twice"
-    assert not set(held) & set(s.blocks._free), "a held block is also free (double free)"
+    assert not set(held) & s.blocks.free_block_ids, "a held block is also free (double free)"
     assert len(held) + s.blocks.num_free_blocks == s.config.num_kv_blocks, "leaked blocks"
     for r in s.waiting:
         assert r.block_ids == [] and r.status is RequestStatus.WAITING

@@ -193,7 +193,7 @@ def test_greedy_tokens_need_no_full_rows_and_keep_argmax_ties() -> None:
     )
     step = StepLogits(rows, keep, vocab_size=64)
     assert greedy_tokens(step) == [7, 20]
-    assert step._full is None  # greedy spread nothing over the vocabulary
+    assert not step.is_spread  # greedy spread nothing over the vocabulary
     full = step.full()
     assert full.shape == (2, 64) and greedy_tokens(step) == full.argmax(-1).tolist()
     assert full[0, 7] == 2.0 and full[0, 0] == TRIMMED_LOGIT
@@ -231,5 +231,5 @@ def test_first_argmax_is_argmax_with_its_tie_rule(width: int) -> None:
 def test_hook_outputs_build_full_logits_only_when_read() -> None:
     step = StepLogits(torch.zeros(1, 2), torch.tensor([1, 5]), vocab_size=8)
     out = StepOutputs(["r"], [1], step, torch.zeros(1, 4))
-    assert step._full is None
-    assert out.logits.shape == (1, 8) and step._full is not None
+    assert not step.is_spread
+    assert out.logits.shape == (1, 8) and step.is_spread

@@ -34,7 +34,10 @@ def test_a_character_split_across_byte_tokens_is_seen_with_the_real_vocabulary()
     tok = load_tokenizer("smollm2-135m")
     by_byte = {b: c for c, b in byte_level_decoder().items()}  # byte -> its vocabulary char
     lead, cont = ("É".encode()[0], "É".encode()[1])
-    lead_id, cont_id = tok._tok.token_to_id(by_byte[lead]), tok._tok.token_to_id(by_byte[cont])
+    lead_id, cont_id = (
+        tok.backend.token_to_id(by_byte[lead]),
+        tok.backend.token_to_id(by_byte[cont]),
+    )
     word = tok.encode("cris")
     chars = CharBoundaries(tok.token_bytes)
     assert chars.ends_inside_char([*word, lead_id])
