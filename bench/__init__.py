@@ -1,2 +1,4 @@
-"""Benchmark harnesses: the cluster simulation, SFS evaluation, router training and the
-pieces the benchmark scripts share. Never imported by a service."""
+"""Benchmark harnesses behind the scripts: the cluster simulation, the SFS benchmark's
+parts (`sfs_*`, `engine_process`, `decision_cost`), the gateway benchmark's stack,
+client and statistics (`gateway_*`), router training, shared statistics. Never
+imported by a service."""
