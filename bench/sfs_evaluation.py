@@ -148,7 +148,6 @@ def estimate_from_now(
         coefs,
         policy,
         max_model_len=snapshot.scheduler.max_model_len,
-        want_e2e=False,
         max_steps=max_steps,
     )
     return FromNowEstimate(

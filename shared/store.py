@@ -123,14 +123,13 @@ class Store:
 
     @property
     def hot(self) -> Lane:
-        assert self._hot is not None, "Store.connect() not called"
-        return self._hot
+        """The snapshot reads' own connection."""
+        return _connected(self._hot)
 
     @property
     def writes(self) -> Lane:
         """The snapshot writes' own connection."""
-        assert self._writes is not None, "Store.connect() not called"
-        return self._writes
+        return _connected(self._writes)
 
     # -- snapshots and samples (written by a worker) -------------------------
 
@@ -316,3 +315,8 @@ class Store:
         if gone:
             await self.redis.srem(keys.workers(self.namespace), *gone)
         return live
+
+
+def _connected(lane: Lane | None) -> Lane:
+    assert lane is not None, "Store.connect() not called"
+    return lane

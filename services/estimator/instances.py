@@ -282,7 +282,6 @@ class LatencyEstimator:
             model.raw,
             policy,
             max_model_len=snap.scheduler.max_model_len,
-            want_e2e=False,
             max_steps=self.max_steps,
         )
         return max(0.0, in_flight_s - age_s) + r.ttft_s

@@ -147,7 +147,9 @@ class WorkerService:
 
     @property
     def admission(self) -> Admission:
-        assert self._admission is not None, "admission starts with the engine"
+        """What the loop admits requests with: built with the engine, at the start."""
+        if self._admission is None:
+            raise RuntimeError("the worker has not started")
         return self._admission
 
     @property

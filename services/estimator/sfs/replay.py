@@ -250,8 +250,8 @@ def run_on_state(
     policy: OutputPolicy,
     *,
     max_model_len: int,
-    want_e2e: bool,
     max_steps: int,
+    want_e2e: bool = False,  # also run on to the probe's last token
     fast: bool = True,
     trace: list[list[tuple[str, int]]] | None = None,
 ) -> RunResult:
