@@ -1,0 +1,91 @@
+"""An instance's load as a RouteBalance batch sees it: read once per batch from its
+snapshot and the ledger's dispatches the snapshot does not show yet, then dead-reckoned
+after every assignment of the batch.
+
+Reconciling with the ledger (by request id, as the estimator's ledger does) keeps the
+dispatches of the previous batches that the snapshot has not shown yet, so consecutive
+batches do not herd onto an instance whose snapshot still looks idle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.estimator.ledger import LedgerEntry
+from shared.scheduling.snapshot import WorkloadSnapshot
+
+
+@dataclass(slots=True)
+class InstanceLoad:
+    """Counts of one instance; `add` is the dead-reckoning step."""
+
+    instance_id: str
+    model: str
+    max_num_seqs: int
+    num_running: int = 0
+    num_waiting: int = 0
+    pending_prefill_tokens: int = 0  # prompt tokens not yet in its KV cache
+    pending_decode_tokens: int = 0  # output tokens its requests are still expected to write
+    last_assigned: int = -1  # order of the latest assignment here (-1: none yet)
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_running + self.num_waiting
+
+    @property
+    def has_free_slot(self) -> bool:
+        """Whether one more request runs in its next step (a decode slot is free)."""
+        return self.num_requests < self.max_num_seqs
+
+    @property
+    def decode_batch(self) -> int:
+        """Requests a decode step of this instance writes for (at least 1)."""
+        return max(1, min(self.num_requests, self.max_num_seqs))
+
+    def add(self, num_prompt_tokens: int, output_tokens: int, order: int) -> None:
+        """Count a request just assigned here (waiting, its prefill and its decode)."""
+        self.num_waiting += 1
+        self.pending_prefill_tokens += num_prompt_tokens
+        self.pending_decode_tokens += output_tokens
+        self.last_assigned = order
+
+
+def remaining_output(predicted: int, max_tokens: int, written: int, default: int) -> int:
+    """Output tokens a request is still expected to write: its prediction (or `default`)
+    capped by max_tokens, at least one more while it runs."""
+    expected = min(default if predicted < 0 else predicted, max_tokens)
+    return max(1, expected - written)
+
+
+def load_of(
+    instance_id: str,
+    model: str,
+    max_num_seqs: int,
+    snapshot: WorkloadSnapshot | None,
+    unseen: list[LedgerEntry],
+    default_output_tokens: int,
+) -> InstanceLoad:
+    """The instance's load from its snapshot (None: stale or missing, only the ledger is
+    known) plus the dispatches the snapshot does not show yet (`unseen`)."""
+    load = InstanceLoad(instance_id, model, max_num_seqs)
+    if snapshot is not None:
+        load.num_running = snapshot.num_running
+        load.num_waiting = len(snapshot.request_ids) - snapshot.num_running
+        for i in range(len(snapshot.request_ids)):
+            load.pending_prefill_tokens += max(
+                0, snapshot.prompt_tokens[i] - snapshot.computed_tokens[i]
+            )
+            load.pending_decode_tokens += remaining_output(
+                snapshot.predicted_output_tokens[i],
+                snapshot.max_tokens[i],
+                snapshot.output_tokens[i],
+                default_output_tokens,
+            )
+    for entry in unseen:
+        predicted = -1 if entry.predicted_output_tokens is None else entry.predicted_output_tokens
+        load.num_waiting += 1
+        load.pending_prefill_tokens += entry.num_prompt_tokens
+        load.pending_decode_tokens += remaining_output(
+            predicted, entry.max_tokens, 0, default_output_tokens
+        )
+    return load
