@@ -38,6 +38,7 @@ class Bus:
         self.url = url
         self.name = name
         self._nc: Client | None = None
+        self._later: set[asyncio.Task[None]] = set()  # replies waiting on a future (serve)
 
     @property
     def nc(self) -> Client:
@@ -122,19 +123,38 @@ class Bus:
         self,
         subject: str,
         decoder: msgspec.msgpack.Decoder[T],
-        handler: Callable[[T], Awaitable[msgspec.Struct]],
+        handler: Callable[[T], Awaitable[msgspec.Struct | asyncio.Future[msgspec.Struct]]],
         *,
         queue: str = "",
     ) -> Subscription:
         """Answer requests on `subject` with `handler`'s reply (decoding and errors as in
-        `subscribe`: a bad message or a failing handler gets no reply)."""
+        `subscribe`: a bad message or a failing handler gets no reply).
+
+        A handler that cannot answer at once returns a future instead: the reply goes out
+        when it resolves, and meanwhile the subscription takes the next request (nats-py
+        runs one subscription's callbacks one at a time)."""
 
         async def on_msg(msg: Msg) -> None:
             reply = await self._decode_and_call(subject, decoder, handler, msg)
-            if reply is not None and msg.reply:
+            if isinstance(reply, asyncio.Future):
+                task = asyncio.create_task(self._reply_later(subject, msg, reply))
+                self._later.add(task)
+                task.add_done_callback(self._later.discard)
+            elif reply is not None and msg.reply:
                 await self.nc.publish(msg.reply, encode(reply))
 
         return await self._subscribe_cb(subject, queue, on_msg)
+
+    async def _reply_later(
+        self, subject: str, msg: Msg, reply: asyncio.Future[msgspec.Struct]
+    ) -> None:
+        try:
+            answer = await reply
+        except Exception:
+            log.exception("handler_failed", subject=subject)
+            return
+        if msg.reply and self._nc is not None:
+            await self._nc.publish(msg.reply, encode(answer))
 
     async def request(
         self,

@@ -375,6 +375,38 @@ async def test_bus_request_reply_and_bad_messages(nats_url: str) -> None:
         await bus.close()
 
 
+async def test_a_reply_that_waits_on_a_future_leaves_the_subscription_free(
+    nats_url: str,
+) -> None:
+    """The first request's answer waits until the second one has arrived: with the reply
+    behind a future, the subscription takes the second request meanwhile (awaiting in
+    the handler, nats-py would hold it back and both would time out)."""
+    bus = Bus(nats_url, "t")
+    await bus.connect()
+    held: list[tuple[RouteRequest, asyncio.Future[msgspec.Struct]]] = []
+    try:
+
+        async def answer(req: RouteRequest) -> asyncio.Future[msgspec.Struct]:
+            fut: asyncio.Future[msgspec.Struct] = asyncio.get_running_loop().create_future()
+            held.append((req, fut))
+            if len(held) == 2:  # both arrived: answer both
+                for r, f in held:
+                    f.set_result(RouteReply(request_id=r.request_id, instance_id="i"))
+            return fut
+
+        await bus.serve("infra.later", ROUTE_REQUEST_DECODER, answer)
+        reqs = [
+            RouteRequest(request_id=rid, model="m", num_prompt_tokens=1, max_tokens=1)
+            for rid in ("a", "b")
+        ]
+        replies = await asyncio.gather(
+            *(bus.request("infra.later", r, ROUTE_REPLY_DECODER, timeout_s=5) for r in reqs)
+        )
+        assert [r.request_id for r in replies] == ["a", "b"]
+    finally:
+        await bus.close()
+
+
 def test_retry_log_keeps_an_outage_to_a_few_lines() -> None:
     """RetryLog: the first failure of a stretch at once, then one line per every_s with
     the count left out, one `_recovered` line on the first success, nothing after."""
