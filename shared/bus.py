@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import nats
@@ -123,7 +123,7 @@ class Bus:
         self,
         subject: str,
         decoder: msgspec.msgpack.Decoder[T],
-        handler: Callable[[T], Awaitable[msgspec.Struct | asyncio.Future[msgspec.Struct]]],
+        handler: Callable[[T], Awaitable[msgspec.Struct | asyncio.Future[Any]]],
         *,
         queue: str = "",
     ) -> Subscription:
@@ -146,7 +146,7 @@ class Bus:
         return await self._subscribe_cb(subject, queue, on_msg)
 
     async def _reply_later(
-        self, subject: str, msg: Msg, reply: asyncio.Future[msgspec.Struct]
+        self, subject: str, msg: Msg, reply: asyncio.Future[Any]
     ) -> None:
         try:
             answer = await reply

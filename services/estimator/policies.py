@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.estimator.ledger import LedgerEntry
+from services.estimator.routebalance.score import BALANCED, Weights
 from services.estimator.sfs.utility import (
     choose_latency_agnostic,
     choose_sfs_constraint,
@@ -250,11 +251,9 @@ class PolicyTable:
     def __init__(self, settings: EstimatorConfig, presets: Mapping[str, PresetConfig]) -> None:
         self.settings = settings
         self.presets = presets
-        self.default = self._create(settings.policy, settings.lambda_, settings.delta)
-        self._by_preset = {
-            n: self._create(p.policy, p.lambda_, p.delta) for n, p in presets.items()
-        }
-        self._overrides: dict[tuple[str, str], Policy] = {}  # (model, name) -> policy
+        self.default = self._create(settings.policy, None)
+        self._by_preset = {n: self._create(p.policy, p) for n, p in presets.items()}
+        self._overrides: dict[tuple[str, str], Policy | Weights] = {}  # (model, name) -> it
 
     def default_ttft_target_s(self, num_prompt_tokens: int) -> float:
         """The TTFT target of a request without x-slo-ttft-ms (SFS rule, [estimator] keys)."""
@@ -262,18 +261,24 @@ class PolicyTable:
         ms = st.ttft_slo_base_ms + st.ttft_slo_per_prompt_token_ms * num_prompt_tokens
         return min(st.ttft_slo_max_ms, max(st.ttft_slo_min_ms, ms)) / 1000.0
 
-    def _create(self, name: str, lam: float, delta: float) -> Policy:
+    def _create(self, name: str, preset: PresetConfig | None) -> Policy | Weights:
+        """The policy `name` with the preset's knobs (None: the [estimator] ones);
+        routebalance decides in batches: its weights stand for it."""
+        if name == "routebalance":
+            weights = preset.routebalance_weights if preset is not None else []
+            return Weights(*weights) if weights else BALANCED
+        lam = preset.lambda_ if preset is not None else self.settings.lambda_
+        delta = preset.delta if preset is not None else self.settings.delta
         return create_policy(name, lam, delta, self.default_ttft_target_s)
 
-    def for_request(self, request: RouteRequest) -> Policy:
-        """The policy deciding `request`; ValueError for an override it cannot run."""
+    def for_request(self, request: RouteRequest) -> Policy | Weights:
+        """What decides `request`: a policy, or RouteBalance's weights (in a batch);
+        ValueError for an override it cannot run."""
         if request.policy is None:
             return self._by_preset.get(request.model, self.default)
         key = (request.model, request.policy)
         policy = self._overrides.get(key)
         if policy is None:
             preset = self.presets.get(request.model)
-            lam = preset.lambda_ if preset is not None else self.settings.lambda_
-            delta = preset.delta if preset is not None else self.settings.delta
-            policy = self._overrides[key] = self._create(request.policy, lam, delta)
+            policy = self._overrides[key] = self._create(request.policy, preset)
         return policy

@@ -38,6 +38,9 @@ from services.estimator.instances import InstanceState, LatencyEstimator, create
 from services.estimator.ledger import LedgerEntry, SharedLedger, encode_entries
 from services.estimator.policies import InstanceView, Policy, PolicyTable, Scores
 from services.estimator.predictors import Prediction, Predictors
+from services.estimator.routebalance.assign import Assignment
+from services.estimator.routebalance.decider import BatchDecider
+from services.estimator.routebalance.score import Weights
 from services.estimator.sfs import native
 from services.estimator.sfs.replay import Probe
 from shared import subjects
@@ -77,6 +80,10 @@ class EstimatorService:
         self.workers: dict[str, WorkerInfo] = {}
         self.instances: dict[str, InstanceState] = {}
         self.predictors: Predictors | None = None  # loaded in start()
+        # RouteBalance's batches (requests whose policy is routebalance)
+        self.batches = BatchDecider(
+            cluster, self.instances, self.ledger, lambda: self.predictors, self._commit_batched
+        )
         self._stop = asyncio.Event()
         self.started = asyncio.Event()  # set once serving (shared.runtime.run_service)
         self._loops: list[asyncio.Task[None]] = []
@@ -110,13 +117,14 @@ class EstimatorService:
                 self._every(self.settings.fit_interval_s, self.fit_batch_times, "fit"),
                 name="batch-time-fit",
             ),
+            asyncio.create_task(self.batches.run(), name="routebalance-batches"),
         ]
         if self.settings.shared_ledger:
             self._loops.append(asyncio.create_task(self._write_ledger(), name="ledger-writer"))
         self.started.set()
         log.info(
             "estimator_ready",
-            policy=self.policies.default.name,
+            policy=self.settings.policy,
             live_workers=len(self.workers),
             predictors=self.predictors is not None,
             sfs_kernel=native.IMPL_NOTE,
@@ -263,7 +271,7 @@ class EstimatorService:
         else:
             self.ledger.remove(event.request_id)
 
-    async def route(self, request: RouteRequest) -> RouteReply:
+    async def route(self, request: RouteRequest) -> RouteReply | asyncio.Future[RouteReply]:
         t0 = time.perf_counter()
         models = set(self.cluster.candidates(request.model))
         if not models:
@@ -282,6 +290,8 @@ class EstimatorService:
             policy = self.policies.for_request(request)
         except ValueError as exc:
             return RouteReply(request_id=request.request_id, error=str(exc))
+        if isinstance(policy, Weights):  # RouteBalance: answered when its batch is decided
+            return self.batches.submit(request, policy)
         predictions = self._predict(request, models)
         views = self._views(request, states, policy, predictions)
         chosen = policy.choose(request, views)
@@ -290,9 +300,27 @@ class EstimatorService:
         ttft = chosen.scores.ttft_s if chosen.scores is not None else math.nan
         source = chosen.scores.ttft_source if chosen.scores is not None else ""
         predicted = self._predicted_output(request, chosen.info.model, predictions)
+        self._record(request, chosen.instance_id, predicted)
+        if source == "sfs" and self.latency.correction is not None:
+            # the factor the estimate carried, for its feedback (correction.py)
+            self.latency.correction.note(request.request_id, chosen.instance_id)
+        return RouteReply(
+            request_id=request.request_id,
+            instance_id=chosen.instance_id,
+            model=chosen.info.model,
+            inbox=chosen.info.inbox,
+            policy=policy.name,
+            predicted_ttft_ms=ttft * 1000.0 if math.isfinite(ttft) else None,
+            predicted_ttft_source=source or None,
+            predicted_output_tokens=predicted,
+            decision_ms=(time.perf_counter() - t0) * 1000.0,
+        )
+
+    def _record(self, request: RouteRequest, instance_id: str, predicted: int | None) -> None:
+        """A decision made: into the ledger and the instance's arrival rate."""
         entry = LedgerEntry(
             request.request_id,
-            chosen.instance_id,
+            instance_id,
             request.num_prompt_tokens,
             request.max_tokens,
             time.time(),
@@ -303,20 +331,22 @@ class EstimatorService:
             self._ledger_dirty.set()
         else:
             self.ledger.add(entry)
-        self.instances[chosen.instance_id].arrivals.observe(time.monotonic())
-        if source == "sfs" and self.latency.correction is not None:
-            # the factor the estimate carried, for its feedback (correction.py)
-            self.latency.correction.note(request.request_id, chosen.instance_id)
+        self.instances[instance_id].arrivals.observe(time.monotonic())
         self.num_decisions += 1
+
+    def _commit_batched(
+        self, request: RouteRequest, state: InstanceState, a: Assignment, t0: float
+    ) -> RouteReply:
+        """A RouteBalance assignment made: recorded and answered (decision_ms includes
+        the batch wait)."""
+        self._record(request, a.instance_id, a.predicted_output_tokens)
         return RouteReply(
             request_id=request.request_id,
-            instance_id=chosen.instance_id,
-            model=chosen.info.model,
-            inbox=chosen.info.inbox,
-            policy=policy.name,
-            predicted_ttft_ms=ttft * 1000.0 if math.isfinite(ttft) else None,
-            predicted_ttft_source=source or None,
-            predicted_output_tokens=predicted,
+            instance_id=a.instance_id,
+            model=a.model,
+            inbox=state.info.inbox,
+            policy="routebalance",
+            predicted_output_tokens=a.predicted_output_tokens,
             decision_ms=(time.perf_counter() - t0) * 1000.0,
         )
 

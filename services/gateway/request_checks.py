@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from services.gateway.errors import GatewayError
 from services.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from shared.config import IMPLEMENTED_POLICIES
+from shared.config import POLICY_NAMES
 from shared.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 
@@ -56,9 +56,9 @@ def routing_headers(headers: Mapping[str, str]) -> tuple[float | None, str | Non
             )
     task = headers.get(TASK_HEADER) or None
     policy = headers.get(POLICY_HEADER) or None
-    if policy is not None and policy not in IMPLEMENTED_POLICIES:
+    if policy is not None and policy not in POLICY_NAMES:
         raise bad_request(
-            f"header {POLICY_HEADER} must be one of {', '.join(IMPLEMENTED_POLICIES)}, "
+            f"header {POLICY_HEADER} must be one of {', '.join(POLICY_NAMES)}, "
             f"got {policy!r}",
             POLICY_HEADER,
         )

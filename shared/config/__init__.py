@@ -34,7 +34,7 @@ from shared.config.models import (
 )
 from shared.config.sections import (
     DEFAULT_CLUSTER_FILE,
-    IMPLEMENTED_POLICIES,
+    POLICY_NAMES,
     SERVICES_WITH_CPUS,
     TOKEN_POLICY_NAMES,
     BatcherConfig,
@@ -50,7 +50,7 @@ from shared.config.sections import (
 
 __all__ = [
     "DEFAULT_CLUSTER_FILE",
-    "IMPLEMENTED_POLICIES",
+    "POLICY_NAMES",
     "SERVICES_WITH_CPUS",
     "SIM_SETTINGS",
     "TOKEN_POLICY_NAMES",

@@ -15,7 +15,6 @@ from shared.config.env import ConfigError, Env, require_token, shown_url, url_re
 from shared.config.models import InstanceConfig, ModelConfig, PresetConfig
 from shared.config.sections import (
     DEFAULT_CLUSTER_FILE,
-    IMPLEMENTED_POLICIES,
     SERVICES_WITH_CPUS,
     TOKEN_POLICY_NAMES,
     BatcherConfig,
@@ -106,14 +105,15 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         require_token(self.namespace, "namespace", "it starts every NATS subject and Redis key")
         for name in self.token_presets():
             require_token(name, "token-level preset", "it names the batcher's tables in Redis")
-        policies = [("[estimator]", self.estimator.policy)]
-        policies += [(f"[presets.{name}]", p.policy) for name, p in self.presets.items()]
-        for where, policy in policies:
-            if policy not in IMPLEMENTED_POLICIES:
+        for name, preset in self.presets.items():
+            w = preset.routebalance_weights
+            if w and (len(w) not in (3, 4) or min(w) < 0 or abs(sum(w) - 1.0) > 1e-6):
                 raise ConfigError(
-                    f"{where} policy {policy!r} is not available in this estimator yet: "
-                    f"use one of {', '.join(IMPLEMENTED_POLICIES)}"
+                    f"[presets.{name}] routebalance_weights must be 3 (quality, latency, cost) "
+                    f"or 4 (+ balance) non-negative numbers summing to 1, got {w}"
                 )
+        if self.estimator.routebalance_batch_size < 0:
+            raise ConfigError("[estimator] routebalance_batch_size must be >= 0 (0: adaptive)")
         for name, model in self.models.items():
             if model.engine == "sim" and not (model.batch_time_features and model.batch_time_coefs):
                 raise ConfigError(

@@ -3,15 +3,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import msgspec
 
 DEFAULT_CLUSTER_FILE = "configs/local.toml"
 
 # Query-level policies a cluster file (or a request's x-baton-policy header) may name.
-# The estimator implements all but routebalance: a cluster file naming it is refused
-# (ClusterConfig.check) until it lands.
 PolicyName = Literal[
     "round-robin",
     "shortest-queue",
@@ -20,14 +18,8 @@ PolicyName = Literal[
     "sfs-lagrangian",
     "routebalance",
 ]
-# What the estimator runs today (a request's x-baton-policy must name one of these).
-IMPLEMENTED_POLICIES: tuple[str, ...] = (
-    "round-robin",
-    "shortest-queue",
-    "latency-agnostic",
-    "sfs-constraint",
-    "sfs-lagrangian",
-)
+# Every query-level policy name (a request's x-baton-policy must name one of these).
+POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)
 EngineKind = Literal["torch", "sim"]
 # Token-level policies a preset's token_policy may name: the keys of the worker's
 # TOKEN_POLICIES (services/worker/routing/policies/, which checks the two agree when
@@ -111,6 +103,11 @@ class EstimatorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # (docs/sfs.md, "Recent speed"); 0: the estimate is not scaled (the snapshot's age
     # is still read at that speed; [worker] batch_time_speed_alpha = 0 turns it off).
     speed_horizon_s: float = 0.3
+    # RouteBalance's batches: requests at most per batch, 0: adaptive to the share of busy
+    # instances (4 / 16 / 32 requests, 50 / 100 / 200 ms); with a fixed size, the longest
+    # the first request of a batch waits. An idle cluster decides at once either way.
+    routebalance_batch_size: int = 0
+    routebalance_batch_timeout_ms: float = 100.0  # ms
     cpus: Cpus = []  # CPU ids the estimator process runs on (empty: any)
 
 

@@ -86,7 +86,12 @@ A_INSTANCE = '[models.a]\n[[instances]]\nmodel = "a"\n'
             '[models.a]\n[models.b]\n[presets.p]\nmodels = ["a", "b"]\ntoken_policy = "r2d2"\n',
             "unknown token_policy 'r2d2': use one of citer, ",
         ),
-        ('[estimator]\npolicy = "routebalance"\n', "policy 'routebalance' is not available"),
+        (
+            '[models.a]\n[presets.p]\nmodels = ["a"]\npolicy = "routebalance"\n'
+            "routebalance_weights = [0.5, 0.6, 0.1]\n",
+            "routebalance_weights must be 3",
+        ),
+        ("[estimator]\nroutebalance_batch_size = -1\n", "routebalance_batch_size must be >= 0"),
         ('[models.a]\ndtype = "fp8"\n', "dtype"),
         ('[models.a]\nweight_dtype = "int4"\n', "weight_dtype"),
         # the engine's limits, checked when the file is read (not by each worker after loading)

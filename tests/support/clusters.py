@@ -93,3 +93,12 @@ def decisions_head(nats_url: str, redis_url: str, **estimator: object) -> str:
         + table("estimator", registry_refresh_s=0.2, **estimator)
         + table("worker", heartbeat_interval_s=0.2, heartbeat_ttl_s=2.0, drain_timeout_s=3.0)
     )
+
+
+def shipped(text: str, nats_url: str, redis_url: str) -> str:
+    """A cluster file from configs/ on the test's servers, with a namespace and a
+    gateway port of its own."""
+    text = re.sub(r'^namespace = ".*"$', f'namespace = "t{uuid.uuid4().hex[:8]}"', text, flags=re.M)
+    text = re.sub(r'^nats_url = ".*"$', f'nats_url = "{nats_url}"', text, flags=re.M)
+    text = re.sub(r'^redis_url = ".*"$', f'redis_url = "{redis_url}"', text, flags=re.M)
+    return re.sub(r"^port = \d+$", f"port = {free_port()}", text, flags=re.M)

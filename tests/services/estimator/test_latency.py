@@ -143,7 +143,7 @@ def test_a_policy_computes_only_the_ttfts_it_needs_and_each_once() -> None:
     assert agnostic.choose(req(500), views).instance_id == "a" and calls == []
 
 
-def test_create_policy_runs_the_utility_policies_and_refuses_routebalance() -> None:
+def test_create_policy_runs_the_utility_policies_and_leaves_routebalance_to_its_batches() -> None:
     for name in ("latency-agnostic", "sfs-constraint", "sfs-lagrangian"):
         policy = create_policy(name, 0.1, 0.2)
         assert policy.name == name and policy.needs_scores
@@ -335,7 +335,7 @@ def test_routing_headers() -> None:
     for bad in (
         {"x-slo-ttft-ms": "soon"},
         {"x-slo-ttft-ms": "-3"},
-        {"x-baton-policy": "routebalance"},
+        {"x-baton-policy": "best-route"},
     ):
         with pytest.raises(GatewayError) as exc:
             routing_headers(bad)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,12 +18,11 @@ import pytest
 import pytest_asyncio
 
 from services.estimator.sfs.correction import TtftCorrection
-from services.launcher.servers import free_port
 from shared.config import parse_cluster
 from shared.messages.worker import CALIBRATION_DECODER
 from shared.scheduling.snapshot import WorkloadSnapshot
 from tests.support.chat import sse_events, streamed
-from tests.support.clusters import decisions_head, instance, preset, sim_model
+from tests.support.clusters import decisions_head, instance, preset, shipped, sim_model
 from tests.support.stack import Stack, running, start_stack
 
 # name, six-term batch-time coefficients, prices (input, output per Mtok), quality:
@@ -123,7 +121,14 @@ async def test_idle_cluster_policies_and_the_slo_header(sim: Stack) -> None:
     await sim.wait_idle()
     resp = await chat(sim, "agnostic", {"x-baton-policy": "sfs-constraint", "x-slo-ttft-ms": "10"})
     assert served_by(sim, resp) == "small" and resp.json()["baton"]["policy"] == "sfs-constraint"
+    # ... routebalance too: an idle cluster's batch is decided at once, by its balanced
+    # weights (the preset names none)
+    await sim.wait_idle()
     resp = await chat(sim, "agnostic", {"x-baton-policy": "routebalance"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["baton"]["policy"] == "routebalance"
+    assert sim.estimator.batches.num_batches >= 1
+    resp = await chat(sim, "agnostic", {"x-baton-policy": "best-route"})
     assert resp.status_code == 400
 
 
@@ -261,11 +266,7 @@ async def test_sim_cluster_files_start_and_serve(
 ) -> None:
     """The papers' testbeds as shipped: every replica starts and every preset serves."""
     text = (repo_root / "configs" / name).read_text()
-    text = re.sub(r'^namespace = ".*"$', f'namespace = "t{uuid.uuid4().hex[:8]}"', text, flags=re.M)
-    text = re.sub(r'^nats_url = ".*"$', f'nats_url = "{nats_url}"', text, flags=re.M)
-    text = re.sub(r'^redis_url = ".*"$', f'redis_url = "{redis_url}"', text, flags=re.M)
-    text = re.sub(r"^port = \d+$", f"port = {free_port()}", text, flags=re.M)
-    cluster = parse_cluster(text)
+    cluster = parse_cluster(shipped(text, nats_url, redis_url))
     models = [i.model for i in cluster.instances for _ in range(i.replicas)]
     async with running(cluster, len(models), models=models) as stack:
         for preset in cluster.presets:

@@ -462,23 +462,21 @@ def test_launcher_help() -> None:
     assert "BATON_PORT" in out.stdout and "cluster" in out.stdout
 
 
-def test_launcher_refuses_a_policy_the_estimator_does_not_run(
+def test_launcher_refuses_an_unknown_policy(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A preset naming `routebalance` (a policy name the estimator does not run yet) is
-    refused before anything starts, with the preset named, instead of an estimator
-    that dies at start."""
+    """A preset naming a policy Baton does not have is refused before anything starts,
+    with the preset and the name, instead of an estimator that dies at start."""
     from services.launcher.__main__ import main
 
     path = tmp_path / "cluster.toml"
     path.write_text(
         '[models.a]\n[[instances]]\nmodel = "a"\n'
-        '[presets.auto]\nmodels = ["a"]\npolicy = "routebalance"\n'
+        '[presets.auto]\nmodels = ["a"]\npolicy = "best-route"\n'
     )
     assert main([str(path)]) == 2
     err = capsys.readouterr().err
-    assert "[presets.auto] policy 'routebalance' is not available" in err
-    assert "sfs-constraint" in err  # what to use instead
+    assert "[presets.auto]" in err and "'best-route'" in err
 
 
 @pytest.mark.parametrize("text", ["", '[models.a]\n[[instances]]\nmodel = "a"\nreplicas = 0\n'])
