@@ -275,10 +275,14 @@ class PolicyTable:
         """What decides `request`: a policy, or RouteBalance's weights (in a batch);
         ValueError for an override it cannot run."""
         if request.policy is None:
-            return self._by_preset.get(request.model, self.default)
-        key = (request.model, request.policy)
-        policy = self._overrides.get(key)
-        if policy is None:
-            preset = self.presets.get(request.model)
-            policy = self._overrides[key] = self._create(request.policy, preset)
+            policy = self._by_preset.get(request.model, self.default)
+        else:
+            key = (request.model, request.policy)
+            found = self._overrides.get(key)
+            if found is None:
+                preset = self.presets.get(request.model)
+                found = self._overrides[key] = self._create(request.policy, preset)
+            policy = found
+        if isinstance(policy, Weights) and request.weights:
+            return Weights(*request.weights)  # the request's own (x-baton-weights)
         return policy

@@ -47,6 +47,7 @@ async def send_routed(
             ttft_target_ms=p.ttft_target_ms,
             task=p.task,
             policy=p.policy,
+            weights=p.weights,
             prompt_token_ids=p.prompt_token_ids,
         ),
         avoid,

@@ -19,6 +19,7 @@ from services.gateway.protocol import (
     CompletionRequest,
 )
 from services.gateway.request_checks import (
+    RoutingHeaders,
     bad_request,
     message_text,
     refuse_unsupported,
@@ -40,7 +41,7 @@ def prepare(
 ) -> Prepared:
     """Parse and validate; raises GatewayError (4xx/503) with a user-facing message.
     `request_id`: the id asgi.CompletionRoutes minted for it."""
-    ttft_target_ms, task, policy = routing_headers(headers or {})
+    routing = routing_headers(headers or {})
     try:
         body: ChatCompletionRequest | CompletionRequest = (
             CHAT_DECODER if is_chat else COMPLETION_DECODER
@@ -52,7 +53,7 @@ def prepare(
     except RecursionError:  # msgspec's depth guard: no request nests this deep
         raise bad_request("the body's JSON nests too deeply", code="invalid_json") from None
     try:
-        return _prepare_decoded(service, body, is_chat, request_id, ttft_target_ms, task, policy)
+        return _prepare_decoded(service, body, is_chat, request_id, routing)
     except GatewayError as exc:
         if service.cluster.candidates(body.model):  # a name it serves: a bounded label
             exc.model = body.model
@@ -64,9 +65,7 @@ def _prepare_decoded(
     body: ChatCompletionRequest | CompletionRequest,
     is_chat: bool,
     request_id: str,
-    ttft_target_ms: float | None,
-    task: str | None,
-    policy: str | None,
+    routing: RoutingHeaders,
 ) -> Prepared:
     """`prepare` past decoding: the checks of the request's fields."""
     if body.n not in (1, None):
@@ -151,9 +150,10 @@ def _prepare_decoded(
         prompt_ids,
         params,
         tokenizer,
-        ttft_target_ms=ttft_target_ms,
-        task=task,
-        policy=policy,
+        ttft_target_ms=routing.ttft_target_ms,
+        task=routing.task,
+        policy=routing.policy,
+        weights=routing.weights,
     )
 
 

@@ -24,5 +24,6 @@ class Prepared:
     ttft_target_ms: float | None = None  # x-slo-ttft-ms
     task: str | None = None  # x-baton-task
     policy: str | None = None  # x-baton-policy
+    weights: list[float] | None = None  # x-baton-weights
     arrival_time_s: float = field(default_factory=time.time)
     t0: float = field(default_factory=time.perf_counter)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from services.gateway.errors import GatewayError
 from services.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -38,10 +39,19 @@ def validation_param(message: str) -> str | None:
 SLO_TTFT_HEADER = "x-slo-ttft-ms"  # the request's TTFT target, milliseconds
 TASK_HEADER = "x-baton-task"  # task name for the models' quality tables
 POLICY_HEADER = "x-baton-policy"  # overrides the preset's routing policy
+WEIGHTS_HEADER = "x-baton-weights"  # RouteBalance's weights: quality,latency,cost[,balance]
 
 
-def routing_headers(headers: Mapping[str, str]) -> tuple[float | None, str | None, str | None]:
-    """(TTFT target ms, task, policy) from the request headers; 400 when malformed."""
+@dataclass(frozen=True, slots=True)
+class RoutingHeaders:
+    ttft_target_ms: float | None = None
+    task: str | None = None
+    policy: str | None = None
+    weights: list[float] | None = None
+
+
+def routing_headers(headers: Mapping[str, str]) -> RoutingHeaders:
+    """What the request's routing headers ask for; 400 when one is malformed."""
     ttft: float | None = None
     raw = headers.get(SLO_TTFT_HEADER)
     if raw is not None:
@@ -58,11 +68,31 @@ def routing_headers(headers: Mapping[str, str]) -> tuple[float | None, str | Non
     policy = headers.get(POLICY_HEADER) or None
     if policy is not None and policy not in POLICY_NAMES:
         raise bad_request(
-            f"header {POLICY_HEADER} must be one of {', '.join(POLICY_NAMES)}, "
-            f"got {policy!r}",
+            f"header {POLICY_HEADER} must be one of {', '.join(POLICY_NAMES)}, got {policy!r}",
             POLICY_HEADER,
         )
-    return ttft, task, policy
+    return RoutingHeaders(ttft, task, policy, _weights(headers.get(WEIGHTS_HEADER)))
+
+
+def _weights(raw: str | None) -> list[float] | None:
+    """x-baton-weights: 3 or 4 comma-separated non-negative numbers summing to 1."""
+    if raw is None or not raw.strip():
+        return None
+    try:
+        weights = [float(w) for w in raw.split(",")]
+    except ValueError:
+        weights = []
+    if (
+        len(weights) not in (3, 4)
+        or not all(0 <= w < float("inf") for w in weights)
+        or abs(sum(weights) - 1.0) > 1e-6
+    ):
+        raise bad_request(
+            f"header {WEIGHTS_HEADER} must be 3 (quality,latency,cost) or 4 (+ balance) "
+            f"non-negative numbers summing to 1, got {raw!r}",
+            WEIGHTS_HEADER,
+        )
+    return weights
 
 
 def refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:

@@ -16,6 +16,8 @@ class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
     ttft_target_ms: float | None = None
     task: str | None = None  # task name for the quality table (x-baton-task); None: "default"
     policy: str | None = None  # overrides the preset's policy (x-baton-policy); None: the preset's
+    # RouteBalance's weights for this request (x-baton-weights); None: the preset's
+    weights: list[float] | None = None
     predicted_output_tokens: int | None = None  # tokens, when a predictor upstream knows
     # token ids of the prompt after the chat template: the length/quality predictors'
     # features (docs/predictors.md); None: not sent (the quality table and default apply)

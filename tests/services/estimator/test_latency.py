@@ -15,7 +15,7 @@ from services.estimator.sfs.output_policy import OutputPolicy
 from services.estimator.sfs.replay import Probe
 from services.estimator.sfs.utility import default_ttft_target_s
 from services.gateway.errors import GatewayError
-from services.gateway.request_checks import routing_headers
+from services.gateway.request_checks import RoutingHeaders, routing_headers
 from shared.config import ConfigError, EstimatorConfig, ModelConfig, parse_cluster
 from shared.messages.estimator import RouteRequest
 from shared.scheduling.batch_time import SIX_TERM, BatchTimeModel
@@ -328,14 +328,23 @@ def test_cluster_file_lambda_and_delta() -> None:
 
 
 def test_routing_headers() -> None:
-    assert routing_headers({}) == (None, None, None)
+    assert routing_headers({}) == RoutingHeaders()
     assert routing_headers(
-        {"x-slo-ttft-ms": "250", "x-baton-task": "math", "x-baton-policy": "sfs-constraint"}
-    ) == (250.0, "math", "sfs-constraint")
+        {
+            "x-slo-ttft-ms": "250",
+            "x-baton-task": "math",
+            "x-baton-policy": "sfs-constraint",
+            "x-baton-weights": "0.5, 0.25,0.25",
+        }
+    ) == RoutingHeaders(250.0, "math", "sfs-constraint", [0.5, 0.25, 0.25])
     for bad in (
         {"x-slo-ttft-ms": "soon"},
         {"x-slo-ttft-ms": "-3"},
         {"x-baton-policy": "best-route"},
+        {"x-baton-weights": "0.5,0.5"},  # two weights
+        {"x-baton-weights": "0.5,0.6,0.1"},  # off the simplex
+        {"x-baton-weights": "1,-0.5,0.5"},  # negative
+        {"x-baton-weights": "a,b,c"},
     ):
         with pytest.raises(GatewayError) as exc:
             routing_headers(bad)

@@ -14,9 +14,11 @@ from tests.support.clusters import shipped
 from tests.support.stack import running
 
 
-async def ask(client: httpx.AsyncClient, preset: str) -> dict[str, object]:
+async def ask(
+    client: httpx.AsyncClient, preset: str, headers: dict[str, str] | None = None
+) -> dict[str, object]:
     body = {"model": preset, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
-    resp = await client.post("/v1/chat/completions", json=body)
+    resp = await client.post("/v1/chat/completions", json=body, headers=headers)
     assert resp.status_code == 200, resp.text
     baton: dict[str, object] = resp.json()["baton"]
     return baton
@@ -43,6 +45,12 @@ async def test_the_weights_choose_the_model_and_a_burst_spreads(
         assert quality["policy"] == cost["policy"] == "routebalance"
         assert cost["model"] == "qwen2.5-3b"
         assert accuracy[str(quality["model"])] > accuracy["qwen2.5-3b"]
+        # A request's own weights (x-baton-weights) override its preset's: quality alone
+        # takes the most accurate model, cost alone the cheapest.
+        only_quality = await ask(client, "routebalance-cost", {"x-baton-weights": "1,0,0"})
+        assert only_quality["model"] == "qwen2.5-72b"
+        only_cost = await ask(client, "routebalance-quality", {"x-baton-weights": "0,0,1"})
+        assert only_cost["model"] == "qwen2.5-3b"
         # 2. A burst at the quality-first preset is dead-reckoned across the replicas,
         #    not herded onto the one that looked best when it began.
         burst = await asyncio.gather(*(ask(client, "routebalance-quality") for _ in range(8)))
