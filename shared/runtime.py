@@ -11,7 +11,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Collection, Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from shared.config import ClusterConfig, ConfigError, load_cluster
 from shared.logging import configure_logging, get_logger
@@ -24,6 +24,13 @@ class StoppableService(Protocol):
     def request_stop(self) -> None: ...
 
     def run(self) -> Awaitable[None]: ...
+
+
+@runtime_checkable
+class ReloadableService(StoppableService, Protocol):
+    """A service that takes some settings from a re-read cluster file (SIGHUP)."""
+
+    def reload(self, cluster: ClusterConfig) -> None: ...
 
 
 def exit_on_sigterm() -> None:
@@ -140,7 +147,12 @@ def pin_cpus(cpus: Collection[int], where: str) -> None:
         )
 
 
-def run_service(service: StoppableService, name: str, ready: asyncio.Event | None = None) -> int:
+def run_service(
+    service: StoppableService,
+    name: str,
+    ready: asyncio.Event | None = None,
+    on_hangup: Callable[[], None] | None = None,
+) -> int:
     """Run service on uvloop until it returns; signals begin its graceful stop. The heap
     is frozen (freeze_heap) once `ready` is set (best before the service can be sent
     work: the collection stalls the process once), or at once without one.
@@ -175,6 +187,8 @@ def run_service(service: StoppableService, name: str, ready: asyncio.Event | Non
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
+        if on_hangup is not None:
+            loop.add_signal_handler(signal.SIGHUP, on_hangup)
         freezing = asyncio.create_task(freeze_when_ready(), name="freeze-heap")
         try:
             await service.run()
@@ -196,6 +210,7 @@ def run_service(service: StoppableService, name: str, ready: asyncio.Event | Non
 
 
 __all__ = [
+    "ReloadableService",
     "StoppableService",
     "check_cpus",
     "cluster_service_main",
@@ -237,4 +252,15 @@ def cluster_service_main(
     except (ConfigError, ValueError) as exc:
         log.error("bad_config", error=str(exc))
         return 2
-    return run_service(service, name)
+    if not isinstance(service, ReloadableService):
+        return run_service(service, name)
+    reloadable = service
+
+    def hangup() -> None:
+        """SIGHUP: the cluster file again; a file it refuses leaves everything as it was."""
+        try:
+            reloadable.reload(load_cluster(args.cluster))
+        except (ConfigError, ValueError) as exc:
+            log.error("reload_refused", error=str(exc))
+
+    return run_service(service, name, on_hangup=hangup)

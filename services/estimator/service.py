@@ -92,6 +92,18 @@ class EstimatorService:
     def request_stop(self) -> None:
         self._stop.set()
 
+    def reload(self, cluster: ClusterConfig) -> None:
+        """Take the routing knobs of a re-read cluster file without a restart: the
+        policies of `[estimator]` and of the presets, with their lambda, delta and
+        RouteBalance weights (ValueError, and nothing changes, for one it cannot run).
+        Everything else (models, instances, prices, the other keys) needs a restart."""
+        self.policies = PolicyTable(cluster.estimator, cluster.presets)
+        log.info(
+            "routing_reloaded",
+            policy=cluster.estimator.policy,
+            presets={n: p.policy for n, p in cluster.presets.items()},
+        )
+
     async def start(self) -> None:
         if self.settings.predictors:  # a relative path is the repository's
             self.predictors = Predictors.load(REPO_ROOT / self.settings.predictors)

@@ -80,6 +80,7 @@ class Launcher:
         # Explicit handlers: a launcher started in the background inherits SIGINT ignored.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, lambda *_: self._raise_stop())
+        signal.signal(signal.SIGHUP, lambda *_: self._forward_hangup())
         try:
             if not self.start():
                 return 1
@@ -109,6 +110,14 @@ class Launcher:
         self._start_nats()
         self._start_services()
         return self._wait_ready()
+
+    def _forward_hangup(self) -> None:
+        """SIGHUP: the estimator re-reads the cluster file's routing settings (its own
+        process session does not get the launcher's signals)."""
+        for child in self.children:
+            if child.name == "estimator" and child.returncode is None and child.process:
+                child.process.send_signal(signal.SIGHUP)
+                self.say(f"asked the estimator to reload its routing settings ({child.log_path})")
 
     def _raise_stop(self) -> None:
         raise KeyboardInterrupt

@@ -159,6 +159,14 @@ def test_launcher_serves_and_stops_cleanly(tmp_path: Path, repo_root: Path) -> N
             timeout=30,
         )
         assert resp.status_code == 200, resp.text
+        # SIGHUP: the estimator re-reads the file's routing settings
+        proc.send_signal(signal.SIGHUP)
+        Lines(proc).wait_for("asked the estimator to reload")
+        estimator_log = tmp_path / "logs" / "estimator.log"
+        deadline = time.monotonic() + 30
+        while '"event": "routing_reloaded"' not in estimator_log.read_text():
+            assert time.monotonic() < deadline, estimator_log.read_text()
+            time.sleep(0.1)
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         assert proc.wait(30) == 0
         assert_no_orphans(kids)
