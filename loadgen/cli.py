@@ -33,9 +33,8 @@ Read from Baton's gateway when present (optional; other servers work without):
 response headers X-Request-Id and X-Instance-Id, and the `baton` object {model,
 instance, policy, router_overhead_ms, predicted_ttft_ms, cost} of the final
 chunk. Sent on every request: x-request-id, x-slo-ttft-ms (see --slo-ttft-ms),
-x-baton-task (the request's task) and, with --budget, x-budget-cost; the x-baton-*
-headers are Baton-specific, other servers ignore them (x-budget-cost is read by no
-server yet, Baton's gateway included).
+x-baton-task (the request's task) and, with --budget, x-baton-budget; the x-baton-*
+headers are Baton-specific, other servers ignore them.
 """
 
 
@@ -290,8 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget",
         type=float,
         default=None,
-        help="cost budget per request, sent as header x-budget-cost and recorded per "
-        "request (Baton's gateway does not read it yet; other servers ignore it)",
+        help="cost budget per request, sent as header x-baton-budget and recorded per "
+        "request (Baton caps each answer's cost at it; other servers ignore it)",
     )
 
     g = p.add_argument_group("metrics")

@@ -125,7 +125,7 @@ class OpenAIClient:
         """Per-request headers: loadgen's request id, the task, the TTFT target, the budget.
 
         `x-slo-ttft-ms` follows llm-d's convention; `x-baton-task` and
-        `x-budget-cost` are Baton's own. Other servers ignore all three.
+        `x-baton-budget` are Baton's own. Other servers ignore all three.
         """
         headers = {"x-request-id": self.request_id_for(record)}
         task = record.spec.task
@@ -134,7 +134,7 @@ class OpenAIClient:
         if record.spec.slo_ttft_ms is not None:
             headers["x-slo-ttft-ms"] = f"{record.spec.slo_ttft_ms:.3f}"
         if record.spec.budget is not None:
-            headers["x-budget-cost"] = repr(record.spec.budget)
+            headers["x-baton-budget"] = repr(record.spec.budget)
         return headers
 
     async def send(self, record: RequestRecord, origin_ns: int) -> None:

@@ -3,6 +3,7 @@ first send (completions.handle) and for a reroute (Generation.first_event)."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -48,17 +49,22 @@ async def send_routed(
             task=p.task,
             policy=p.policy,
             weights=p.weights,
+            budget=p.budget,
             prompt_token_ids=p.prompt_token_ids,
         ),
         avoid,
     )
     router_overhead_ms = (time.perf_counter() - t_route) * 1000.0
     preset = service.cluster.presets.get(p.body.model)
+    params = routed_defaults(service, p, reply.model)
+    budget_max_tokens = None
+    if p.budget is not None and reply.model is not None:
+        params, budget_max_tokens = within_budget(service, p, reply.model, params)
     stream = await service.submit(
         reply,
         p.request_id,
         p.prompt_token_ids,
-        routed_defaults(service, p, reply.model),
+        params,
         p.arrival_time_s,
         preset=p.body.model if preset is not None and preset.is_token_level else None,
     )
@@ -78,4 +84,24 @@ async def send_routed(
             None if reply.predicted_ttft_ms is None else round(reply.predicted_ttft_ms, 3)
         ),
     }
+    if p.budget is not None:
+        baton |= {"budget": p.budget, "budget_max_tokens": budget_max_tokens}
     return reply, stream, baton
+
+
+def within_budget(
+    service: GatewayService, p: Prepared, model: str, params: SamplingParams
+) -> tuple[SamplingParams, int | None]:
+    """`params` with max_tokens cut to what the budget pays for on `model` after the
+    prompt, so the realised cost never exceeds it (and that cap, None when the
+    request's own max_tokens is within it). At least one token: the gateway refused a
+    budget no candidate could pay one token for."""
+    prices = service.cluster.models[model]
+    left = p.budget - prices.cost(len(p.prompt_token_ids), 0) if p.budget is not None else 0.0
+    per_token = prices.cost(0, 1)
+    if per_token <= 0:
+        return params, None
+    affordable = max(1, math.floor(left / per_token + 1e-9))
+    if affordable >= params.max_tokens:
+        return params, None
+    return msgspec.structs.replace(params, max_tokens=affordable), affordable

@@ -280,7 +280,12 @@ class Generation:
         first_token_ms = None if ttft_ms is None else round(ttft_ms, 3)
         if cost is not None:  # (a sum of per-model costs: no float noise in the digits)
             cost = float(f"{cost:.10g}")
-        return {**self.baton, "first_token_ms": first_token_ms, "cost": cost}
+        out = {**self.baton, "first_token_ms": first_token_ms, "cost": cost}
+        if "budget" in out:  # whether the budget's cap ended the answer
+            out["budget_stopped"] = out["budget_max_tokens"] is not None and (
+                self.finish_reason == "length"
+            )
+        return out
 
     async def collect(self, first: GatewayEvent) -> dict:
         parts: list[str] = []

@@ -143,6 +143,8 @@ def _prepare_decoded(
             else "max_tokens",
             "context_length_exceeded",
         )
+    if routing.budget is not None:
+        _check_budget(service, body.model, len(prompt_ids), routing.budget)
     return Prepared(
         request_id,
         is_chat,
@@ -154,7 +156,24 @@ def _prepare_decoded(
         task=routing.task,
         policy=routing.policy,
         weights=routing.weights,
+        budget=routing.budget,
     )
+
+
+def _check_budget(
+    service: GatewayService, model: str, num_prompt_tokens: int, budget: float
+) -> None:
+    """A 400 when no candidate model can write one token within the budget (the prompt
+    alone may cost more than it)."""
+    models = service.cluster.models
+    cheapest = min(models[m].cost(num_prompt_tokens, 1) for m in service.cluster.candidates(model))
+    if cheapest > budget:
+        raise bad_request(
+            f"a budget of {budget:g} does not pay for this prompt and one token on any of "
+            f"{model!r}'s models (at least {cheapest:.6g})",
+            "x-baton-budget",
+            "budget_too_small",
+        )
 
 
 def _ids_in_vocab(ids: list[int], tokenizer: Any) -> bool:

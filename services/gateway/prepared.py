@@ -25,5 +25,6 @@ class Prepared:
     task: str | None = None  # x-baton-task
     policy: str | None = None  # x-baton-policy
     weights: list[float] | None = None  # x-baton-weights
+    budget: float | None = None  # x-baton-budget, cost units
     arrival_time_s: float = field(default_factory=time.time)
     t0: float = field(default_factory=time.perf_counter)

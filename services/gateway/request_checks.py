@@ -40,6 +40,7 @@ SLO_TTFT_HEADER = "x-slo-ttft-ms"  # the request's TTFT target, milliseconds
 TASK_HEADER = "x-baton-task"  # task name for the models' quality tables
 POLICY_HEADER = "x-baton-policy"  # overrides the preset's routing policy
 WEIGHTS_HEADER = "x-baton-weights"  # RouteBalance's weights: quality,latency,cost[,balance]
+BUDGET_HEADER = "x-baton-budget"  # the most the request may cost, in the models' cost units
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,7 @@ class RoutingHeaders:
     task: str | None = None
     policy: str | None = None
     weights: list[float] | None = None
+    budget: float | None = None
 
 
 def routing_headers(headers: Mapping[str, str]) -> RoutingHeaders:
@@ -71,7 +73,19 @@ def routing_headers(headers: Mapping[str, str]) -> RoutingHeaders:
             f"header {POLICY_HEADER} must be one of {', '.join(POLICY_NAMES)}, got {policy!r}",
             POLICY_HEADER,
         )
-    return RoutingHeaders(ttft, task, policy, _weights(headers.get(WEIGHTS_HEADER)))
+    budget: float | None = None
+    raw = headers.get(BUDGET_HEADER)
+    if raw is not None:
+        try:
+            budget = float(raw)
+        except ValueError:
+            budget = -1.0
+        if not (0 < budget < float("inf")):
+            raise bad_request(
+                f"header {BUDGET_HEADER} must be a positive cost, got {raw!r}", BUDGET_HEADER
+            )
+    weights = _weights(headers.get(WEIGHTS_HEADER))
+    return RoutingHeaders(ttft, task, policy, weights, budget)
 
 
 def _weights(raw: str | None) -> list[float] | None:

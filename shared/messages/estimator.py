@@ -18,6 +18,7 @@ class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
     policy: str | None = None  # overrides the preset's policy (x-baton-policy); None: the preset's
     # RouteBalance's weights for this request (x-baton-weights); None: the preset's
     weights: list[float] | None = None
+    budget: float | None = None  # the most it may cost, cost units (x-baton-budget)
     predicted_output_tokens: int | None = None  # tokens, when a predictor upstream knows
     # token ids of the prompt after the chat template: the length/quality predictors'
     # features (docs/predictors.md); None: not sent (the quality table and default apply)

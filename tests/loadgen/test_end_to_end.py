@@ -148,7 +148,7 @@ def test_azure_replay_time_compressed(fresh: tuple[str, FastAPI], tmp_path: Path
     headers, body = app.state.seen[0]
     assert float(headers["x-slo-ttft-ms"]) >= 150.0
     assert headers["x-baton-task"] == "trace-azure"
-    assert headers["x-request-id"].startswith("loadgen-") and "x-budget-cost" not in headers
+    assert headers["x-request-id"].startswith("loadgen-") and "x-baton-budget" not in headers
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["ignore_eos"] is True and body["max_tokens"] <= 5
     assert body["messages"][0]["role"] == "user"

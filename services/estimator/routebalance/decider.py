@@ -177,6 +177,7 @@ class BatchDecider:
             quality,
             output,
             w.weights,
+            req.budget,
         )
 
     def _tpot_s(self, load: InstanceLoad) -> float:

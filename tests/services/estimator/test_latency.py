@@ -335,8 +335,9 @@ def test_routing_headers() -> None:
             "x-baton-task": "math",
             "x-baton-policy": "sfs-constraint",
             "x-baton-weights": "0.5, 0.25,0.25",
+            "x-baton-budget": "0.002",
         }
-    ) == RoutingHeaders(250.0, "math", "sfs-constraint", [0.5, 0.25, 0.25])
+    ) == RoutingHeaders(250.0, "math", "sfs-constraint", [0.5, 0.25, 0.25], 0.002)
     for bad in (
         {"x-slo-ttft-ms": "soon"},
         {"x-slo-ttft-ms": "-3"},
@@ -345,6 +346,8 @@ def test_routing_headers() -> None:
         {"x-baton-weights": "0.5,0.6,0.1"},  # off the simplex
         {"x-baton-weights": "1,-0.5,0.5"},  # negative
         {"x-baton-weights": "a,b,c"},
+        {"x-baton-budget": "0"},
+        {"x-baton-budget": "cheap"},
     ):
         with pytest.raises(GatewayError) as exc:
             routing_headers(bad)

@@ -15,12 +15,20 @@ from tests.support.stack import running
 
 
 async def ask(
-    client: httpx.AsyncClient, preset: str, headers: dict[str, str] | None = None
+    client: httpx.AsyncClient,
+    preset: str,
+    headers: dict[str, str] | None = None,
+    max_tokens: int = 4,
 ) -> dict[str, object]:
-    body = {"model": preset, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    body = {
+        "model": preset,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": max_tokens,
+    }
     resp = await client.post("/v1/chat/completions", json=body, headers=headers)
     assert resp.status_code == 200, resp.text
     baton: dict[str, object] = resp.json()["baton"]
+    baton["prompt_tokens"] = resp.json()["usage"]["prompt_tokens"]  # (for the prices)
     return baton
 
 
@@ -56,3 +64,40 @@ async def test_the_weights_choose_the_model_and_a_burst_spreads(
         burst = await asyncio.gather(*(ask(client, "routebalance-quality") for _ in range(8)))
         assert len({b["instance"] for b in burst}) >= 2, burst
         assert stack.estimator.batches.num_batches >= 3
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_budget_filters_the_models_and_caps_the_answer(
+    nats_url: str, redis_url: str, repo_root: Path
+) -> None:
+    text = (repo_root / "configs" / "sim-routebalance.toml").read_text()
+    cluster = parse_cluster(shipped(text, nats_url, redis_url))
+    models = [i.model for i in cluster.instances for _ in range(i.replicas)]
+    prices = cluster.models
+    async with (
+        running(cluster, len(models), models=models) as stack,
+        httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client,
+    ):
+        # 1. Quality alone would take the 72B model; a budget that pays for 64 tokens of
+        #    the 14B model's answer but not of the 72B's keeps the 72B out (Eq. 2).
+        probe = await ask(client, "routebalance", {"x-baton-weights": "1,0,0"}, max_tokens=64)
+        assert probe["model"] == "qwen2.5-72b"
+        prompt = int(str(probe["prompt_tokens"]))
+        budget = prices["qwen2.5-14b"].cost(prompt, 64) * 1.01
+        assert budget < prices["qwen2.5-72b"].cost(prompt, 64)
+        headers = {"x-baton-weights": "1,0,0", "x-baton-budget": f"{budget:.12g}"}
+        fitted = await ask(client, "routebalance", headers, max_tokens=64)
+        assert fitted["model"] != "qwen2.5-72b" and fitted["budget_stopped"] is False
+        # 2. A budget below the answer's max_tokens on every model caps it there: the
+        #    realised cost stays within the budget and the answer says the budget ended it.
+        tight = prices["qwen2.5-3b"].cost(prompt, 2) * 1.001
+        headers = {"x-baton-weights": "0,0,1", "x-baton-budget": f"{tight:.12g}"}
+        capped = await ask(client, "routebalance", headers, max_tokens=64)
+        assert capped["budget_max_tokens"] == 2 and capped["budget_stopped"] is True
+        assert isinstance(capped["cost"], float) and capped["cost"] <= tight
+        # 3. A budget that cannot pay for the prompt and one token anywhere: 400.
+        body = {"model": "routebalance", "messages": [{"role": "user", "content": "Hi"}]}
+        resp = await client.post(
+            "/v1/chat/completions", json=body, headers={"x-baton-budget": "1e-12"}
+        )
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "budget_too_small"
