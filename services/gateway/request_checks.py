@@ -54,18 +54,7 @@ class RoutingHeaders:
 
 def routing_headers(headers: Mapping[str, str]) -> RoutingHeaders:
     """What the request's routing headers ask for; 400 when one is malformed."""
-    ttft: float | None = None
-    raw = headers.get(SLO_TTFT_HEADER)
-    if raw is not None:
-        try:
-            ttft = float(raw)
-        except ValueError:
-            ttft = -1.0
-        if not (0 < ttft < float("inf")):
-            raise bad_request(
-                f"header {SLO_TTFT_HEADER} must be a positive number of milliseconds, got {raw!r}",
-                SLO_TTFT_HEADER,
-            )
+    ttft = _positive(headers, SLO_TTFT_HEADER, "a positive number of milliseconds")
     task = headers.get(TASK_HEADER) or None
     policy = headers.get(POLICY_HEADER) or None
     if policy is not None and policy not in POLICY_NAMES:
@@ -73,19 +62,23 @@ def routing_headers(headers: Mapping[str, str]) -> RoutingHeaders:
             f"header {POLICY_HEADER} must be one of {', '.join(POLICY_NAMES)}, got {policy!r}",
             POLICY_HEADER,
         )
-    budget: float | None = None
-    raw = headers.get(BUDGET_HEADER)
-    if raw is not None:
-        try:
-            budget = float(raw)
-        except ValueError:
-            budget = -1.0
-        if not (0 < budget < float("inf")):
-            raise bad_request(
-                f"header {BUDGET_HEADER} must be a positive cost, got {raw!r}", BUDGET_HEADER
-            )
+    budget = _positive(headers, BUDGET_HEADER, "a positive cost")
     weights = _weights(headers.get(WEIGHTS_HEADER))
     return RoutingHeaders(ttft, task, policy, weights, budget)
+
+
+def _positive(headers: Mapping[str, str], name: str, what: str) -> float | None:
+    """The header as a finite number > 0 (None when absent); 400 naming it otherwise."""
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (0 < value < float("inf")):
+        raise bad_request(f"header {name} must be {what}, got {raw!r}", name)
+    return value
 
 
 def _weights(raw: str | None) -> list[float] | None:

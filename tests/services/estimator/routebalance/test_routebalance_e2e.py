@@ -4,14 +4,16 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
-from shared.config import parse_cluster
+from shared.config import ClusterConfig, parse_cluster
 from tests.support.clusters import shipped
-from tests.support.stack import running
+from tests.support.stack import Stack, running
 
 
 async def ask(
@@ -32,17 +34,28 @@ async def ask(
     return baton
 
 
-@pytest.mark.asyncio(loop_scope="session")
-async def test_the_weights_choose_the_model_and_a_burst_spreads(
-    nats_url: str, redis_url: str, repo_root: Path
-) -> None:
+def load_testbed(nats_url: str, redis_url: str, repo_root: Path) -> ClusterConfig:
     text = (repo_root / "configs" / "sim-routebalance.toml").read_text()
-    cluster = parse_cluster(shipped(text, nats_url, redis_url))
+    return parse_cluster(shipped(text, nats_url, redis_url))
+
+
+@asynccontextmanager
+async def running_testbed(cluster: ClusterConfig) -> AsyncIterator[tuple[Stack, httpx.AsyncClient]]:
+    """Every replica of the testbed, and a client of its gateway."""
     models = [i.model for i in cluster.instances for _ in range(i.replicas)]
     async with (
         running(cluster, len(models), models=models) as stack,
         httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client,
     ):
+        yield stack, client
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_the_weights_choose_the_model_and_a_burst_spreads(
+    nats_url: str, redis_url: str, repo_root: Path
+) -> None:
+    cluster = load_testbed(nats_url, redis_url, repo_root)
+    async with running_testbed(cluster) as (stack, client):
         # 1. On an idle cluster the weights decide: quality first takes a more accurate
         #    model than cost first, which takes the cheapest (the 3B one). (The 72B model
         #    is 0.005 more accurate than the 14B one at over twice the price and time:
@@ -70,14 +83,9 @@ async def test_the_weights_choose_the_model_and_a_burst_spreads(
 async def test_a_budget_filters_the_models_and_caps_the_answer(
     nats_url: str, redis_url: str, repo_root: Path
 ) -> None:
-    text = (repo_root / "configs" / "sim-routebalance.toml").read_text()
-    cluster = parse_cluster(shipped(text, nats_url, redis_url))
-    models = [i.model for i in cluster.instances for _ in range(i.replicas)]
+    cluster = load_testbed(nats_url, redis_url, repo_root)
     prices = cluster.models
-    async with (
-        running(cluster, len(models), models=models) as stack,
-        httpx.AsyncClient(base_url=stack.base_url, timeout=60) as client,
-    ):
+    async with running_testbed(cluster) as (_, client):
         # 1. Quality alone would take the 72B model; a budget that pays for 64 tokens of
         #    the 14B model's answer but not of the 72B's keeps the 72B out (Eq. 2).
         probe = await ask(client, "routebalance", {"x-baton-weights": "1,0,0"}, max_tokens=64)
