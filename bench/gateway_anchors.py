@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _start_module(module: str, *args: str) -> subprocess.Popen[bytes]:
-    """`python -m <module> <args>` from the repository, in a session of its own."""
+    """`python -m <module> <args>` from the repository, in a process group of its own."""
     return subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, start_new_session=True)
 
 

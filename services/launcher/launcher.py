@@ -112,8 +112,8 @@ class Launcher:
         return self._wait_ready()
 
     def _forward_hangup(self) -> None:
-        """SIGHUP: the estimator re-reads the cluster file's routing settings (its own
-        process session does not get the launcher's signals)."""
+        """SIGHUP: the estimator re-reads the cluster file's routing settings (it runs in
+        a process group of its own, which the launcher's signals do not reach)."""
         for child in self.children:
             if child.name == "estimator" and child.returncode is None and child.process:
                 child.process.send_signal(signal.SIGHUP)

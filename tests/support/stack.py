@@ -96,7 +96,7 @@ def run_service_process(
 def worker_process(
     cluster_file: Path, instance_id: str, model: str = "random-tiny"
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """A worker in a process (and session) of its own, for a test that kills it
+    """A worker in a process group of its own, for a test that kills the group
     (os.killpg); killed at the block's end if it still runs."""
     proc = subprocess.Popen(
         [
