@@ -29,9 +29,11 @@ from services.estimator.routebalance.batch_queue import (
 from services.estimator.routebalance.load import InstanceLoad, load_of
 from services.estimator.routebalance.score import Weights
 from services.estimator.routebalance.tpot import decode_step_s
+from services.estimator.sfs.output_policy import OutputPolicy
 from shared.config import ClusterConfig
 from shared.logging import get_logger
 from shared.messages.estimator import RouteReply, RouteRequest
+from shared.scheduling.snapshot import WorkloadSnapshot
 
 log = get_logger(component="estimator")
 
@@ -65,7 +67,10 @@ class BatchDecider:
         self._predictors = predictors
         self._commit = commit
         self.queue: BatchQueue[Waiting] = BatchQueue(self._limits, self._is_idle)
-        self._loads: dict[str, InstanceLoad] = {}  # read for the limits, reused by the batch
+        self._lengths = OutputPolicy(default_output_tokens=self.settings.default_output_tokens)
+        # (requests, waiting, max_num_seqs) per live instance, counted when a batch's first
+        # request came: whether to decide at once, and the adaptive limits
+        self._occupancy: list[tuple[int, int, int]] = []
         self._order = 0  # assignments so far: the least-recently-assigned tie-break
         self.num_batches = 0
 
@@ -89,34 +94,48 @@ class BatchDecider:
 
     # -- when a batch fires ----------------------------------------------------------
 
-    def _read_loads(self) -> dict[str, InstanceLoad]:
-        now = time.time()
-        max_age_s = self.settings.snapshot_max_age_s
-        self._loads = {
-            iid: load_of(
-                iid,
-                s.info.model,
-                s.info.max_num_seqs,
-                s.snapshot if s.is_fresh(now, max_age_s) else None,
-                self._ledger.pending(iid),
-                self.settings.default_output_tokens,
-            )
-            for iid, s in self._instances.items()
+    def _live(self) -> list[tuple[InstanceState, WorkloadSnapshot | None]]:
+        """The instances a batch may go to, each with its snapshot if fresh."""
+        now, max_age_s = time.time(), self.settings.snapshot_max_age_s
+        return [
+            (s, s.snapshot if s.is_fresh(now, max_age_s) else None)
+            for s in self._instances.values()
             if not s.info.is_draining
-        }
-        return self._loads
+        ]
 
     def _is_idle(self) -> bool:
-        """Every live instance has a free slot: nothing to balance, decide at once."""
-        return all(load.has_free_slot for load in self._read_loads().values())
+        """Every live instance has a free slot: nothing to balance, decide at once. Counts
+        requests only (the loads' token sums wait for the batch)."""
+        self._occupancy = []
+        for state, snap in self._live():
+            unseen = len(self._ledger.pending(state.instance_id))
+            held = 0 if snap is None else len(snap.request_ids)
+            running = 0 if snap is None else snap.num_running
+            self._occupancy.append(
+                (held + unseen, held - running + unseen, state.info.max_num_seqs)
+            )
+        return all(requests < seqs for requests, _, seqs in self._occupancy)
 
     def _limits(self) -> BatchLimits:
         if self.settings.routebalance_batch_size > 0:
             timeout_s = self.settings.routebalance_batch_timeout_ms / 1000.0
             return BatchLimits(self.settings.routebalance_batch_size, timeout_s)
-        loads = self._loads.values()
-        busy = sum(1 for load in loads if load.num_waiting > 0) / max(1, len(self._loads))
-        return adaptive_limits(busy)
+        busy = sum(1 for _, waiting, _ in self._occupancy if waiting > 0)
+        return adaptive_limits(busy / max(1, len(self._occupancy)))
+
+    def _read_loads(self) -> dict[str, InstanceLoad]:
+        """Every live instance's load as the batch starts (load.py)."""
+        return {
+            s.instance_id: load_of(
+                s.instance_id,
+                s.info.model,
+                s.info.max_num_seqs,
+                snap,
+                self._ledger.pending(s.instance_id),
+                self._lengths,
+            )
+            for s, snap in self._live()
+        }
 
     # -- one batch ---------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.estimator.ledger import LedgerEntry
+from services.estimator.sfs.output_policy import OutputPolicy
 from shared.scheduling.snapshot import WorkloadSnapshot
 
 
@@ -50,42 +51,39 @@ class InstanceLoad:
         self.last_assigned = order
 
 
-def remaining_output(predicted: int, max_tokens: int, written: int, default: int) -> int:
-    """Output tokens a request is still expected to write: its prediction (or `default`)
-    capped by max_tokens, at least one more while it runs."""
-    expected = min(default if predicted < 0 else predicted, max_tokens)
-    return max(1, expected - written)
-
-
 def load_of(
     instance_id: str,
     model: str,
     max_num_seqs: int,
     snapshot: WorkloadSnapshot | None,
     unseen: list[LedgerEntry],
-    default_output_tokens: int,
+    lengths: OutputPolicy,
 ) -> InstanceLoad:
     """The instance's load from its snapshot (None: stale or missing, only the ledger is
-    known) plus the dispatches the snapshot does not show yet (`unseen`)."""
+    known) plus the dispatches the snapshot does not show yet (`unseen`). A request's
+    decode still to come is where `lengths` ends it (the SFS replay's rule: its
+    prediction, else the default, capped at max_tokens; the snapshot's measured length
+    ratios when it carries them) less what it wrote."""
     load = InstanceLoad(instance_id, model, max_num_seqs)
     if snapshot is not None:
+        lengths = lengths.for_snapshot(snapshot)
         load.num_running = snapshot.num_running
         load.num_waiting = len(snapshot.request_ids) - snapshot.num_running
         for i in range(len(snapshot.request_ids)):
             load.pending_prefill_tokens += max(
                 0, snapshot.prompt_tokens[i] - snapshot.computed_tokens[i]
             )
-            load.pending_decode_tokens += remaining_output(
-                snapshot.predicted_output_tokens[i],
-                snapshot.max_tokens[i],
-                snapshot.output_tokens[i],
-                default_output_tokens,
+            predicted = snapshot.predicted_output_tokens[i]
+            written = snapshot.output_tokens[i]
+            rid = snapshot.request_ids[i]
+            end = lengths.target(
+                None if predicted < 0 else predicted, snapshot.max_tokens[i], written, rid
             )
+            load.pending_decode_tokens += end - written
     for entry in unseen:
-        predicted = -1 if entry.predicted_output_tokens is None else entry.predicted_output_tokens
         load.num_waiting += 1
         load.pending_prefill_tokens += entry.num_prompt_tokens
-        load.pending_decode_tokens += remaining_output(
-            predicted, entry.max_tokens, 0, default_output_tokens
+        load.pending_decode_tokens += lengths.target(
+            entry.predicted_output_tokens, entry.max_tokens, 0, entry.request_id
         )
     return load

@@ -8,6 +8,7 @@ import pytest
 from services.estimator.ledger import LedgerEntry
 from services.estimator.routebalance.latency import e2e_s
 from services.estimator.routebalance.load import InstanceLoad, load_of
+from services.estimator.sfs.output_policy import OutputPolicy
 from shared.scheduling.scheduler import SchedulerConfig
 from shared.scheduling.snapshot import WorkloadSnapshot
 
@@ -35,7 +36,7 @@ def snapshot() -> WorkloadSnapshot:
 
 def test_the_snapshot_and_the_unseen_dispatches_make_the_load() -> None:
     unseen = [LedgerEntry("u1", "i", 70, 32, 0.0, None), LedgerEntry("u2", "i", 5, 32, 0.0, 8)]
-    load = load_of("i", "m", 4, snapshot(), unseen, default_output_tokens=16)
+    load = load_of("i", "m", 4, snapshot(), unseen, OutputPolicy(default_output_tokens=16))
     assert (load.num_running, load.num_waiting, load.num_requests) == (2, 3, 5)
     # prefill still to do: r2 30, w1 30, u1 70, u2 5
     assert load.pending_prefill_tokens == 30 + 30 + 70 + 5
@@ -45,7 +46,7 @@ def test_the_snapshot_and_the_unseen_dispatches_make_the_load() -> None:
 
 
 def test_without_a_snapshot_only_the_ledger_counts() -> None:
-    load = load_of("i", "m", 4, None, [LedgerEntry("u", "i", 7, 9, 0.0, 3)], 16)
+    load = load_of("i", "m", 4, None, [LedgerEntry("u", "i", 7, 9, 0.0, 3)], OutputPolicy())
     assert (load.num_running, load.num_waiting, load.pending_decode_tokens) == (0, 1, 3)
 
 
