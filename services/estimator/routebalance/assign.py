@@ -10,7 +10,7 @@ Pure: the caller gives each request's predictions per model, the instances' load
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.estimator.routebalance.latency import e2e_s
 from services.estimator.routebalance.load import InstanceLoad
@@ -52,8 +52,6 @@ class Assignment:
     predicted_cost: float
     predicted_e2e_s: float
     score: float
-    # every candidate's score at its turn (instance id -> score), for an exact re-solve
-    row: dict[str, float] = field(default_factory=dict)
 
 
 def assign_batch(
@@ -90,8 +88,7 @@ def assign_batch(
         model = chosen.load.model
         tokens = req.predicted_output(model)
         # 3. dead reckoning: the next request sees this one on its instance
-        chosen.load.add(req.num_prompt_tokens, tokens, first_order + n)
-        row = {c.load.instance_id: s for c, s in zip(cands, score, strict=True)}
+        chosen.load.add(tokens, first_order + n)
         out.append(
             Assignment(
                 req.request_id,
@@ -101,7 +98,6 @@ def assign_batch(
                 chosen.cost,
                 chosen.e2e_s,
                 score[best],
-                row,
             )
         )
     return out

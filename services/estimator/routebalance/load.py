@@ -25,7 +25,6 @@ class InstanceLoad:
     max_num_seqs: int
     num_running: int = 0
     num_waiting: int = 0
-    pending_prefill_tokens: int = 0  # prompt tokens not yet in its KV cache
     pending_decode_tokens: int = 0  # output tokens its requests are still expected to write
     last_assigned: int = -1  # order of the latest assignment here (-1: none yet)
 
@@ -43,10 +42,9 @@ class InstanceLoad:
         """Requests a decode step of this instance writes for (at least 1)."""
         return max(1, min(self.num_requests, self.max_num_seqs))
 
-    def add(self, num_prompt_tokens: int, output_tokens: int, order: int) -> None:
-        """Count a request just assigned here (waiting, its prefill and its decode)."""
+    def add(self, output_tokens: int, order: int) -> None:
+        """Count a request just assigned here (waiting, and its decode to come)."""
         self.num_waiting += 1
-        self.pending_prefill_tokens += num_prompt_tokens
         self.pending_decode_tokens += output_tokens
         self.last_assigned = order
 
@@ -70,9 +68,6 @@ def load_of(
         load.num_running = snapshot.num_running
         load.num_waiting = len(snapshot.request_ids) - snapshot.num_running
         for i in range(len(snapshot.request_ids)):
-            load.pending_prefill_tokens += max(
-                0, snapshot.prompt_tokens[i] - snapshot.computed_tokens[i]
-            )
             predicted = snapshot.predicted_output_tokens[i]
             written = snapshot.output_tokens[i]
             rid = snapshot.request_ids[i]
@@ -82,7 +77,6 @@ def load_of(
             load.pending_decode_tokens += end - written
     for entry in unseen:
         load.num_waiting += 1
-        load.pending_prefill_tokens += entry.num_prompt_tokens
         load.pending_decode_tokens += lengths.target(
             entry.predicted_output_tokens, entry.max_tokens, 0, entry.request_id
         )

@@ -72,12 +72,6 @@ def test_a_budget_below_the_large_model_s_cost_keeps_it_out() -> None:
     assert got[0].model == "small" and got[0].predicted_cost == pytest.approx(1.5e-4)
 
 
-def test_each_assignment_logs_every_candidate_s_score() -> None:
-    (a,) = assign_batch([request("r", QUALITY_FIRST)], loads(), PRICES, tpot)
-    assert set(a.row) == {"s0", "s1", "l0"}
-    assert a.row[a.instance_id] == a.score == max(a.row.values())
-
-
 def test_a_request_whose_models_have_no_instance_is_left_out() -> None:
     got = assign_batch([request("r", QUALITY_FIRST)], loads(0, 0), PRICES, tpot)
     assert got == []

@@ -38,8 +38,6 @@ def test_the_snapshot_and_the_unseen_dispatches_make_the_load() -> None:
     unseen = [LedgerEntry("u1", "i", 70, 32, 0.0, None), LedgerEntry("u2", "i", 5, 32, 0.0, 8)]
     load = load_of("i", "m", 4, snapshot(), unseen, OutputPolicy(default_output_tokens=16))
     assert (load.num_running, load.num_waiting, load.num_requests) == (2, 3, 5)
-    # prefill still to do: r2 30, w1 30, u1 70, u2 5
-    assert load.pending_prefill_tokens == 30 + 30 + 70 + 5
     # decode still to do: r1 40-10, r2 default 16, w1 capped at 64, u1 default 16, u2 8
     assert load.pending_decode_tokens == 30 + 16 + 64 + 16 + 8
     assert not load.has_free_slot and load.decode_batch == 4
@@ -52,14 +50,10 @@ def test_without_a_snapshot_only_the_ledger_counts() -> None:
 
 def test_dead_reckoning_adds_the_assigned_request() -> None:
     load = InstanceLoad("i", "m", 2)
-    load.add(100, 20, order=5)
-    assert (load.num_waiting, load.pending_prefill_tokens, load.pending_decode_tokens) == (
-        1,
-        100,
-        20,
-    )
+    load.add(20, order=5)
+    assert (load.num_waiting, load.pending_decode_tokens) == (1, 20)
     assert load.last_assigned == 5 and load.has_free_slot
-    load.add(10, 5, order=6)
+    load.add(5, order=6)
     assert not load.has_free_slot
 
 
